@@ -1,0 +1,80 @@
+"""Where the microseconds of one graphtree replay go: each piece of the fast path timed alone.
+
+Run on a GPU: ``python bench/fastpath_breakdown.py``. Prints median microseconds per call of
+each piece, then a cProfile of the whole call (sorted by own time).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+import graphtree
+from graphtree import _torch
+from graphtree.tree import inputs as _inputs
+from graphtree.tree import manager as _manager
+
+
+def _us(fn, n=3000, reps=7):
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main() -> None:
+    x = torch.randn(1024, device="cuda")
+    sx = x.clone()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sx * 2 + 1
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = sx * 2 + 1
+    step = graphtree.graphed(lambda x: x * 2 + 1, name="two")
+    for _ in range(4):
+        step(x)
+    ptr, nbytes, dev = out.data_ptr(), out.untyped_storage().nbytes(), out.device
+    meta = {"size": tuple(out.shape), "stride": out.stride(), "dtype": out.dtype, "device": out.device, "storage_offset": 0}
+    st = _torch.storage_at(ptr, dev, nbytes)
+    leaves = [x]
+    rows = {
+        "x.copy_(y)": lambda: sx.copy_(x),
+        "graph.replay()": g.replay,
+        "storage_at": lambda: _torch.storage_at(ptr, dev, nbytes),
+        "tensor_on": lambda: _torch.tensor_on(meta, st),
+        "weak_ref + free": lambda: _torch.weak_free(_torch.weak_ref(st)),
+        "flatten": lambda: _inputs.flatten((x,), {}),
+        "inspect_call": lambda: _inputs.inspect_call(leaves, None),
+        "is_grad_enabled": torch.is_grad_enabled,
+        "manager_for": lambda: _manager.manager_for(0),
+        "raw cudaMemcpyAsync": (lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0))(),
+        "graphtree call": lambda: step(x),
+        "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
+    }
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("fast tensor ctor:", _torch.tensor_on is not _torch._tensor_on_slow)
+    for k, fn in rows.items():
+        print(f"{k:24} {_us(fn):8.2f} us")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5000):
+        step(x)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()

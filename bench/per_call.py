@@ -1,0 +1,136 @@
+"""Per-call cost of a small function: graphtree vs raw CUDAGraph replay vs torch.compile vs eager.
+
+The issue-2 acceptance measurement, in one process, contenders interleaved. Run on a GPU:
+
+    python bench/per_call.py [--calls 2000] [--repeats 15] [--json out.json]
+
+For each contender it reports the median over repeats of (time of N back-to-back calls) / N,
+measured two ways: CPU time (no synchronisation: what the Python thread pays) and wall time
+(synchronised before and after the N calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import graphtree
+from graphtree import _torch
+
+
+def two_kernels(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1  # a mul and an add: two kernels
+
+
+def _contenders(x: torch.Tensor) -> dict:
+    def eager():
+        return two_kernels(x)
+
+    # Hand-written graph: static input, one copy in, replay, return the static output.
+    static_x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            two_kernels(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = two_kernels(static_x)
+
+    def raw():
+        static_x.copy_(x)
+        g.replay()
+        return static_out
+
+    copy = _torch.raw_copier()
+    nbytes = x.numel() * x.element_size()
+
+    def raw_memcpy():
+        copy(static_x.data_ptr(), x.data_ptr(), nbytes, x.get_device())
+        g.replay()
+        return static_out
+
+    step = graphtree.graphed(two_kernels)
+
+    def gt():
+        return step(x)
+
+    compiled = torch.compile(two_kernels, mode="reduce-overhead")
+
+    def compiled_ro():
+        return compiled(x)
+
+    out = {
+        "eager": eager,
+        "raw CUDAGraph.replay + copy": raw,
+        **({"raw replay + cudaMemcpyAsync": raw_memcpy} if copy is not None else {}),
+        "graphtree": gt,
+        "torch.compile reduce-overhead": compiled_ro,
+    }
+    for name, fn in out.items():  # warm up (graphtree: warm-up, record; compile: compile + record)
+        for _ in range(5):
+            y = fn()
+        torch.cuda.synchronize()
+        if not torch.equal(y, two_kernels(x)):
+            raise AssertionError(f"{name} differs from eager")
+    return out
+
+
+def measure(calls: int, repeats: int) -> dict:
+    x = torch.randn(1024, device="cuda")
+    cs = _contenders(x)
+    cpu = {k: [] for k in cs}
+    wall = {k: [] for k in cs}
+    for _ in range(repeats):
+        for name, fn in cs.items():  # interleaved: drift hits everyone alike
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            cpu[name].append((t1 - t0) / calls * 1e6)
+            wall[name].append((t2 - t0) / calls * 1e6)
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "calls": calls,
+        "repeats": repeats,
+        "cpu_us": {k: statistics.median(v) for k, v in cpu.items()},
+        "wall_us": {k: statistics.median(v) for k, v in wall.items()},
+        "stats": graphtree.stats().as_dict(),
+    }
+    raw = res["wall_us"]["raw CUDAGraph.replay + copy"]
+    res["ratio_to_raw"] = {k: v / raw for k, v in res["wall_us"].items()}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("per_call needs a CUDA GPU")
+        return 2
+    res = measure(a.calls, a.repeats)
+    print(f"{res['device']}, torch {res['torch']}, median of {a.repeats} x {a.calls} calls")
+    print(f"{'contender':32} {'cpu us/call':>12} {'wall us/call':>13} {'wall / raw':>11}")  # raw: copy_ + replay
+    for k in res["wall_us"]:
+        print(f"{k:32} {res['cpu_us'][k]:12.2f} {res['wall_us'][k]:13.2f} {res['ratio_to_raw'][k]:11.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""graphtree: safe, fast and observable CUDA graphs for ordinary PyTorch code.
+
+Record any PyTorch callable as a tree of CUDA graphs that share one memory pool,
+replay it at close to the cost of a raw ``CUDAGraph.replay()``, and never hand
+back silently overwritten outputs.
+
+Example::
+
+    import graphtree, torch
+
+    @graphtree.graphed
+    def step(x, w):
+        return torch.relu(x @ w)
+
+    for batch in loader:
+        graphtree.mark_step()          # a new iteration: earlier outputs may be reused
+        y = step(batch.cuda(), weight)
+    print(graphtree.stats())
+
+Without CUDA every graphed callable simply runs eagerly.
+"""
+
+from graphtree.tree.graphed import GraphedCallable, graphed, mark_static
+from graphtree.tree.manager import describe, mark_step, reset, stats
+from graphtree.tree.stats import Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphedCallable",
+    "Stats",
+    "describe",
+    "graphed",
+    "mark_static",
+    "mark_step",
+    "profile",
+    "reset",
+    "stats",
+    "__version__",
+]
+
+
+def profile(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """Profile kernels inside CUDA graph replays through CUPTI (see :mod:`graphtree.profile`).
+
+    Importing CUPTI is deferred to this call, so ``import graphtree`` never needs it.
+
+    Example::
+
+        with graphtree.profile() as prof:
+            step(x)
+        print(prof.table())
+    """
+    from graphtree.profile import profile as _profile
+
+    return _profile(*args, **kwargs)

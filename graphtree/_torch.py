@@ -1,0 +1,280 @@
+"""The one module of graphtree that touches torch private APIs.
+
+Everything here is version-gated: graphtree is tested against torch 2.11 to 2.13. Each
+wrapper says what it is for. A private function that is missing raises
+:class:`PrivateAPIMissing` naming it and the torch version, so a torch upgrade fails loudly
+at the exact feature that broke instead of corrupting memory.
+
+The CUDA-only functions (``torch._C._cuda_*`` and friends) are absent from CPU builds; they
+are looked up lazily, at first use, never at import.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+TESTED_TORCH = ((2, 11), (2, 13))
+"""Oldest and newest torch (major, minor) whose private APIs graphtree was checked against."""
+
+
+def _parse_version(v: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", v)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+TORCH_VERSION = _parse_version(torch.__version__)
+VERSION_SUPPORTED = TESTED_TORCH[0] <= TORCH_VERSION <= TESTED_TORCH[1]
+
+
+class PrivateAPIMissing(RuntimeError):
+    """A torch private function graphtree relies on does not exist in this torch build."""
+
+
+def _private(name: str) -> Callable[..., Any]:
+    fn = getattr(torch._C, name, None)
+    if fn is None:
+        raise PrivateAPIMissing(
+            f"graphtree needs torch._C.{name}, which torch {torch.__version__} does not have "
+            f"(graphtree is tested with torch {TESTED_TORCH[0][0]}.{TESTED_TORCH[0][1]} to "
+            f"{TESTED_TORCH[1][0]}.{TESTED_TORCH[1][1]} with CUDA)"
+        )
+    return fn
+
+
+def has_private(name: str) -> bool:
+    """Whether ``torch._C.<name>`` exists here (used by tests and ``graphtree doctor``)."""
+    return getattr(torch._C, name, None) is not None
+
+
+# --- pytrees: flatten the arguments and outputs of a call -------------------------------------
+from torch.utils import _pytree  # noqa: E402  (private module, stable since torch 2.0)
+
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+
+
+# --- allocator checkpoints: branch the tree without multiplying memory -------------------------
+def checkpoint_pool(device: int, pool_id: tuple[int, int]) -> Any:
+    """Snapshot which blocks of ``pool_id`` are allocated (``_cuda_getCheckpointState``).
+
+    Taken right after a recording, so that a later sibling can be recorded from exactly the
+    allocator state its parent left behind.
+    """
+    return _private("_cuda_getCheckpointState")(device, pool_id)
+
+
+def restore_pool(device: int, state: Any, live_storages: Sequence[int]) -> None:
+    """Put the pool's bookkeeping back to ``state`` (``_cuda_setCheckpointPoolState``).
+
+    ``live_storages`` are the ``StorageImpl`` pointers of outputs the caller still holds; the
+    allocator hands them deleters so that dropping them later frees their blocks. Blocks that
+    were allocated in ``state`` but whose tensors died must be freed afterwards with
+    :func:`raw_delete`.
+    """
+    _private("_cuda_setCheckpointPoolState")(device, state, [], list(live_storages))
+
+
+def raw_delete(ptr: int) -> None:
+    """Free one caching-allocator block by address (``_cuda_cudaCachingAllocator_raw_delete``)."""
+    _private("_cuda_cudaCachingAllocator_raw_delete")(ptr)
+
+
+def pool_live_allocations_are(device: int, pool_id: tuple[int, int], ptrs: Sequence[int]) -> bool:
+    """Whether the pool's allocated blocks are exactly ``ptrs`` (a debugging invariant)."""
+    return bool(_private("_cuda_checkPoolLiveAllocations")(device, pool_id, set(ptrs)))
+
+
+# --- storages at recorded addresses: hand out replay outputs without copying -------------------
+storage_at: Callable[[int, torch.device, int], torch.UntypedStorage] = getattr(
+    torch._C, "_construct_storage_from_data_pointer", None
+) or (lambda *a: _private("_construct_storage_from_data_pointer")(*a))
+"""``storage_at(ptr, device, nbytes)``: a storage viewing ``nbytes`` at ``ptr`` that owns
+nothing (``_construct_storage_from_data_pointer``). Replay outputs are built on these: the
+memory belongs to the pool, not to the tensor."""
+
+
+def _tensor_on_slow(meta: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:
+    t = torch.empty((0,), dtype=meta["dtype"], device=meta["device"])
+    return t.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
+
+
+tensor_on: Callable[[dict[str, Any], torch.UntypedStorage], torch.Tensor] = (
+    getattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None) or _tensor_on_slow
+)
+"""``tensor_on(meta, storage)``: a CUDA tensor with ``meta``'s size, stride, dtype and storage
+offset on ``storage``, built in C++ (``_construct_CUDA_Tensor_From_Storage_And_Metadata``,
+several times faster than ``Tensor.set_``; the slow path is the fallback)."""
+
+
+def graph_launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
+    """A zero-argument callable that replays ``graph``, skipping torch's Python wrapper.
+
+    ``torch.cuda.CUDAGraph.replay`` is a Python method around the C++ one
+    (``torch._C._CUDAGraph.replay``); on the replay path that hop is a measurable share.
+    """
+    base = getattr(torch._C, "_CUDAGraph", None)
+    replay = getattr(base, "replay", None)
+    if replay is None:  # pragma: no cover - other torch layouts
+        return graph.replay
+    return replay.__get__(graph)
+
+
+# Weak references to storages, as bare ints: cheaper than a Python object on the replay path.
+# An int is the StorageImpl pointer; it stays valid for the functions below while not expired.
+weak_ref: Callable[[torch.UntypedStorage], int] = torch.UntypedStorage._weak_ref  # type: ignore[attr-defined]
+"""``weak_ref(storage)``: a weak reference (an int) that must be released with :func:`weak_free`."""
+weak_expired: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[attr-defined]
+"""``weak_expired(ref)``: whether no tensor holds the storage any more."""
+weak_free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref  # type: ignore[attr-defined]
+"""``weak_free(ref)``: release a weak reference."""
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The ``StorageImpl*`` of a tensor's storage; equals a live :func:`weak_ref` of it."""
+    return t.untyped_storage()._cdata
+
+
+def invalidate_storage(cdata: int, message: str) -> None:
+    """Make every later access to a storage raise ``RuntimeError(message)``.
+
+    If the storage still owns its pool block (a recording or warm-up output, or one given a
+    deleter by :func:`restore_pool`), the block goes back to the pool first
+    (``_free_And_Remove_DeleterFn``); then the data pointer is swapped for one that raises
+    (``_set_storage_data_ptr_access_error_msg``).
+    """
+    if _private("_has_Standard_Deleter")(cdata):
+        _private("_free_And_Remove_DeleterFn")(cdata)
+    _private("_set_storage_data_ptr_access_error_msg")(cdata, message)
+
+
+def _ptrs_equal_py(tensors: list[torch.Tensor], ptrs: list[int], idx: list[int]) -> bool:
+    return all(tensors[i].data_ptr() == ptrs[i] for i in idx)
+
+
+def data_ptrs_checker() -> Callable[[list[torch.Tensor], list[int], list[int]], bool]:
+    """``check(tensors, ptrs, idx)``: whether ``tensors[i].data_ptr() == ptrs[i]`` for i in idx.
+
+    One C++ loop (``_tensors_data_ptrs_at_indices_equal``) where torch has it: checking a
+    module's hundred parameters stays well under a microsecond.
+    """
+    return getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None) or _ptrs_equal_py
+
+
+def foreach_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy ``srcs`` into ``dsts`` with one fused launch where torch can (``_foreach_copy_``)."""
+    torch._foreach_copy_(list(dsts), list(srcs))
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces (``_cuda_clearCublasWorkspaces``).
+
+    Called before and after every warm-up and recording: a workspace first allocated inside the
+    tree's pool would otherwise stay in use by cuBLAS while the pool's checkpoints treat its
+    memory as free.
+    """
+    fn = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if fn is not None:
+        fn()
+
+
+def begin_allocate_to_pool(device: int, pool_id: tuple[int, int]) -> None:
+    """Route this thread's allocations on ``device`` into ``pool_id`` (``_cuda_beginAllocateCurrentThreadToPool``).
+
+    Warm-ups run this way, so their memory comes from (and returns to) the tree's pool.
+    """
+    _private("_cuda_beginAllocateCurrentThreadToPool")(device, pool_id)
+
+
+def end_allocate_to_pool(device: int, pool_id: tuple[int, int], release: bool = True) -> None:
+    """Stop routing allocations into ``pool_id`` (``_cuda_endAllocateToPool``) and drop the
+    reference :func:`begin_allocate_to_pool` took (``_cuda_releasePool``)."""
+    _private("_cuda_endAllocateToPool")(device, pool_id)
+    if release:
+        _private("_cuda_releasePool")(device, pool_id)
+
+
+def end_failed_capture(device: int, pool_id: tuple[int, int]) -> int:
+    """Undo what a capture that raised left behind; returns how many routing entries it removed.
+
+    When ``cudaStreamEndCapture`` fails, torch's ``capture_end`` throws before it stops routing
+    allocations into the pool and before the CUDA random generators leave capture mode. The
+    first makes the next capture into the pool fail ("already recording to mempool_id"), the
+    second the next random op ("Offset increment outside graph capture"). Both are undone here:
+    the routing entries are removed, and an empty capture (begin + end) on a scratch stream puts
+    the generators back in normal mode.
+    """
+    removed = 0
+    while removed < 8:
+        try:
+            _private("_cuda_endAllocateToPool")(device, pool_id)
+        except RuntimeError:  # nothing (more) routed there
+            break
+        removed += 1
+    scratch = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            scratch.capture_begin(capture_error_mode="thread_local")
+            scratch.capture_end()
+    return removed
+
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class MutationWatch(TorchDispatchMode):
+    """Notes which of the watched storages an operation writes to, while the mode is active.
+
+    Reads the operators' schemas (an argument whose alias info says it is written), so it
+    works for inference tensors too, which keep no version counter.
+    """
+
+    def __init__(self, watched: dict[int, int]) -> None:
+        super().__init__()
+        self.watched = watched  # storage data_ptr -> leaf index
+        self.written: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.watched and func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                info = arg.alias_info
+                if info is None or not info.is_write:
+                    continue
+                val = kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else kwargs.get(arg.name))
+                if isinstance(val, torch.Tensor):
+                    idx = self.watched.get(val.untyped_storage().data_ptr())
+                    if idx is not None and idx not in self.written:
+                        self.written.append(idx)
+        return func(*args, **kwargs)
+
+
+def raw_copier() -> Callable[[int, int, int, int], None] | None:
+    """``copy(dst_ptr, src_ptr, nbytes, device)``: a device-to-device ``cudaMemcpyAsync`` on the
+    device's current stream, or ``None`` where ``cuda.bindings`` is missing.
+
+    For a contiguous input of the recorded shape this does what ``Tensor.copy_`` does, minus
+    the dispatcher and TensorIterator set-up: on the replay path that is most of the cost of
+    the copy. Stream order is the same as ``copy_``'s (the current stream).
+    """
+    try:
+        from cuda.bindings import runtime as cudart
+    except Exception:
+        return None
+    memcpy = cudart.cudaMemcpyAsync
+    kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+    ok = cudart.cudaError_t.cudaSuccess
+    current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if current_stream is None:
+        return None
+
+    def copy(dst: int, src: int, nbytes: int, device: int) -> None:
+        (err,) = memcpy(dst, src, nbytes, kind, current_stream(device))
+        if err != ok:
+            raise RuntimeError(f"graphtree: cudaMemcpyAsync of an input failed: {err}")
+
+    return copy

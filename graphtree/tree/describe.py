@@ -1,0 +1,65 @@
+"""Render the trees as text or Graphviz dot, for :func:`graphtree.describe`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from graphtree.tree.manager import TreeManager
+    from graphtree.tree.node import Node
+
+
+def _sig(node: "Node") -> str:
+    parts = []
+    for p in node.key[1]:
+        if len(p) == 3:  # tensor: (shape, dtype, stride)
+            parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
+        else:
+            parts.append(repr(p[1]))
+    return "(" + ", ".join(parts) + ")"
+
+
+def _label(node: "Node") -> str:
+    return (
+        f"{node.name}{_sig(node)} [{node.id}] replays={node.replays} "
+        f"outputs={node.output_bytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
+    )
+
+
+def _children(node: "Node") -> list["Node"]:
+    return [k for kids in node.children.values() for k in kids]
+
+
+def render(managers: Iterable["TreeManager"], format: str) -> str:
+    managers = sorted(managers, key=lambda m: (m.thread, m.device))
+    if format == "dot":
+        lines = ["digraph graphtree {", "  node [shape=box, fontname=monospace];"]
+        for i, m in enumerate(managers):
+            root = f"t{i}_root"
+            lines.append(f'  {root} [label="cuda:{m.device} ({m.thread})", shape=ellipse];')
+            stack = [(root, m.root)]
+            while stack:
+                parent_id, node = stack.pop()
+                for k in _children(node):
+                    kid = f"t{i}_{k.id}"
+                    lines.append(f'  {kid} [label="{_label(k)}"];')
+                    lines.append(f"  {parent_id} -> {kid};")
+                    stack.append((kid, k))
+        lines.append("}")
+        return "\n".join(lines)
+    if not managers:
+        return "graphtree: no trees yet (no graphed call has reached a GPU)"
+    out = []
+    for m in managers:
+        pool = m._pool.reserved_bytes() / 2**20 if m._pool is not None else 0.0
+        out.append(f"tree cuda:{m.device} (thread {m.thread}): pool {pool:.1f} MiB, step {m.generation}")
+
+        def walk(node: "Node", prefix: str) -> None:
+            kids = _children(node)
+            for j, k in enumerate(kids):
+                last = j == len(kids) - 1
+                out.append(prefix + ("└─ " if last else "├─ ") + _label(k))
+                walk(k, prefix + ("   " if last else "│  "))
+
+        walk(m.root, "")
+    return "\n".join(out)

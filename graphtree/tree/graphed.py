@@ -1,0 +1,251 @@
+"""``graphed``: wrap a PyTorch callable so that its calls are recorded and replayed as CUDA graphs."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from graphtree.tree import manager as _manager
+from graphtree.tree.inputs import Bucketing, Unsupported, flatten, inspect_call, unflatten
+from graphtree.tree.stats import log_fallback
+
+_ids = itertools.count(1)
+_tls = _manager._tls
+_cuda_ok: bool | None = None
+
+
+def _has_cuda() -> bool:
+    global _cuda_ok
+    if _cuda_ok is None:
+        _cuda_ok = torch.cuda.is_available()
+    return _cuda_ok
+
+
+def mark_static(t: torch.Tensor) -> torch.Tensor:
+    """Use ``t`` in place in recordings instead of copying it; returns ``t``.
+
+    For tensors whose address never changes and whose contents you update in place (a KV cache,
+    a persistent input buffer). Only the address is checked on replay; a different address
+    leads to a new recording.
+
+    Example::
+
+        cache = graphtree.mark_static(torch.zeros(8, 1024, device="cuda"))
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"mark_static expects a tensor, got {type(t).__name__}")
+    t._graphtree_static = True  # type: ignore[attr-defined]
+    return t
+
+
+class GraphedCallable:
+    """A callable whose calls run as replays of CUDA graphs (see :func:`graphed`)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        buckets: Sequence[int] | None = None,
+        bucket_dim: int = 0,
+        warmup: int = 1,
+        max_rerecords: int = 8,
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        if max_rerecords < 1:
+            raise ValueError(f"max_rerecords must be >= 1, got {max_rerecords}")
+        self.fn = fn
+        self.id = next(_ids)
+        self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.bucketing = Bucketing(list(buckets), bucket_dim) if buckets is not None else None
+        self.warmup = warmup
+        self.max_rerecords = max_rerecords
+        self.warmups_done: dict[Any, int] = {}
+        self.disabled_reason: str | None = None
+        self._module, self._closure = _find_state(fn)
+        self._has_state = self._module is not None or bool(self._closure)
+        functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"graphed({self.name})"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """As a decorator on a method: bind to the instance like a function would."""
+        if obj is None:
+            return self
+        return functools.partial(self.__call__, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_tls, "inside", False):  # called from another graphed function's recording
+            return self.fn(*args, **kwargs)
+        if self.disabled_reason is not None:
+            return self._eager(args, kwargs, self.disabled_reason)
+        if not (_cuda_ok or _has_cuda()):
+            return self._eager(args, kwargs, "no CUDA")
+        leaves, spec = flatten(args, kwargs)
+        try:
+            info = inspect_call(leaves, self.bucketing)
+        except Unsupported as e:
+            return self._eager(args, kwargs, str(e))
+        if (info.needs_grad or self._has_state) and torch.is_grad_enabled():
+            if info.needs_grad or self._params_need_grad():
+                return self._eager(args, kwargs, "autograd")
+        device = info.device
+        if device < 0:
+            device = self._state_device()
+            if device < 0:
+                return self._eager(args, kwargs, "no CUDA tensors in the call")
+        managers = getattr(_tls, "managers", None)
+        m = managers.get(device) if managers else None
+        if m is None:
+            m = _manager.manager_for(device)
+        return m.call(self, leaves, spec, info)
+
+    # --- eager paths ------------------------------------------------------------------------
+    def _eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
+        _manager.untreed.eager[reason] += 1
+        log_fallback(self.name, reason)
+        return self.fn(*args, **kwargs)
+
+    def run_eager(self, leaves: list[Any], spec: Any, reason: str) -> Any:
+        """Run the function as plain PyTorch on flattened arguments, counting ``reason``."""
+        args, kwargs = unflatten(leaves, spec)
+        return self._eager(args, kwargs, reason)
+
+    def disable(self, reason: str) -> None:
+        """Run eagerly from now on, for the reason given (shown in ``stats()`` and logged once)."""
+        self.disabled_reason = reason
+
+    # --- state the function reads in place ----------------------------------------------------
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Parameters and buffers of the module (and closure tensors) the graph reads in place."""
+        out: list[torch.Tensor] = []
+        if self._module is not None:
+            out.extend(self._module.parameters())
+            out.extend(self._module.buffers())
+        out.extend(self._closure)
+        return out
+
+    def _params_need_grad(self) -> bool:
+        return any(t.requires_grad for t in self.static_tensors())
+
+    def _state_device(self) -> int:
+        for t in self.static_tensors():
+            if t.is_cuda:
+                return t.get_device()
+        return torch.cuda.current_device() if _has_cuda() else -1
+
+    # --- buckets ------------------------------------------------------------------------------
+    def warm_up(self, *example_args: Any, sizes: Sequence[int] | None = None, **example_kwargs: Any) -> None:
+        """Warm up and record one graph per bucket size, largest first.
+
+        Recording the largest bucket first lets the smaller ones reuse its memory. Example
+        inputs are resized along the bucket dimension by repeating their rows. Each size is
+        recorded in a step of its own, so call this before your loop.
+
+        Example::
+
+            step = graphtree.graphed(model, buckets=[1, 2, 4, 8, 16])
+            step.warm_up(example_batch)
+        """
+        if self.bucketing is None:
+            raise ValueError("warm_up(sizes) needs graphed(..., buckets=[...])")
+        sizes = sorted(set(sizes or self.bucketing.sizes), reverse=True)
+        dim = self.bucketing.dim
+        leaves, spec = flatten(example_args, example_kwargs)
+        ref = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > dim), None)
+        if ref is None:
+            raise ValueError(f"warm_up needs a tensor argument with a dimension {dim} to resize")
+        n = ref.shape[dim]
+        for size in sizes:
+            idx = torch.arange(size, device=ref.device) % n
+            resized = [
+                x.index_select(dim, idx) if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == n else x
+                for x in leaves
+            ]
+            args, kwargs = unflatten(resized, spec)
+            for _ in range(self.warmup + 1):
+                _begin_internal_step()
+                self(*args, **kwargs)
+        _begin_internal_step()
+
+
+def _begin_internal_step() -> None:
+    for m in getattr(_manager._tls, "managers", {}).values():
+        m.step_requested = True
+
+
+def _find_state(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[torch.Tensor]]:
+    """The module a callable belongs to, and tensors its closure holds."""
+    if isinstance(fn, torch.nn.Module):
+        return fn, []
+    if inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
+        return fn.__self__, []
+    closure: list[torch.Tensor] = []
+    module = None
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(v, torch.Tensor):
+            closure.append(v)
+        elif isinstance(v, torch.nn.Module) and module is None:
+            module = v
+    return module, closure
+
+
+def graphed(
+    fn: Callable[..., Any] | None = None,
+    *,
+    buckets: Sequence[int] | None = None,
+    bucket_dim: int = 0,
+    warmup: int = 1,
+    max_rerecords: int = 8,
+    name: str | None = None,
+) -> Any:
+    """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
+
+    Works on functions, ``nn.Module`` s and bound methods, as a call or a decorator. Results
+    equal eager execution. Tensor inputs are copied into the graph's placeholders, except
+    parameters, buffers, tensors marked with :func:`mark_static` and outputs of earlier calls
+    still held, which are read in place. One recording per input signature (shapes, dtypes,
+    strides, devices and plain Python values).
+
+    Args:
+        fn: the callable. It must not synchronize with the host (``.item()``, ``.cpu()``,
+            printing tensors) and must not mutate copied inputs; if it does, it runs eagerly
+            and ``stats()`` says why.
+        buckets: pad dimension ``bucket_dim`` of the inputs up to the next of these sizes and
+            cut the outputs back, so that many batch sizes share a few recordings. Rows of that
+            dimension must be independent.
+        warmup: eager runs (inside the tree's memory pool) before recording a new signature.
+        max_rerecords: recordings of one call site before the function runs eagerly for good.
+        name: a name for logs, ``stats()`` and error messages (default: the function's).
+
+    Constraints: tensors read from globals are baked in by address; pass them as arguments,
+    keep them in a module, or update them in place. Under autograd (grad mode on and an input
+    or parameter requiring grad) the call runs eagerly.
+
+    Example::
+
+        @graphtree.graphed
+        def step(x, w):
+            return torch.relu(x @ w)
+
+        model = graphtree.graphed(model, buckets=[1, 2, 4, 8])
+    """
+    if fn is None:
+        return lambda f: GraphedCallable(
+            f, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
+        )
+    return GraphedCallable(
+        fn, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
+    )

@@ -1,0 +1,79 @@
+"""Counters of what the trees did, as returned by :func:`graphtree.stats`."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("graphtree")
+
+
+@dataclass
+class Stats:
+    """What graphtree did since the last :func:`graphtree.reset`.
+
+    ``eager`` counts calls that ran eagerly, by reason (for example ``"autograd"``,
+    ``"no CUDA"``, ``"capture failed: ..."``); warm-up runs are counted in ``warmups``, not there.
+    ``pool_bytes`` is the memory the trees' pools hold on the GPU.
+
+    Example::
+
+        >>> s = graphtree.stats()
+        >>> s.replays, s.eager
+        (120, {'autograd': 2})
+    """
+
+    recordings: int = 0
+    replays: int = 0
+    warmups: int = 0
+    rerecordings: int = 0
+    eager: dict[str, int] = field(default_factory=dict)
+    pool_bytes: int = 0
+    trees: int = 0
+    cuda: bool = False
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        eager = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager.items())) or "none"
+        s = (
+            f"graphtree: {self.recordings} recordings ({self.rerecordings} re-recordings), "
+            f"{self.replays} replays, {self.warmups} warm-ups; eager runs: {eager}; "
+            f"pool {self.pool_bytes / 2**20:.1f} MiB in {self.trees} tree(s)"
+        )
+        return s + (f" [{self.note}]" if self.note else "")
+
+
+class Counters:
+    """Mutable counters one tree (or the process, for calls with no tree) keeps."""
+
+    __slots__ = ("recordings", "replays", "warmups", "rerecordings", "eager")
+
+    def __init__(self) -> None:
+        self.recordings = 0
+        self.replays = 0
+        self.warmups = 0
+        self.rerecordings = 0
+        self.eager: Counter[str] = Counter()
+
+    def add_to(self, s: Stats) -> None:
+        s.recordings += self.recordings
+        s.replays += self.replays
+        s.warmups += self.warmups
+        s.rerecordings += self.rerecordings
+        for k, v in self.eager.items():
+            s.eager[k] = s.eager.get(k, 0) + v
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def log_fallback(fn_name: str, reason: str) -> None:
+    """One log line per (function, reason) on logger ``graphtree``."""
+    if (fn_name, reason) not in _logged:
+        _logged.add((fn_name, reason))
+        log.warning("graphtree: running `%s` eagerly: %s", fn_name, reason)

@@ -1,0 +1,470 @@
+"""The core's behaviour on a real GPU, each item compared with eager execution."""
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import graphtree
+from graphtree import _torch
+from graphtree.tree import manager as _manager
+
+DEV = "cuda"
+
+
+def _mgr():
+    return _manager.manager_for(torch.cuda.current_device())
+
+
+def _pool_bytes():
+    torch.cuda.synchronize()
+    gc.collect()
+    return graphtree.stats().pool_bytes
+
+
+def test_private_apis_of_this_torch_exist():
+    needed = [
+        "_cuda_getCheckpointState",
+        "_cuda_setCheckpointPoolState",
+        "_cuda_cudaCachingAllocator_raw_delete",
+        "_construct_storage_from_data_pointer",
+        "_has_Standard_Deleter",
+        "_free_And_Remove_DeleterFn",
+        "_set_storage_data_ptr_access_error_msg",
+        "_cuda_endAllocateToPool",
+        "_cuda_clearCublasWorkspaces",
+    ]
+    missing = [n for n in needed if not _torch.has_private(n)]
+    assert not missing, f"torch {torch.__version__} lacks {missing}"
+
+
+# 1. lifecycle ----------------------------------------------------------------------------------
+def test_warmup_then_record_then_replay_bitwise_equal():
+    w = torch.randn(64, 64, device=DEV)
+
+    def f(x, w):
+        return torch.relu(x @ w) + 1
+
+    g = graphtree.graphed(f)
+    kinds = []
+    for i in range(6):
+        graphtree.mark_step()
+        x = torch.randn(32, 64, device=DEV)
+        before = graphtree.stats()
+        y = g(x, w)
+        after = graphtree.stats()
+        kinds.append(
+            "warmup" if after.warmups > before.warmups else "record" if after.recordings > before.recordings else "replay"
+        )
+        assert torch.equal(y, f(x, w)), f"call {i} ({kinds[-1]}) differs from eager"
+    assert kinds == ["warmup", "record", "replay", "replay", "replay", "replay"]
+
+
+def test_module_and_bound_method():
+    lin = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(DEV)
+    g = graphtree.graphed(lin)
+    with torch.no_grad():
+        for _ in range(4):
+            graphtree.mark_step()
+            x = torch.randn(5, 32, device=DEV)
+            assert torch.equal(g(x), lin(x))
+        # parameters are read in place: an in-place update shows in the next replay
+        lin[0].weight.add_(0.5)
+        graphtree.mark_step()
+        x = torch.randn(5, 32, device=DEV)
+        assert torch.equal(g(x), lin(x))
+        assert graphtree.stats().recordings == 1
+        # replacing a parameter leads to a new recording, not to stale weights
+        lin[2].weight = torch.nn.Parameter(torch.randn(8, 64, device=DEV))
+        graphtree.mark_step()
+        g(x)
+        graphtree.mark_step()
+        assert torch.equal(g(x), lin(x))
+        assert graphtree.stats().recordings == 2
+
+
+# 2. one pool, branching --------------------------------------------------------------------------
+def test_branching_costs_max_not_sum():
+    x = torch.randn(1024, 4096, device=DEV)  # 16 MiB
+
+    def a(x):
+        return x + 1
+
+    def b(y):
+        return (y.repeat(4, 1) * 3).sin().sum(0)  # 64 MiB of intermediates
+
+    def b2(y):
+        return (y.repeat(4, 1) * 5).cos().sum(0)
+
+    ga, gb, gb2 = graphtree.graphed(a), graphtree.graphed(b), graphtree.graphed(b2)
+    for _ in range(3):  # warm-up, record, replay
+        graphtree.mark_step()
+        out = gb(ga(x))
+    assert torch.equal(out, b(a(x)))
+    ab = _pool_bytes()
+    for _ in range(3):
+        graphtree.mark_step()
+        out = gb2(ga(x))
+    assert torch.equal(out, b2(a(x)))
+    both = _pool_bytes()
+    st = graphtree.stats()
+    assert st.recordings == 3, graphtree.describe()
+    # a second branch from A reuses the first branch's memory
+    graphtree.reset()
+    for _ in range(3):
+        graphtree.mark_step()
+        gb2(ga(x))
+    ab2 = _pool_bytes()
+    print(f"pool A->B {ab/2**20:.0f} MiB, A->B' {ab2/2**20:.0f} MiB, both branches {both/2**20:.0f} MiB")
+    assert both <= 1.15 * max(ab, ab2), (ab, ab2, both)
+    assert both < 0.8 * (ab + ab2)
+
+
+# 3. inputs ---------------------------------------------------------------------------------------
+def test_held_output_of_earlier_recording_is_used_in_place():
+    ga = graphtree.graphed(lambda x: x * 2, name="a")
+    gb = graphtree.graphed(lambda y: y + 1, name="b")
+    x = torch.randn(100, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        y = ga(x)
+        z = gb(y)
+        assert torch.equal(z, x * 2 + 1)
+    node_b = _mgr().current
+    assert node_b.name == "b" and node_b.inputs.inplace_idx == [0] and node_b.inputs.copy_idx == []
+
+
+def test_static_marked_input_moving_rerecords_then_falls_back():
+    f = graphtree.graphed(lambda s, x: s.add_(x), max_rerecords=3, name="acc")
+    x = torch.ones(10, device=DEV)
+    s = graphtree.mark_static(torch.zeros(10, device=DEV))
+    for _ in range(4):
+        graphtree.mark_step()
+        f(s, x)
+    assert torch.equal(s, torch.full((10,), 4.0, device=DEV))  # mutation of a static input is real
+    assert graphtree.stats().recordings == 1
+    kept = []  # keep them alive, so that each has an address of its own
+    for i in range(6):
+        graphtree.mark_step()
+        s2 = graphtree.mark_static(torch.zeros(10, device=DEV))
+        kept.append(s2)
+        f(s2, x)
+        assert torch.equal(s2, x)
+    st = graphtree.stats()
+    assert any("re-record limit" in k for k in st.eager), st
+    assert st.rerecordings >= 1
+
+
+def test_mutating_a_copied_input_runs_eagerly():
+    def f(x):
+        x.mul_(2)
+        return x + 1
+
+    g = graphtree.graphed(f)
+    for _ in range(3):
+        graphtree.mark_step()
+        x = torch.ones(4, device=DEV)
+        out = g(x)
+        assert torch.equal(x, torch.full((4,), 2.0, device=DEV)) and torch.equal(out, x + 1)
+    assert any("mutates its input 0" in k for k in graphtree.stats().eager)
+
+
+# 4./5. outputs and steps -------------------------------------------------------------------------
+def test_output_held_across_calls_within_a_step_stays_correct():
+    f = graphtree.graphed(lambda x: x.sin() * 2, name="f")
+    for _ in range(4):
+        graphtree.mark_step()
+        x1, x2 = torch.randn(256, device=DEV), torch.randn(256, device=DEV)
+        a = f(x1)
+        b = f(x2)
+        assert torch.equal(a, x1.sin() * 2) and torch.equal(b, x2.sin() * 2)
+    assert graphtree.stats().replays >= 2
+
+
+def test_reading_an_overwritten_output_raises_with_the_fix():
+    f = graphtree.graphed(lambda x: x * 3, name="triple")
+    for _ in range(3):
+        graphtree.mark_step()
+        kept = f(torch.randn(8, device=DEV))
+    graphtree.mark_step()
+    f(torch.randn(8, device=DEV))
+    with pytest.raises(RuntimeError) as e:
+        kept.sum()
+    msg = str(e.value)
+    assert "triple" in msg and "output 0" in msg and ".clone()" in msg and "mark_step" in msg
+
+
+def test_automatic_steps_without_mark_step():
+    f = graphtree.graphed(lambda x: x + 1, name="inc")
+    outs = []
+    for i in range(5):
+        x = torch.full((4,), float(i), device=DEV)
+        out = f(x)
+        assert torch.equal(out, x + 1)
+        outs.append(out)
+    assert torch.equal(outs[-1], torch.full((4,), 5.0, device=DEV))
+    with pytest.raises(RuntimeError, match="inc"):
+        outs[-3].sum()  # a later call of `inc` began a new step and reused its memory
+    clone = outs[-1].clone()
+    f(torch.zeros(4, device=DEV))
+    assert torch.equal(clone, torch.full((4,), 5.0, device=DEV))
+
+
+def test_feeding_an_output_back_as_input():
+    f = graphtree.graphed(lambda t: (t * 1.5 + 1).floor(), name="next")
+    t = torch.arange(16.0, device=DEV)
+    ref = t.clone()
+    for _ in range(8):
+        t = f(t)
+        ref = (ref * 1.5 + 1).floor()
+        assert torch.equal(t, ref)
+    assert graphtree.stats().replays >= 5
+
+
+def test_outputs_aliasing_inputs_and_each_other():
+    def f(x, y):
+        z = x * y
+        return {"z": z, "row": z[0], "x": x, "n": 3}
+
+    g = graphtree.graphed(f)
+    for _ in range(3):
+        graphtree.mark_step()
+        x, y = torch.randn(4, 5, device=DEV), torch.randn(4, 5, device=DEV)
+        out = g(x, y)
+        assert torch.equal(out["z"], x * y) and torch.equal(out["row"], (x * y)[0]) and out["n"] == 3
+        assert out["x"].data_ptr() == x.data_ptr()  # an input handed back is the caller's tensor
+        assert out["row"].untyped_storage().data_ptr() == out["z"].untyped_storage().data_ptr()
+
+
+# 6. shapes and buckets -----------------------------------------------------------------------------
+def test_one_recording_per_signature():
+    g = graphtree.graphed(lambda x, k: x * k, name="scale")
+    for _ in range(3):
+        for shape, k in [((4,), 2), ((8,), 2), ((4,), 3)]:
+            graphtree.mark_step()
+            x = torch.randn(shape, device=DEV)
+            assert torch.equal(g(x, k), x * k)
+    assert graphtree.stats().recordings == 3
+
+
+def test_sixteen_buckets_share_the_largest_buckets_memory():
+    torch.manual_seed(0)
+    w1 = torch.randn(1024, 4096, device=DEV) / 32
+    w2 = torch.randn(4096, 1024, device=DEV) / 64
+
+    def mlp(x):
+        return torch.relu(x @ w1) @ w2
+
+    sizes = [8 * i for i in range(1, 17)]
+    g = graphtree.graphed(mlp, buckets=sizes)
+    g.warm_up(torch.randn(4, 1024, device=DEV), sizes=[sizes[-1]])
+    largest = _pool_bytes()
+    g.warm_up(torch.randn(4, 1024, device=DEV))
+    all16 = _pool_bytes()
+    print(f"largest bucket alone {largest/2**20:.1f} MiB, 16 buckets {all16/2**20:.1f} MiB")
+    assert graphtree.stats().recordings == 16
+    assert all16 <= 1.2 * largest
+    for n in (1, 7, 8, 9, 100, 128):
+        graphtree.mark_step()
+        x = torch.randn(n, 1024, device=DEV)
+        y = g(x)
+        assert y.shape == (n, 1024)
+        torch.testing.assert_close(y, mlp(x), rtol=1e-4, atol=1e-4)
+    graphtree.mark_step()
+    g(torch.randn(200, 1024, device=DEV))
+    assert any("larger than the largest bucket" in k for k in graphtree.stats().eager)
+
+
+# 7. eager fallbacks ------------------------------------------------------------------------------
+def test_cpu_and_mixed_inputs_run_eagerly():
+    g = graphtree.graphed(lambda a, b: a + b.to(a.device))
+    assert torch.equal(g(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
+    assert torch.equal(g(torch.ones(2, device=DEV), torch.ones(2)), torch.full((2,), 2.0, device=DEV))
+    eager = graphtree.stats().eager
+    assert eager.get("CPU tensor inputs") == 1 and eager.get("mixed-device inputs (CPU and CUDA)") == 1, eager
+
+
+def test_sync_in_capture_names_the_op_and_line_and_leaks_nothing(caplog):
+    def f(x):
+        y = x * 2
+        if y.sum().item() > 1e9:  # a host sync: fine eagerly, impossible in a graph
+            y = y + 1
+        return y
+
+    g = graphtree.graphed(f, name="syncer")
+    h = graphtree.graphed(lambda x: x - 1, name="fine")
+    x = torch.randn(1000, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        assert torch.equal(g(x), f(x))
+        assert torch.equal(h(x), x - 1)
+    reasons = [k for k in graphtree.stats().eager if "syncer" in k]
+    assert reasons, graphtree.stats().eager
+    assert "item" in reasons[0] and "test_tree_gpu.py" in reasons[0], reasons[0]
+    assert any("syncer" in r.getMessage() for r in caplog.records)
+    torch.cuda.synchronize()
+    gc.collect()
+    allocated = torch.cuda.memory_allocated()
+    for _ in range(5):  # later calls keep working and memory stays flat
+        graphtree.mark_step()
+        g(x)
+        assert torch.equal(h(x), x - 1)
+    torch.cuda.synchronize()
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= allocated
+
+
+def test_data_dependent_shapes_are_found_in_warm_up():
+    gbad, gok = graphtree.graphed(lambda x: x[x > 0], name="masked"), graphtree.graphed(lambda x: x * 5)
+    x = torch.randn(64, device=DEV)
+    for _ in range(4):
+        graphtree.mark_step()
+        y = gok(x)
+        z = gbad(y)
+        assert torch.equal(z, (x * 5)[(x * 5) > 0])
+        assert torch.equal(y, x * 5)
+    assert graphtree.stats().replays >= 2
+    assert any("masked" in k and "synchronizes" in k for k in graphtree.stats().eager)
+
+
+def test_a_capture_that_fails_after_warm_up_leaves_the_tree_usable():
+    calls = {"n": 0}
+
+    def sneaky(x):  # fine in warm-up; syncs only while being captured
+        calls["n"] += 1
+        y = x * 2
+        if calls["n"] == 2:
+            y.sum().item()
+        return y
+
+    gs = graphtree.graphed(sneaky, name="sneaky")
+    gr = graphtree.graphed(lambda x: x + torch.rand_like(x), name="noisy")
+    x = torch.randn(4096, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        r = gr(x)
+        assert torch.equal(gs(r), r * 2)
+    assert any("capture of `sneaky` failed" in k for k in graphtree.stats().eager), graphtree.stats().eager
+    torch.cuda.synchronize()
+    gc.collect()
+    reserved = torch.cuda.memory_reserved()
+    prev = None
+    for _ in range(10):  # random ops, recording and replay all keep working; memory stays flat
+        graphtree.mark_step()
+        r = gr(x)
+        assert torch.equal(gs(r), r * 2)
+        assert prev is None or not torch.equal(r, prev)
+        prev = r.clone()
+    torch.cuda.synchronize()
+    gc.collect()
+    print(f"reserved after recovery {reserved/2**20:.1f} MiB, 10 steps later {torch.cuda.memory_reserved()/2**20:.1f} MiB")
+    assert torch.cuda.memory_reserved() <= reserved
+    assert graphtree.stats().replays >= 8
+
+
+# 8. random numbers -------------------------------------------------------------------------------
+def test_random_ops_are_fresh_on_every_replay():
+    g = graphtree.graphed(lambda x: x + torch.rand_like(x))
+    x = torch.zeros(1000, device=DEV)
+    seen = []
+    for _ in range(5):
+        graphtree.mark_step()
+        seen.append(g(x).clone())
+    for i in range(len(seen)):
+        for j in range(i):
+            assert not torch.equal(seen[i], seen[j])
+    assert graphtree.stats().replays == 3
+
+
+# 9. threads --------------------------------------------------------------------------------------
+def test_two_threads_do_not_corrupt_each_other():
+    errors, replays = [], []
+    shared = graphtree.graphed(lambda x: (x * 2).cos(), name="shared")
+
+    def worker(seed):
+        try:
+            own = graphtree.graphed(lambda x: x.exp() - seed, name=f"own{seed}")
+            gen = torch.Generator(device=DEV).manual_seed(seed)
+            for _ in range(40):
+                graphtree.mark_step()
+                x = torch.randn(4096, device=DEV, generator=gen)
+                a = own(x)
+                b = shared(a)
+                assert torch.equal(a, x.exp() - seed)
+                assert torch.equal(b, ((x.exp() - seed) * 2).cos())
+            replays.append(_mgr().counters.replays)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(replays) == 2 and min(replays) >= 60, replays  # each thread replayed in its own tree
+
+
+# 11. autograd ------------------------------------------------------------------------------------
+def test_autograd_runs_eagerly_and_no_grad_is_graphed():
+    lin = torch.nn.Linear(8, 8).to(DEV)
+    g = graphtree.graphed(lin)
+    x = torch.randn(2, 8, device=DEV)
+    y = g(x)
+    assert y.grad_fn is not None
+    assert graphtree.stats().eager.get("autograd") == 1
+    with torch.inference_mode():
+        for _ in range(3):
+            graphtree.mark_step()
+            assert torch.equal(g(x), lin(x))
+    assert graphtree.stats().replays == 1
+
+
+def test_reset_frees_the_pool_and_invalidates_outputs():
+    g = graphtree.graphed(lambda x: x * 2, name="dbl")
+    for _ in range(3):
+        graphtree.mark_step()
+        out = g(torch.ones(1 << 20, device=DEV))
+    pool = graphtree.stats().pool_bytes
+    assert pool > 0
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    graphtree.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= reserved - pool
+    with pytest.raises(RuntimeError, match="reset"):
+        out.sum()
+    assert graphtree.stats().pool_bytes == 0 and graphtree.stats().recordings == 0
+    print(graphtree.describe())
+
+
+def test_a_failed_capture_leaves_allocator_and_rng_usable():
+    from graphtree.tree.pool import Pool
+
+    pool = Pool(torch.cuda.current_device())
+    x = torch.randn(8, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+        with pytest.raises(Exception):
+            (x * 2).sum().item()
+        with pytest.raises(Exception):
+            g.capture_end()
+    _torch.end_failed_capture(torch.cuda.current_device(), pool.id)
+    torch.randn(4, device=DEV)  # the generators are out of capture mode again
+    with pool.allocating():  # routing into the pool works
+        t = torch.empty(16, device=DEV)
+    assert pool.address_test()(t.data_ptr())
+    fresh = Pool(torch.cuda.current_device())  # and a fresh pool takes captures
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g2.capture_begin(pool=fresh.id, capture_error_mode="thread_local")
+        y = x + torch.rand_like(x)
+        g2.capture_end()
+    g2.replay()
+    torch.cuda.synchronize()
+    assert y.shape == x.shape

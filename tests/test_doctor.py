@@ -1,0 +1,179 @@
+"""CPU tests of ``graphtree.debug.doctor``: it always reports, and picks the right hint."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import stat
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphtree.debug import DoctorReport, doctor
+
+# ``graphtree.debug.doctor`` the attribute is the function; the module is reached by name.
+doctor_mod = importlib.import_module("graphtree.debug.doctor")
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA verdict")
+
+
+def test_report_has_core_rows() -> None:
+    r = doctor()
+    assert isinstance(r, DoctorReport)
+    labels = [label for label, _ in r.lines]
+    assert len(labels) == len(set(labels)), labels
+    for label in ("graphtree", "Python", "torch", "torch build", "CUDA available", "driver",
+                  "CUDA runtime", "CUPTI (python)", "compute-sanitizer"):
+        assert label in labels
+    assert r.get("torch") == str(torch.__version__)
+    assert r.get("CUDA available") == ("yes" if torch.cuda.is_available() else "no")
+    assert r.get("missing", "dflt") == "dflt"
+    assert all(isinstance(v, str) for _, v in r.lines)
+    assert not any(v.startswith("error:") for _, v in r.lines), r.lines
+
+
+@needs_no_cuda
+def test_verdict_on_machine_without_cuda() -> None:
+    r = doctor()
+    assert r.ok is False
+    assert "cannot run" in r.verdict
+    assert "eagerly" in r.verdict
+    if torch.version.cuda is None:
+        assert "CPU build" in r.verdict
+        assert "--index-url" in r.verdict
+        assert r.get("torch build", "").startswith("CPU build")
+
+
+def test_json_round_trip_and_render() -> None:
+    r = doctor()
+    d = r.as_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert set(d) == {"ok", "verdict", "lines"}
+    assert d["lines"] == [list(row) for row in r.lines]
+    text = r.render()
+    assert r.verdict in text
+    for label, value in r.lines:
+        assert label in text and value in text
+
+
+def test_failing_probe_becomes_error_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom() -> list[tuple[str, str]]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(doctor_mod, "_probe_driver", boom)
+    monkeypatch.setattr(doctor_mod, "_probe_gpus", lambda: 1 / 0)
+    r = doctor()
+    assert r.get("driver") == "error: RuntimeError: boom"
+    assert r.get("GPUs", "").startswith("error: ZeroDivisionError")
+    assert r.get("torch") == str(torch.__version__)  # the rest still reports
+    assert r.verdict
+
+
+def test_torch_cuda_raising_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    monkeypatch.setattr(torch.cuda, "device_count", broken)
+    r = doctor()
+    assert r.ok is False
+    assert "error: RuntimeError: driver exploded" in r.get("CUDA available", "")
+    assert "cannot run" in r.verdict
+
+
+def test_verdict_itself_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor_mod, "_verdict", lambda rows: 1 / 0)
+    r = doctor()
+    assert r.ok is False and "ZeroDivisionError" in r.verdict
+
+
+def test_verdict_old_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    ok, verdict = doctor_mod._verdict([])
+    assert not ok
+    assert "older than 2.11" in verdict and "torch>=2.11" in verdict
+
+
+def test_verdict_cuda_build_without_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ok, verdict = doctor_mod._verdict([("driver", "unknown")])
+    assert not ok
+    assert "no CUDA driver or device visible" in verdict and "nvidia-smi" in verdict
+    assert "CPU build" not in verdict
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    ok, verdict = doctor_mod._verdict([])
+    assert not ok and "CUDA_VISIBLE_DEVICES" in verdict
+
+
+def test_verdict_cpu_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    ok, verdict = doctor_mod._verdict([])
+    assert not ok
+    assert "torch 2.13.0+cpu is a CPU build" in verdict and "cu130" in verdict
+
+
+def test_verdict_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU 80GB")
+    ok, verdict = doctor_mod._verdict([])
+    assert ok
+    assert verdict == "CUDA graphs can run here (Fake GPU 80GB)"
+
+
+def test_cupti_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupti", None)  # makes `import cupti` raise ImportError
+    monkeypatch.setattr(doctor_mod.importlib.metadata, "version", _no_dist)
+    assert doctor_mod._probe_cupti() == [("CUPTI (python)", "not installed: pip install 'graphtree[profile]'")]
+
+    monkeypatch.setitem(sys.modules, "cupti", types.ModuleType("cupti"))
+    monkeypatch.setattr(doctor_mod.importlib.metadata, "version", lambda name: "13.0.1")
+    [(label, value)] = doctor_mod._probe_cupti()
+    assert value == "importable (cupti-python 13.0.1)"
+
+
+def _no_dist(name: str) -> str:
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
+def _fake_tool(directory: Path, name: str, stdout: str) -> Path:
+    path = directory / name
+    path.write_text(f"#!/bin/sh\necho '{stdout}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+@pytest.mark.skipif(os.name != "posix", reason="uses a shell script as a fake tool")
+def test_driver_from_nvidia_smi_and_sanitizer_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_tool(tmp_path, "nvidia-smi", "580.65.06")
+    sanitizer = _fake_tool(tmp_path, "compute-sanitizer", "")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delattr(torch.cuda, "driver_version", raising=False)
+    assert doctor_mod._probe_driver() == [("driver", "580.65.06 (nvidia-smi)")]
+    assert doctor_mod._probe_sanitizer() == [("compute-sanitizer", str(sanitizer))]
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(doctor_mod, "_SANITIZER_DIRS", (str(tmp_path / "empty"),))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    assert doctor_mod._probe_driver() == [("driver", "unknown")]
+    assert doctor_mod._probe_sanitizer()[0][1].startswith("not found")
+
+
+def test_driver_prefers_torch_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "driver_version", lambda: 13000, raising=False)
+    assert doctor_mod._probe_driver() == [("driver", "supports CUDA 13.0")]
+    monkeypatch.setattr(torch.cuda, "driver_version", lambda: "580.65.06", raising=False)
+    assert doctor_mod._probe_driver() == [("driver", "580.65.06")]

@@ -1,0 +1,142 @@
+"""The core on a machine without CUDA (CI), and the parts of it that need no GPU."""
+
+import logging
+
+import pytest
+import torch
+
+import graphtree
+from graphtree.tree.inputs import Bucketing, Unsupported, flatten, inspect_call, unflatten
+from graphtree.tree.outputs import OutputPlan, stale_message
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    graphtree.reset()
+    yield
+    graphtree.reset()
+
+
+def test_public_api_is_exported():
+    for name in ["graphed", "mark_step", "reset", "stats", "describe", "mark_static", "profile", "Stats"]:
+        assert name in graphtree.__all__ and hasattr(graphtree, name)
+
+
+@needs_no_cuda
+def test_without_cuda_everything_runs_eagerly(caplog):
+    calls = []
+
+    @graphtree.graphed
+    def f(x, k=2):
+        calls.append(1)
+        return {"y": x * k, "n": 1}
+
+    with caplog.at_level(logging.WARNING, logger="graphtree"):
+        for i in range(3):
+            out = f(torch.full((3,), float(i)), k=3)
+            assert torch.equal(out["y"], torch.full((3,), 3.0 * i)) and out["n"] == 1
+    assert len(calls) == 3
+    s = graphtree.stats()
+    assert s.cuda is False and "no CUDA" in s.note and s.eager == {"no CUDA": 3}
+    assert s.recordings == s.replays == 0
+    assert sum("no CUDA" in r.getMessage() for r in caplog.records) == 1  # logged once
+    assert "no trees" in graphtree.describe()
+    assert graphtree.describe(format="dot").startswith("digraph")
+
+
+@needs_no_cuda
+def test_modules_methods_and_decorator_with_options():
+    lin = torch.nn.Linear(4, 2)
+    g = graphtree.graphed(lin)
+    x = torch.randn(3, 4)
+    assert torch.equal(g(x), lin(x))
+    m = graphtree.graphed(lin.forward, name="fwd")
+    assert m.name == "fwd" and torch.equal(m(x), lin(x))
+
+    @graphtree.graphed(buckets=[1, 2, 4], warmup=2)
+    def h(x):
+        return x + 1
+
+    assert isinstance(h, graphtree.GraphedCallable) and h.bucketing.sizes == [1, 2, 4]
+    assert torch.equal(h(x), x + 1)
+
+
+def test_bad_arguments_say_what_is_wrong():
+    with pytest.raises(TypeError, match="callable"):
+        graphtree.graphed(3)
+    with pytest.raises(ValueError, match="buckets"):
+        graphtree.graphed(lambda x: x, buckets=[0, 4])
+    with pytest.raises(ValueError, match="warmup"):
+        graphtree.graphed(lambda x: x, warmup=-1)
+    with pytest.raises(ValueError, match="max_rerecords"):
+        graphtree.graphed(lambda x: x, max_rerecords=0)
+    with pytest.raises(TypeError, match="tensor"):
+        graphtree.mark_static([1, 2])
+    with pytest.raises(ValueError, match="format"):
+        graphtree.describe(format="svg")
+    with pytest.raises(ValueError, match="buckets"):
+        graphtree.graphed(lambda x: x).warm_up(torch.ones(2))
+
+
+def test_mark_static_tags_the_tensor():
+    t = torch.zeros(2)
+    assert graphtree.mark_static(t) is t and t._graphtree_static is True
+
+
+def test_flatten_round_trips_and_keeps_the_fast_path():
+    x = torch.ones(2)
+    leaves, spec = flatten((x, 3), {})
+    assert spec is None and leaves[0] is x and leaves[1] == 3
+    leaves, spec = flatten((x, [x, 2.0]), {"k": x, "s": "a"})
+    args, kwargs = unflatten(leaves, spec)
+    assert args[0] is x and args[1][0] is x and kwargs == {"k": x, "s": "a"}
+
+
+def test_signature_rules():
+    # CPU tensors never reach a tree: they are the CPU fallback's reason
+    with pytest.raises(Unsupported, match="CPU tensor"):
+        inspect_call([torch.ones(2)], None)
+    with pytest.raises(Unsupported, match="argument of type object"):
+        inspect_call([object()], None)
+    a = inspect_call([1, 2.0, True, "s", None], None).key
+    b = inspect_call([1.0, 2.0, True, "s", None], None).key
+    assert a != b  # 1 and 1.0 are different recordings
+    assert inspect_call([1], None).key != inspect_call([2], None).key
+
+
+def test_buckets_pick_the_next_size():
+    b = Bucketing([8, 1, 4, 2])
+    assert b.sizes == [1, 2, 4, 8]
+    assert [b.bucket_for(n) for n in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+    with pytest.raises(ValueError):
+        Bucketing([])
+
+
+def test_output_plan_classifies_outputs():
+    x = torch.randn(4, 3)
+    y = x * 2
+    out = {"y": y, "row": y[1], "x": x, "n": 7, "again": y}
+    pool = {y.untyped_storage().data_ptr()}
+    plan, leaves = OutputPlan.from_recording(out, [x], lambda p: p in pool, "fn", bucket=4, pad_dim=0)
+    kinds = [k[0] for k in plan.kinds]
+    # leaves in key order: again, n, row, x, y (dicts flatten by insertion order)
+    assert len(plan.groups) == 1  # y and its row share one storage
+    assert kinds.count(0) == 2 and kinds.count(1) == 1 and kinds.count(2) == 1 and kinds.count(3) == 1
+    assert "fn" in plan.group_messages[0] and ".clone()" in plan.group_messages[0]
+    restored = plan.finish(list(leaves), n=2)  # bucketed: leaves with 4 rows are cut to 2
+    assert restored["y"].shape == (2, 3) and restored["row"].shape == (3,) and restored["n"] == 7
+    assert restored["again"] is restored["y"]
+
+
+def test_stale_message_names_function_output_and_fix():
+    msg = stale_message("decode", [0, 2], "float32 [2, 5]")
+    assert "output 0, 2 of `decode`" in msg and ".clone()" in msg and "mark_step" in msg
+
+
+def test_stats_render_and_dict():
+    s = graphtree.stats()
+    d = s.as_dict()
+    assert set(d) >= {"recordings", "replays", "warmups", "eager", "pool_bytes", "cuda", "note"}
+    assert "recordings" in str(s)
