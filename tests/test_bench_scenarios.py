@@ -1,0 +1,162 @@
+"""CPU tests of the scenarios' control flow, with the CUDA-only pieces faked.
+
+The GPU parts (CUDA graphs, CUDA events, torch.compile's cudagraph trees, the allocator) are
+replaced by CPU stand-ins, so these tests check what the scenarios do with their contenders:
+one row set per contender and scenario, failures recorded while the run goes on, correctness
+compared against eager, a document that validates. Real numbers need the GPU test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from graphtree._gpt import GPTConfig
+from graphtree.bench import contenders, scenarios, timing
+from graphtree.bench.harness import Progress, render_table, to_json, validate_json
+
+
+class _FakeHandGraph:
+    """Runs ``fn`` on static buffers each call, like a replay would (no CUDA needed)."""
+
+    def __init__(self, fn, *example_args, pool=None, warmup=1, clone_inputs=True):
+        self.fn = fn
+        self.inputs = [a.clone() if clone_inputs else a for a in example_args]
+        self.output = fn(*self.inputs)
+
+    def __call__(self, *args):
+        for static, a in zip(self.inputs, args):
+            if a.data_ptr() != static.data_ptr():
+                static.copy_(a)
+        self.output.copy_(self.fn(*self.inputs))
+        return self.output
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Fake the CUDA-only calls; returns the list the fake compiler logs its calls to."""
+    reserved = itertools.count(0, 2**21)
+    compiled: list[str] = []
+    monkeypatch.setattr(scenarios, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: next(reserved))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
+    monkeypatch.setattr(contenders.gc, "collect", lambda *a: 0)  # a full collection is slow
+    monkeypatch.setattr(timing, "calibrate_spin", lambda *a, **k: 1e9)
+
+    def gpu_time(fn, spin_cycles=0):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    monkeypatch.setattr(timing, "gpu_time", gpu_time)
+    monkeypatch.setattr(contenders, "HandGraph", _FakeHandGraph)
+    monkeypatch.setattr(scenarios, "HandGraph", _FakeHandGraph)
+
+    def compile_fn(name, fn, dynamic=None):
+        compiled.append(name)
+        if name == "compile-cudagraphs":
+            raise RuntimeError("backend failed\nlong details")
+        return fn  # "compiled" = eager
+
+    monkeypatch.setattr(contenders, "compile_fn", compile_fn)
+    monkeypatch.setattr(scenarios, "compile_fn", compile_fn)
+    return compiled
+
+
+def _tiny(**over):
+    cfg = scenarios.BenchConfig.make(quick=True)
+    small = dict(
+        kernels=(1, 4), mm_rows=4, mm_dim=8, overhead_calls=2, overhead_repeats=2,
+        overhead_warmup=1,
+        gpt=GPTConfig(n_layer=1, n_head=2, d_model=16, vocab=32, max_seq=8),
+        decode_batches=(1, 2), decode_steps=3, decode_check_steps=2, decode_repeats=2,
+        decode_warmup=1,
+        mem_buckets=(1, 2), mlp_d=8, mlp_hidden=16, mlp_layers=1, mlp_tokens=2,
+        branch_batch=2, branch_iters=2,
+        capture_buckets=3, capture_report=(1, 3), capture_d=8, capture_hidden=16,
+        capture_layers=1, capture_tokens=2, capture_repeats=2,
+    )
+    small.update(over)
+    for k, v in small.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
+    cfg = _tiny()
+    rows = scenarios.run_scenarios(list(scenarios.SCENARIOS), cfg, Progress(quiet=True))
+    meta = {"device": "fake", "torch": torch.__version__, "cuda": None, "python": "3",
+            "date": "2025-01-01T00:00:00+00:00", "graphtree": "0", "command": "test",
+            "duration_s": 1.0, "scenarios": list(scenarios.SCENARIOS),
+            "contenders": list(cfg.contenders)}
+    validate_json(to_json(rows, meta))  # includes: every scenario x contender has a row
+
+    # the failing compile contender is reported in every scenario, with type and first line
+    bad = [r for r in rows if r.contender == "compile-cudagraphs"]
+    assert bad and all(not r.ok for r in bad)
+    assert {r.error for r in bad} == {"RuntimeError: backend failed"}
+    assert {r.scenario for r in bad} == set(scenarios.SCENARIOS)
+    # ... and the others went on, with outputs equal to eager's
+    for name in ("eager", "handwritten", "compile-reduce-overhead", "graphtree"):
+        mine = [r for r in rows if r.contender == name]
+        assert mine and all(r.ok for r in mine), [r.error for r in mine if not r.ok]
+        assert all(r.equal_to_eager is not False for r in mine)
+    metrics = {(r.scenario, r.metric) for r in rows if r.ok}
+    for expected in [("overhead", "cpu_per_call"), ("overhead", "wall_per_call"),
+                     ("overhead", "gpu_time"), ("overhead", "compile_s"),
+                     ("decode", "time_per_token"), ("decode", "speedup"),
+                     ("memory", "graph_bytes"), ("capture", "record_s"),
+                     ("capture", "record_total_s"), ("branching", "vs_sum"),
+                     ("branching", "bytes_after_AB_ABp")]:
+        assert expected in metrics, expected
+    decode_cases = {r.case for r in rows if r.scenario == "decode" and r.metric == "time_per_token"}
+    assert decode_cases == {"batch 1", "batch 2"}
+    capture_cases = {r.case for r in rows if r.scenario == "capture" and r.metric == "record_s"}
+    assert capture_cases == {"bucket 1", "bucket 3"}
+    table = render_table(rows)
+    assert "FAILED: RuntimeError: backend failed" in table
+
+
+def test_spent_budget_skips_only_compiling(fake_gpu):
+    cfg = _tiny(budget_s=0.0, contenders=("eager", "compile-reduce-overhead", "graphtree"),
+                overhead_repeats=6)
+    rows = scenarios.run_scenarios(["overhead", "memory"], cfg, Progress(quiet=True))
+    skipped = [r for r in rows if r.contender == "compile-reduce-overhead"]
+    assert skipped and all(not r.ok and r.error.startswith("BudgetExceeded") for r in skipped)
+    assert fake_gpu == []  # never compiled
+    for name in ("eager", "graphtree"):
+        timed = [r for r in rows if r.contender == name and r.metric == "wall_per_call"]
+        assert len(timed) == 2 and all(r.ok and r.value > 0 for r in timed)
+        # the budget stops timing after the minimum number of measured rounds
+        assert all(r.stats["n"] == scenarios.MIN_REPEATS < 6 for r in timed)
+
+
+def test_crashing_scenario_is_reported_and_the_run_goes_on(fake_gpu, monkeypatch):
+    def boom(ctx):
+        raise ValueError("scenario bug")
+
+    monkeypatch.setitem(scenarios.RUNNERS, "memory", boom)
+    cfg = _tiny(contenders=("eager", "graphtree"))
+    rows = scenarios.run_scenarios(["memory", "branching"], cfg, Progress(quiet=True))
+    crashed = [r for r in rows if r.scenario == "memory"]
+    assert len(crashed) == 2 and all(r.error == "ValueError: scenario bug" for r in crashed)
+    assert any(r.scenario == "branching" and r.ok for r in rows)
+
+
+def test_interrupt_keeps_rows_and_marks_the_rest(fake_gpu, monkeypatch):
+    def stop(ctx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(scenarios.RUNNERS, "memory", stop)
+    cfg = _tiny(contenders=("eager", "graphtree"))
+    rows = scenarios.run_scenarios(["overhead", "memory", "branching"], cfg,
+                                   Progress(quiet=True))
+    assert any(r.scenario == "overhead" and r.ok for r in rows)
+    later = [r for r in rows if r.scenario in ("memory", "branching")]
+    assert len(later) == 4
+    assert all(not r.ok and r.error.startswith(scenarios.INTERRUPTED) for r in later)
