@@ -20,6 +20,7 @@ Example::
 Without CUDA every graphed callable simply runs eagerly.
 """
 
+from graphtree import profile  # a module you can call: graphtree.profile() (CUPTI loads on start)
 from graphtree.tree.graphed import GraphedCallable, graphed, mark_static
 from graphtree.tree.manager import describe, mark_step, reset, stats
 from graphtree.tree.stats import Stats
@@ -38,19 +39,3 @@ __all__ = [
     "stats",
     "__version__",
 ]
-
-
-def profile(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """Profile kernels inside CUDA graph replays through CUPTI (see :mod:`graphtree.profile`).
-
-    Importing CUPTI is deferred to this call, so ``import graphtree`` never needs it.
-
-    Example::
-
-        with graphtree.profile() as prof:
-            step(x)
-        print(prof.table())
-    """
-    from graphtree.profile import profile as _profile
-
-    return _profile(*args, **kwargs)

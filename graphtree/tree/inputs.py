@@ -27,14 +27,18 @@ class Unsupported(Exception):
     """The call cannot be graphed; ``str(self)`` is the reason shown in ``stats()``."""
 
 
-def flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    """The call's leaves and a spec to rebuild it (``None`` when it is plain positional)."""
+def flatten(args: tuple, kwargs: dict) -> tuple[Sequence[Any], Any]:
+    """The call's leaves and a spec to rebuild it (``None`` when it is plain positional).
+
+    Plain positional calls hand back ``args`` itself: the leaves are only read, and code that
+    needs to change one makes a list first.
+    """
     if not kwargs:
         for a in args:
             if not isinstance(a, _Tensor) and type(a) not in _PLAIN:
                 break
         else:
-            return list(args), None
+            return args, None
     return _torch.tree_flatten((args, kwargs))
 
 

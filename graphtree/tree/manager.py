@@ -187,24 +187,24 @@ class TreeManager:
             for _pool, path, warm in self.retired:
                 held.extend(_held_in(path, warm))
             self.retired = []
-        if self.path or self.warm_refs:
-            expired, free = _torch.weak_expired, _torch.weak_free
-            for node in self.path:
-                refs = node.refs
-                for g, r in enumerate(refs):
-                    if r:
-                        if not expired(r):
-                            held.append((r, node.outputs.group_messages[g]))  # type: ignore[union-attr]
-                            release.append(r)
-                        else:
-                            free(r)
-                        refs[g] = 0
+        expired, free = _torch.weak_expired, _torch.weak_free
+        for node in self.path:
+            refs = node.refs
+            for g, r in enumerate(refs):
+                if r:
+                    if expired(r):
+                        free(r)
+                    else:
+                        held.append((r, node.outputs.group_messages[g]))  # type: ignore[union-attr]
+                        release.append(r)
+                    refs[g] = 0
+        if self.warm_refs:
             for r, msg in self.warm_refs:
-                if not expired(r):
+                if expired(r):
+                    free(r)
+                else:
                     held.append((r, msg))
                     release.append(r)
-                else:
-                    free(r)
             self.warm_refs = []
         if held:
             doomed = {r for r, _ in held}

@@ -73,7 +73,7 @@ class Node:
         """
         plan = self.inputs
         raw = plan.raw
-        if raw is not None and leaves[raw[0]].is_contiguous():  # same shape and dtype: the key says so
+        if raw is not None:  # the key fixes shape, dtype and strides: the input is contiguous too
             _raw_copy(raw[1], leaves[raw[0]].data_ptr(), raw[2], plan.device)  # type: ignore[misc]
         elif plan.single is not None:
             plan.single[0].copy_(leaves[plan.single[1]])

@@ -468,3 +468,17 @@ def test_a_failed_capture_leaves_allocator_and_rng_usable():
     g2.replay()
     torch.cuda.synchronize()
     assert y.shape == x.shape
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_separate_trees_per_device():
+    g = graphtree.graphed(lambda x: (x * 3).sin(), name="per_device")
+    xs = [torch.randn(1000, device=f"cuda:{d}") for d in (0, 1)]
+    for _ in range(4):
+        graphtree.mark_step()
+        outs = [g(x) for x in xs]
+        for x, out in zip(xs, outs):
+            assert out.device == x.device and torch.equal(out, (x * 3).sin())
+    st = graphtree.stats()
+    assert st.trees == 2 and st.recordings == 2 and st.replays == 4
+    assert {m.device for m in _manager._all_managers} == {0, 1}
