@@ -278,3 +278,63 @@ def raw_copier() -> Callable[[int, int, int, int], None] | None:
             raise RuntimeError(f"graphtree: cudaMemcpyAsync of an input failed: {err}")
 
     return copy
+
+
+# --- torch.compile, for the benchmark's compile contenders ---------------------------------------
+def raise_dynamo_limits() -> None:
+    """Let dynamo recompile for many shapes and silence cudagraph trees' many-shapes warning
+    (``torch._dynamo.config``, ``torch._inductor.config``): the benchmark compiles on purpose."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    cfg = torch._dynamo.config
+    for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
+                        ("accumulated_recompile_limit", 1024),
+                        ("accumulated_cache_size_limit", 1024)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    triton = getattr(inductor_config, "triton", None)
+    if triton is not None and hasattr(triton, "cudagraph_dynamic_shape_warn_limit"):
+        triton.cudagraph_dynamic_shape_warn_limit = None
+
+
+def inductor_cudagraph_skips() -> int:
+    """How often inductor chose not to use CUDA graphs so far (``torch._dynamo.utils.counters``)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["inductor"]["cudagraph_skips"])
+    except Exception:  # a moved counter must not fail a benchmark
+        return 0
+
+
+def reset_compiled() -> None:
+    """Forget every compiled function and inductor's cudagraph trees (``torch._dynamo.reset``,
+    ``cudagraph_trees.reset_cudagraph_trees``), so the next benchmark case starts clean."""
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception:
+        pass
+    try:
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    except Exception:
+        pass
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Tell ``torch.compile`` that ``t``'s dimension ``dim`` varies (``torch._dynamo.mark_dynamic``)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def torch_profiler_active() -> bool:
+    """Whether a torch.profiler / Kineto session is running (``torch._C._autograd._profiler_enabled``)."""
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except Exception:
+        return False

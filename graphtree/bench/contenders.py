@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from graphtree import _torch
+
 EAGER = "eager"
 HANDWRITTEN = "handwritten"
 COMPILE_RO = "compile-reduce-overhead"
@@ -100,18 +102,7 @@ def configure_dynamo() -> None:
 
         configure_dynamo()
     """
-    import torch._dynamo
-    import torch._inductor.config as inductor_config
-
-    cfg = torch._dynamo.config
-    for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
-                        ("accumulated_recompile_limit", 1024),
-                        ("accumulated_cache_size_limit", 1024)):
-        if hasattr(cfg, name):
-            setattr(cfg, name, value)
-    triton = getattr(inductor_config, "triton", None)
-    if triton is not None and hasattr(triton, "cudagraph_dynamic_shape_warn_limit"):
-        triton.cudagraph_dynamic_shape_warn_limit = None
+    _torch.raise_dynamo_limits()
 
 
 def compile_fn(name: str, fn: Callable[..., Any], dynamic: bool | None = None) -> Callable[..., Any]:
@@ -168,12 +159,7 @@ def cudagraph_skips() -> int:
 
         before = cudagraph_skips(); ...; skipped = cudagraph_skips() > before
     """
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["inductor"]["cudagraph_skips"])
-    except Exception:  # noqa: BLE001 - a moved counter must not fail the run
-        return 0
+    return _torch.inductor_cudagraph_skips()
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -276,9 +262,7 @@ def clear_cublas_workspaces() -> None:
 
         clear_cublas_workspaces()
     """
-    fn = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if fn is not None:
-        fn()
+    _torch.clear_cublas_workspaces()
 
 
 def reserved_bytes() -> int:
@@ -333,18 +317,7 @@ def reset_all() -> None:
         graphtree.reset()
     except Exception:  # noqa: BLE001 - clean-up must not fail the run
         pass
-    try:
-        import torch._dynamo
-
-        torch._dynamo.reset()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        from torch._inductor import cudagraph_trees
-
-        cudagraph_trees.reset_cudagraph_trees()
-    except Exception:  # noqa: BLE001
-        pass
+    _torch.reset_compiled()
     settle()
 
 

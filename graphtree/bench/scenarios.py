@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from graphtree import _torch
+
 from graphtree._gpt import GPTConfig
 from graphtree.bench import timing
 from graphtree.bench.contenders import (
@@ -453,10 +455,8 @@ def _bucketed(name: str, fn: Callable[..., Any], xs: dict[int, torch.Tensor],
     if name in COMPILED:
         skips = cudagraph_skips()
         call = stepped(compile_fn(name, fn), step_begin(name))
-        import torch._dynamo
-
         first = xs[top].clone()
-        torch._dynamo.mark_dynamic(first, 0)
+        _torch.mark_dynamic(first, 0)
         _, setup["compile_s"] = timed(lambda: call(first))
         for s in sizes:
             # cudagraph trees run a new shape eagerly once, then record it; the largest size
