@@ -31,6 +31,31 @@ def _us(fn, n=3000, reps=7):
     return statistics.median(out)
 
 
+def _memcpy_variants(dst: torch.Tensor, src: torch.Tensor) -> dict:
+    """Ways to enqueue one device-to-device copy from Python, for comparison."""
+    import ctypes
+
+    out = {}
+    n = src.numel() * src.element_size()
+    raw_stream = torch._C._cuda_getCurrentRawStream
+    try:
+        from cuda.bindings import driver
+
+        out["cuda.bindings driver cuMemcpyDtoDAsync"] = lambda: driver.cuMemcpyDtoDAsync(
+            dst.data_ptr(), src.data_ptr(), n, raw_stream(0))
+    except Exception as e:  # noqa: BLE001
+        print("no cuda.bindings driver:", e)
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuMemcpyDtoDAsync_v2
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        out["ctypes libcuda cuMemcpyDtoDAsync_v2"] = lambda: fn(dst.data_ptr(), src.data_ptr(), n, raw_stream(0))
+    except Exception as e:  # noqa: BLE001
+        print("no ctypes libcuda:", e)
+    return out
+
+
 def main() -> None:
     x = torch.randn(1024, device="cuda")
     sx = x.clone()
@@ -63,6 +88,7 @@ def main() -> None:
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
     }
+    rows.update(_memcpy_variants(sx, x))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("fast tensor ctor:", _torch.tensor_on is not _torch._tensor_on_slow)
     for k, fn in rows.items():

@@ -1,0 +1,291 @@
+"""Python call sites for GPU work: stack capture that keeps only the user's frames.
+
+A *stack* is a tuple of frames ``(filename, lineno, function)``, outermost first, so its last frame
+is the call site. Stacks are interned in a :class:`StackTable` and referred to by small integers,
+which keeps millions of kernel records cheap.
+
+:func:`capture_stack` walks the frames of the calling thread (CUPTI calls its callbacks in the
+thread that made the CUDA call, so these are the frames of the code that launched or captured the
+work) and drops the frames of torch, graphtree, cupti, cuda-python and the standard library: what is
+left is the user's code. A module can mark itself internal with a global
+``__graphtree_profile_internal__ = True``.
+
+The graph-node -> stack map itself lives in :class:`graphtree.profile._model.ProfileData`
+(``node_created`` / ``node_cloned``), fed by the CUPTI resource callbacks.
+
+Example::
+
+    >>> from graphtree.profile._attribution import StackTable, capture_stack
+    >>> table = StackTable()
+    >>> def user_code():
+    ...     return capture_stack(table)
+    >>> table.get(user_code())[-1][2]
+    'user_code'
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from types import CodeType
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "DEFAULT_DEPTH",
+    "Frame",
+    "Stack",
+    "StackTable",
+    "add_internal_path",
+    "capture_stack",
+    "format_frame",
+    "is_user_file",
+]
+
+Frame = Tuple[str, int, str]  # (filename, lineno, function)
+Stack = Tuple[Frame, ...]
+
+DEFAULT_DEPTH = 64  # frames walked at most (user frames kept are at most this many)
+_INTERNAL_FLAG = "__graphtree_profile_internal__"
+
+_keep_cache: Dict[str, bool] = {}
+_extra_internal: List[str] = []
+# id(code) -> (code, keep): the code object is held, so its id is never reused while cached.
+_code_keep: Dict[int, Tuple[CodeType, bool]] = {}
+_line_cache: Dict[Tuple[int, int], int] = {}  # (id(code), lasti) -> line number
+
+
+class StackTable:
+    """Interns stacks as integers; id 0 is the empty stack (no Python frames, e.g. a C++ thread).
+
+    Example::
+
+        >>> t = StackTable()
+        >>> t.intern((("a.py", 3, "f"),)) == t.intern((("a.py", 3, "f"),))
+        True
+        >>> t.get(0)
+        ()
+    """
+
+    __slots__ = ("_ids", "_stacks", "_raw")
+
+    def __init__(self) -> None:
+        self._ids: Dict[Stack, int] = {(): 0}
+        self._stacks: List[Stack] = [()]
+        self._raw: Dict[Tuple[int, ...], int] = {}
+
+    def intern(self, frames: Stack) -> int:
+        """The id of ``frames`` (a tuple of ``(filename, lineno, function)``), added if new."""
+        sid = self._ids.get(frames)
+        if sid is None:
+            sid = self._ids.setdefault(frames, len(self._stacks))
+            if sid == len(self._stacks):
+                self._stacks.append(frames)
+        return sid
+
+    def intern_raw(self, key: Tuple[int, ...]) -> int:
+        """The id of a raw stack from :func:`capture_stack`: ``(id(code), lasti, ...)``, innermost
+        first. Resolved to ``(filename, lineno, function)`` frames only the first time a key is seen,
+        so a call site that launches a million times pays the resolution once."""
+        sid = self._raw.get(key)
+        if sid is None:
+            sid = self._raw.setdefault(key, self.intern(_resolve_raw(key)))
+        return sid
+
+    def intern_list(self, frames: Optional[Sequence[Sequence[object]]]) -> int:
+        """Like :meth:`intern` for JSON-ish input (lists of ``[file, line, function]``)."""
+        if not frames:
+            return 0
+        return self.intern(tuple((str(f[0]), int(f[1]), str(f[2])) for f in frames))  # type: ignore[arg-type]
+
+    def get(self, sid: Optional[int]) -> Stack:
+        """The stack with id ``sid`` (``None`` or unknown: the empty stack)."""
+        if sid is None or sid < 0 or sid >= len(self._stacks):
+            return ()
+        return self._stacks[sid]
+
+    def __len__(self) -> int:
+        return len(self._stacks)
+
+
+def add_internal_path(path: str) -> None:
+    """Treat every file under ``path`` as internal (its frames are dropped from stacks).
+
+    Example::
+
+        add_internal_path("/opt/my_framework/")
+    """
+    p = os.path.abspath(path)
+    if p not in _extra_internal:
+        _extra_internal.append(p)
+    _keep_cache.clear()
+    _code_keep.clear()
+
+
+def _package_dir(module_name: str) -> Optional[str]:
+    mod = sys.modules.get(module_name)
+    f = getattr(mod, "__file__", None) if mod is not None else None
+    if not f:
+        return None
+    return os.path.dirname(os.path.abspath(f)) + os.sep
+
+
+def _stdlib_dirs() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    paths = sysconfig.get_paths()
+    std = tuple({os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths})
+    site = tuple({os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib") if k in paths})
+    return std, site
+
+
+_STD, _SITE = _stdlib_dirs()
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether frames of ``filename`` belong to the user (not torch/graphtree/cupti/stdlib).
+
+    Example::
+
+        >>> is_user_file("/home/me/train.py")
+        True
+        >>> import json; is_user_file(json.__file__)
+        False
+    """
+    if not filename or filename.startswith("<frozen"):
+        return False
+    if filename.startswith("<"):  # <string>, <stdin>: code the user typed
+        return True
+    path = os.path.abspath(filename)
+    for name in ("graphtree", "torch", "cupti", "cuda.bindings", "cuda.core", "triton"):
+        d = _package_dir(name)
+        if d is not None and path.startswith(d):
+            return False
+    for d in _extra_internal:
+        if path.startswith(d):
+            return False
+    if "site-packages" + os.sep in path or "dist-packages" + os.sep in path:
+        return True
+    if any(path.startswith(s) for s in _SITE):
+        return True
+    if any(path.startswith(s) for s in _STD):
+        return False
+    return True
+
+
+def _keep(frame: object, filename: str) -> bool:
+    keep = _keep_cache.get(filename)
+    if keep is None:
+        g = getattr(frame, "f_globals", {})
+        keep = (not g.get(_INTERNAL_FLAG, False)) and is_user_file(filename)
+        _keep_cache[filename] = keep
+    return keep
+
+
+def _code_entry(frame: Any, code: CodeType) -> Tuple[CodeType, bool]:
+    fn = code.co_filename
+    keep = _keep_cache.get(fn)
+    if keep is None:
+        keep = _keep(frame, fn)
+    entry = _code_keep[id(code)] = (code, keep)
+    return entry
+
+
+def _line_of(code: CodeType, lasti: int) -> int:
+    """The source line of the instruction at byte offset ``lasti`` of ``code`` (what ``f_lineno``
+    reports for a frame suspended there), cached."""
+    k = (id(code), lasti)
+    line = _line_cache.get(k)
+    if line is None:
+        line = code.co_firstlineno
+        try:
+            for start, end, ln in code.co_lines():
+                if start <= lasti < end:
+                    if ln is not None:
+                        line = ln
+                    break
+        except AttributeError:  # pragma: no cover - Python < 3.10
+            pass
+        if len(_line_cache) > 1_000_000:
+            _line_cache.clear()
+        _line_cache[k] = line
+    return line
+
+
+def _resolve_raw(key: Tuple[int, ...]) -> Stack:
+    out: List[Frame] = []
+    for i in range(len(key) - 2, -1, -2):  # innermost first in the key, outermost first out
+        code = _code_keep[key[i]][0]
+        out.append((code.co_filename, _line_of(code, key[i + 1]), code.co_name))
+    return tuple(out)
+
+
+def capture_stack(table: StackTable, depth: int = DEFAULT_DEPTH) -> int:
+    """Intern the user frames of the calling thread's Python stack; returns the stack id.
+
+    Frames of torch, graphtree, cupti, cuda-python, the standard library and modules flagged
+    ``__graphtree_profile_internal__`` are skipped. At most ``depth`` frames are walked.
+
+    This runs inside CUPTI's launch callbacks, once per launch, so it is kept cheap: per frame it
+    reads the code object and the instruction offset (``f_lasti``) and looks the code up in a cache
+    of keep/drop decisions; the key ``(id(code), lasti, ...)`` of the kept frames is interned as
+    is. File names, line numbers (``f_lineno`` scans the line table) and function names are
+    resolved only when a key is new (:meth:`StackTable.intern_raw`).
+
+    Example::
+
+        sid = capture_stack(table)
+        print(table.get(sid)[-1])    # ('train.py', 42, 'forward')
+    """
+    f: Any = sys._getframe(1)
+    key: List[int] = []
+    n = 0
+    cache = _code_keep
+    while f is not None and n < depth:
+        code = f.f_code
+        entry = cache.get(id(code))
+        if entry is None:
+            entry = _code_entry(f, code)
+        if entry[1]:
+            key.append(id(code))
+            key.append(f.f_lasti)
+        f = f.f_back
+        n += 1
+    if not key:
+        return 0
+    return table.intern_raw(tuple(key))
+
+
+def capture_stack_slow(table: StackTable, depth: int = DEFAULT_DEPTH) -> int:
+    """Reference implementation of :func:`capture_stack` (``f_lineno`` per frame); for tests."""
+    f: Any = sys._getframe(1)
+    out: List[Frame] = []
+    n = 0
+    while f is not None and n < depth:
+        code = f.f_code
+        if _code_entry(f, code)[1]:
+            out.append((code.co_filename, f.f_lineno, code.co_name))
+        f = f.f_back
+        n += 1
+    out.reverse()
+    return table.intern(tuple(out)) if out else 0
+
+
+def format_frame(frame: Optional[Frame], base: Optional[str] = None) -> str:
+    """``"file.py:12 function"`` with the file shown relative to ``base`` (default: the cwd).
+
+    Example::
+
+        >>> format_frame(("/x/train.py", 12, "step"), base="/x")
+        'train.py:12 step'
+    """
+    if not frame:
+        return "<no Python frames>"
+    filename, lineno, function = frame
+    base = os.getcwd() if base is None else base
+    shown = filename
+    if not filename.startswith("<"):
+        try:
+            rel = os.path.relpath(filename, base)
+            shown = rel if not rel.startswith(".." + os.sep) else filename
+        except ValueError:
+            shown = filename
+    return f"{shown}:{lineno} {function}"

@@ -1,0 +1,1012 @@
+"""The in-memory profile: launches, graph nodes, GPU records, aggregates, and what was lost.
+
+:class:`ProfileData` is fed by the CUPTI session (``_session.py``) through a handful of *ingest*
+methods whose arguments are plain numbers and strings (so a recorded run can be replayed from JSON
+fixtures, see ``_fixture.py``):
+
+- ``api_enter`` / ``api_exit``: a launch API call (runtime or driver, kernel or graph launch).
+  Calls nest: ``cudaGraphLaunch`` calls ``cuGraphLaunch`` in the same thread; the inner call is
+  folded into the outer one (its correlation id becomes an alias), so one launch counts once.
+- ``node_created`` / ``node_cloned`` / ``graph_cloned``: CUPTI resource callbacks. A node created
+  while a launch call is open on the same thread means that launch was *captured*, not executed:
+  it is not counted as a launch, and the node inherits the launch's Python stack.
+- ``record``: one GPU activity record (kernel, memcpy, memset).
+- ``dropped``: records CUPTI reports as dropped.
+
+:class:`Profile` is the public object returned by :func:`graphtree.profile.profile`.
+
+Example::
+
+    >>> data = ProfileData()
+    >>> data.api_enter(2, 211, 7, 1, 0, lambda: 0)       # cudaLaunchKernel, correlation 7
+    >>> data.api_exit(2, 211, 7, 1, 0)
+    >>> data.record(KERNEL, "k", 100, 250, 0, 7, 7, 0, 0, 0)
+    >>> data.summary()["kernel_launches"], data.kernel_stats()[0].total_ns
+    (1, 150)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from graphtree.profile import _cbids
+from graphtree.profile._attribution import DEFAULT_DEPTH, Stack, StackTable
+
+__all__ = [
+    "KERNEL",
+    "KIND_NAMES",
+    "MEMCPY",
+    "MEMSET",
+    "GraphStats",
+    "KernelRecord",
+    "KernelStats",
+    "Launch",
+    "Profile",
+    "ProfileData",
+    "ProfileOptions",
+]
+
+KERNEL, MEMCPY, MEMSET = 0, 1, 2
+KIND_NAMES = ("kernel", "memcpy", "memset")
+
+CaptureFn = Callable[[], int]
+
+
+class KernelRecord(NamedTuple):
+    """One GPU activity (kernel, memcpy or memset), kept while under ``max_records``.
+
+    ``stack_id`` is the Python stack that produced it: for a kernel inside a graph replay, the code
+    that was *captured*; for an eager launch, the launching code; for a graph captured before
+    profiling (``captured_before_profiling``), the replay call site. ``graph_key`` is the captured
+    graph's id (0: not from a graph).
+
+    Example::
+
+        rec = prof.records[0]; print(rec.name, rec.end - rec.start, prof.stack(rec.stack_id))
+    """
+
+    kind: str
+    name: str
+    start: int
+    end: int
+    device_id: int
+    stream_id: int
+    correlation_id: int
+    graph_id: int
+    graph_node_id: int
+    stack_id: int
+    graph_key: int
+    captured_before_profiling: bool
+    bytes: int
+    label: Optional[str]
+
+
+class Launch:
+    """One launch API call that launched something (captured calls are not launches).
+
+    Example::
+
+        for l in prof.launches():
+            print(l.api, l.kind, l.kernels, l.gpu_ns)
+    """
+
+    __slots__ = (
+        "correlation_id",
+        "api",
+        "kind",
+        "stack_id",
+        "thread",
+        "t_enter",
+        "t_exit",
+        "captured",
+        "counted",
+        "kernels",
+        "gpu_ns",
+        "graph_key",
+        "aliases",
+    )
+
+    def __init__(self, correlation_id: int, api: str, kind: str, stack_id: int, thread: int, t_enter: int):
+        self.correlation_id = correlation_id
+        self.api = api
+        self.kind = kind
+        self.stack_id = stack_id
+        self.thread = thread
+        self.t_enter = t_enter
+        self.t_exit = 0
+        self.captured = False
+        self.counted = False
+        self.kernels = 0
+        self.gpu_ns = 0
+        self.graph_key = 0
+        self.aliases: Tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        return (
+            f"Launch({self.api}, corr={self.correlation_id}, kind={self.kind}, kernels={self.kernels}, "
+            f"gpu_ns={self.gpu_ns})"
+        )
+
+
+class NodeInfo(NamedTuple):
+    """What is known of a captured graph node: its graph, CUDA node type, stack and label."""
+
+    graph_id: int
+    node_type: int
+    stack_id: int
+    label: Optional[str]
+
+
+class KernelStats:
+    """Aggregate of all records with one (kind, name, stack, graph, before-profiling, label).
+
+    Example::
+
+        top = prof.kernel_stats()[0]; print(top.name, top.count, top.total_ns / top.count)
+    """
+
+    __slots__ = (
+        "kind",
+        "name",
+        "stack_id",
+        "graph_key",
+        "captured_before_profiling",
+        "label",
+        "count",
+        "total_ns",
+        "min_ns",
+        "max_ns",
+    )
+
+    def __init__(self, kind: str, name: str, stack_id: int, graph_key: int, before: bool, label: Optional[str]):
+        self.kind = kind
+        self.name = name
+        self.stack_id = stack_id
+        self.graph_key = graph_key
+        self.captured_before_profiling = before
+        self.label = label
+        self.count = 0
+        self.total_ns = 0
+        self.min_ns = 0
+        self.max_ns = 0
+
+    def __repr__(self) -> str:
+        return f"KernelStats({self.name!r}, count={self.count}, total_ns={self.total_ns})"
+
+
+class GraphStats:
+    """Per captured graph: replays seen, kernels, GPU time, where it was replayed from.
+
+    Example::
+
+        for g in prof.graph_stats(): print(g.graph_key, g.label, g.replays, g.kernels)
+    """
+
+    __slots__ = (
+        "graph_key",
+        "label",
+        "captured_before_profiling",
+        "replays",
+        "kernels",
+        "total_ns",
+        "replay_stack_id",
+        "apis",
+    )
+
+    def __init__(self, graph_key: int, label: Optional[str], before: bool, replay_stack_id: int):
+        self.graph_key = graph_key
+        self.label = label
+        self.captured_before_profiling = before
+        self.replays = 0
+        self.kernels = 0
+        self.total_ns = 0
+        self.replay_stack_id = replay_stack_id
+        self.apis: Dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"GraphStats({self.graph_key}, label={self.label!r}, replays={self.replays}, kernels={self.kernels})"
+
+
+class _Chunk:
+    """Kept records of one ``record_batch`` call, as numpy columns."""
+
+    __slots__ = ("kind", "names", "labels", "cols")
+
+    def __init__(self, kind: str, names: List[str], labels: List[Optional[str]], cols: List[Any]) -> None:
+        self.kind = kind
+        self.names = names
+        self.labels = labels
+        self.cols = cols
+
+    def records(self) -> List[KernelRecord]:
+        ni, start, end, dev, stream, corr, gid, nid, sid, gkey, before, nbytes, label = [c.tolist() for c in self.cols]
+        names, labels, kind = self.names, self.labels, self.kind
+        return [
+            KernelRecord(kind, names[ni[i]], start[i], end[i], dev[i], stream[i], corr[i], gid[i], nid[i], sid[i],
+                         gkey[i], bool(before[i]), nbytes[i], labels[label[i]])
+            for i in range(len(start))
+        ]
+
+
+class _LaunchTable:
+    """Correlation id -> Launch, bounded: two generations of ``generation`` entries each.
+
+    Records reach the profiler a few buffers after their launch; a launch two generations old
+    (hundreds of thousands of launches ago) has had all its records delivered long since.
+    """
+
+    __slots__ = ("_cur", "_old", "_generation", "evicted", "puts")
+
+    def __init__(self, generation: int) -> None:
+        self._cur: Dict[int, Launch] = {}
+        self._old: Dict[int, Launch] = {}
+        self._generation = max(16, generation)
+        self.evicted = 0
+        self.puts = 0  # entries ever put: an entry survives at least ``generation`` later puts
+
+    def put(self, corr: int, launch: Launch) -> None:
+        self.puts += 1
+        self._cur[corr] = launch
+        if len(self._cur) >= self._generation:
+            self.evicted += len(self._old)
+            self._old = self._cur
+            self._cur = {}
+
+    def get(self, corr: int) -> Optional[Launch]:
+        launch = self._cur.get(corr)
+        if launch is None:
+            launch = self._old.get(corr)
+        return launch
+
+    def __len__(self) -> int:
+        return len(self._cur) + len(self._old)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+
+@dataclass
+class ProfileOptions:
+    """Options of :func:`graphtree.profile.profile` (see there).
+
+    Example::
+
+        ProfileOptions(keep_records=False)
+    """
+
+    keep_records: bool = True
+    max_records: int = 200_000
+    memcpy: bool = True
+    buffer_size: int = 8 << 20
+    flush_period_ms: int = 1000
+    stack_depth: int = DEFAULT_DEPTH
+    finalize: bool = False
+    launch_generation: int = 100_000
+    vectorized: bool = True
+    # Records stashed as raw numpy columns (~50 bytes each) before they are aggregated: completed
+    # buffers are only copied while the program runs, aggregation happens at stop(), on queries,
+    # or when this many are pending (0: aggregate every buffer when it completes).
+    defer_records: int = 1_000_000
+    tap: Optional[Any] = field(default=None, repr=False)
+
+
+class ProfileData:
+    """Everything the profiler learned, fed by the ingest methods (see the module docstring).
+
+    Example::
+
+        data = ProfileData(keep_records=False)
+        ...  # ingest
+        data.kernel_stats()
+    """
+
+    def __init__(
+        self,
+        keep_records: bool = True,
+        max_records: int = 200_000,
+        launch_generation: int = 100_000,
+        api_table: Optional[Dict[Tuple[int, int], Tuple[str, str]]] = None,
+    ) -> None:
+        self.keep_records = keep_records
+        self.max_records = max(0, int(max_records))
+        self.lock = threading.RLock()  # records and aggregates (held per completed buffer)
+        self._count_lock = threading.Lock()  # launch counters only: launches never wait for a buffer
+        self.stacks = StackTable()
+        self._api: Dict[Tuple[int, int], Tuple[str, str]] = dict(api_table or _cbids.recorded_api_table())
+        self._open: Dict[int, List[Tuple[int, int, Optional[Launch]]]] = {}
+        self._labels: Dict[int, str] = {}
+        self._launches = _LaunchTable(launch_generation)
+        self.launch_generation = self._launches.generation
+        self._launch_log: List[Launch] = []
+        self._nodes: Dict[int, NodeInfo] = {}
+        self._clones: Dict[int, int] = {}
+        self._resolved: Dict[int, Optional[NodeInfo]] = {}  # node id -> _resolve_node() (cache)
+        self._graph_clones: Dict[int, int] = {}
+        self._stats: Dict[Tuple[int, str, int, int, bool, Optional[str]], KernelStats] = {}
+        self._graphs: Dict[int, GraphStats] = {}
+        # Kept records, in order: lists of plain tuples (per-record path) or _Chunk (numpy columns).
+        self._segments: List[Any] = []
+        self._kept = 0
+        self._records_view: List[KernelRecord] = []
+        self._orphan_graph_corrs: set = set()
+        self._names: Dict[str, str] = {}
+        self.sessions: List[List[int]] = []  # [start_ts, stop_ts] of each start()/stop()
+        self.api_counts: Dict[str, int] = {}
+        self.kernel_launches = 0
+        self.graph_launches = 0
+        self.nested_calls = 0
+        self.capture_calls = 0
+        self.unmatched_exits = 0
+        self.nodes_created = 0
+        self.nodes_cloned = 0
+        self.records_total = 0
+        self.records_by_kind = [0, 0, 0]
+        self.records_not_kept = 0
+        self.records_without_launch = 0
+        self.records_before_profiling = 0
+        self.incomplete_records = 0
+        self.dropped_records = 0
+        self.callback_errors = 0
+        self.record_errors = 0
+        self.buffers_completed = 0
+        self.max_buffers_in_flight = 0
+        self.gpu_ns_total = 0
+        self.first_start = 0
+        self.last_end = 0
+        self.notes: List[str] = []
+        self.wall_start_ns = 0
+        self.streams: set = set()  # CUPTI stream ids seen (to ask for per-stream dropped counts)
+
+    @property
+    def launch_puts(self) -> int:
+        """Entries ever put in the launch table (launches and their aliases); a record is matched
+        to its launch as long as fewer than ``launch_generation`` puts happened since."""
+        return self._launches.puts
+
+    # ----------------------------------------------------------------------------- ingest
+    def set_api_table(self, table: Dict[Tuple[int, int], Tuple[str, str]]) -> None:
+        """Use ``(domain, cbid) -> (api name, "kernel" | "graph")`` read from the live CUPTI."""
+        self._api = dict(table)
+
+    def session_start(self, ts: int) -> None:
+        """A profiling session began at CUPTI time ``ts`` (ns)."""
+        self._open.clear()
+        self.sessions.append([ts, 0])
+        if not self.wall_start_ns:
+            self.wall_start_ns = time.time_ns()
+
+    def session_stop(self, ts: int) -> None:
+        """The current profiling session ended at CUPTI time ``ts`` (ns)."""
+        if self.sessions:
+            self.sessions[-1][1] = ts
+        self._open.clear()
+
+    def set_label(self, thread: int, label: Optional[str]) -> None:
+        """Nodes captured on ``thread`` from now on carry ``label`` (graphtree's recording name)."""
+        if label is None:
+            self._labels.pop(thread, None)
+        else:
+            self._labels[thread] = label
+
+    def api_enter(self, domain: int, cbid: int, corr: int, thread: int, ts: int, capture: CaptureFn) -> None:
+        """A subscribed launch API was entered; ``capture()`` returns the caller's stack id.
+
+        Hot path (every launch, in the launching thread): the stack is captured only for the
+        outermost call; the nested driver call of a runtime call costs two dict lookups.
+        """
+        opened = self._open.get(thread)
+        if opened:
+            if (domain, cbid) not in self._api:
+                return
+            # Nested in a launch already open on this thread (the runtime call's driver call):
+            # the same launch, counted once; its correlation id is an alias of the outer one.
+            root = opened[0][2]
+            if root is not None and corr != root.correlation_id:
+                self._launches.put(corr, root)
+                root.aliases = root.aliases + (corr,)
+            opened.append((domain, cbid, None))
+            self.nested_calls += 1
+            return
+        entry = self._api.get((domain, cbid))
+        if entry is None:
+            return
+        launch = Launch(corr, entry[0], entry[1], capture(), thread, ts)
+        self._launches.put(corr, launch)
+        if opened is None:
+            self._open[thread] = [(domain, cbid, launch)]
+        else:
+            opened.append((domain, cbid, launch))
+
+    def api_exit(self, domain: int, cbid: int, corr: int, thread: int, ts: int) -> None:
+        """A subscribed launch API returned."""
+        if (domain, cbid) not in self._api:
+            return
+        opened = self._open.get(thread)
+        if not opened:
+            self.unmatched_exits += 1
+            return
+        d, c, launch = opened.pop()
+        if (d, c) != (domain, cbid):
+            self.unmatched_exits += 1
+        if not opened:
+            del self._open[thread]
+        if launch is None:
+            return
+        launch.t_exit = ts
+        if launch.captured:
+            self.capture_calls += 1
+            return
+        launch.counted = True
+        with self._count_lock:
+            self.api_counts[launch.api] = self.api_counts.get(launch.api, 0) + 1
+            if launch.kind == _cbids.GRAPH:
+                self.graph_launches += 1
+            else:
+                self.kernel_launches += 1
+            if len(self._launch_log) < self.max_records:
+                self._launch_log.append(launch)
+
+    def node_created(
+        self, graph_id: int, node_id: int, node_type: int, thread: int, capture: CaptureFn
+    ) -> None:
+        """CUPTI created graph node ``node_id`` (during stream capture or an explicit add)."""
+        opened = self._open.get(thread)
+        root = opened[0][2] if opened else None
+        if root is not None:
+            root.captured = True  # the launch call was captured into a graph: nothing ran
+            sid = root.stack_id
+        else:
+            sid = capture()
+        self._nodes[node_id] = NodeInfo(graph_id, node_type, sid, self._labels.get(thread))
+        self._resolved.pop(node_id, None)
+        if self._clones:
+            self._resolved.clear()  # a clone chain may end at this node
+        self.nodes_created += 1
+
+    def node_cloned(self, node_id: int, original_node_id: int) -> None:
+        """Node ``node_id`` (of an instantiated or cloned graph) is a copy of ``original_node_id``.
+
+        The clone mapping wins over anything ``node_created`` said about ``node_id``: at
+        instantiation CUDA first reports the exec graph's node as *created* (with the stack of the
+        instantiate call), then as *cloned* from the captured node; the kernel belongs to the code
+        that was captured, so the original's attribution is what the node resolves to.
+        """
+        if node_id != original_node_id:
+            self._clones[node_id] = original_node_id
+            self._resolved.clear()
+        self.nodes_cloned += 1
+
+    def graph_cloned(self, graph_id: int, original_graph_id: int) -> None:
+        """Graph ``graph_id`` is a copy of ``original_graph_id``."""
+        if graph_id != original_graph_id:
+            self._graph_clones[graph_id] = original_graph_id
+
+    def _resolve_node(self, node_id: int) -> Optional[NodeInfo]:
+        """What node ``node_id`` is attributed to: a cloned node resolves through its clone chain
+        to the original node (``None`` when the original is unknown: captured before profiling);
+        a node that is no clone resolves to what ``node_created`` recorded for it."""
+        try:
+            return self._resolved[node_id]
+        except KeyError:
+            pass
+        node: Optional[NodeInfo]
+        nid = node_id
+        seen = 0
+        while nid in self._clones and seen < 32:
+            nid = self._clones[nid]
+            seen += 1
+        node = self._nodes.get(nid)
+        if len(self._resolved) > 1_000_000:
+            self._resolved.clear()
+        self._resolved[node_id] = node
+        return node
+
+    def _graph(self, gkey: int, label: Optional[str], before: bool, launch: Optional[Launch]) -> GraphStats:
+        g = self._graphs.get(gkey)
+        if g is None:
+            g = self._graphs[gkey] = GraphStats(gkey, label, before, launch.stack_id if launch else 0)
+        elif g.label is None and label is not None:
+            g.label = label
+        return g
+
+    def record(
+        self,
+        kind: int,
+        name: str,
+        start: int,
+        end: int,
+        device: int,
+        stream: int,
+        corr: int,
+        graph_id: int,
+        node_id: int,
+        nbytes: int,
+    ) -> None:
+        """One GPU activity record (``kind`` is KERNEL, MEMCPY or MEMSET)."""
+        dur = end - start if end > start else 0
+        if start == 0 and end == 0:
+            self.incomplete_records += 1
+        nm = self._names.get(name)
+        if nm is None:
+            nm = self._names.setdefault(name, name)
+        launch = self._launches.get(corr)
+        label = None
+        if node_id:
+            node = self._resolve_node(node_id)
+            if node is not None:
+                sid = node.stack_id
+                gkey = node.graph_id or graph_id
+                before = False
+                label = node.label
+            else:
+                sid = launch.stack_id if launch is not None else 0
+                gkey = self._graph_clones.get(graph_id, graph_id)
+                before = True
+                self.records_before_profiling += 1
+            g = self._graphs.get(gkey)
+            if g is None:
+                g = self._graph(gkey, label, before, launch)
+            elif g.label is None and label is not None:
+                g.label = label
+            if launch is not None:
+                if launch.kernels == 0:
+                    launch.graph_key = gkey
+                    g.replays += 1
+                    g.apis[launch.api] = g.apis.get(launch.api, 0) + 1
+                launch.kernels += 1
+                launch.gpu_ns += dur
+            else:
+                self.records_without_launch += 1
+                if corr not in self._orphan_graph_corrs:
+                    if len(self._orphan_graph_corrs) > 100_000:
+                        self._orphan_graph_corrs.clear()
+                    self._orphan_graph_corrs.add(corr)
+                    g.replays += 1
+            g.kernels += 1
+            g.total_ns += dur
+        else:
+            gkey = 0
+            before = False
+            if launch is not None:
+                sid = launch.stack_id
+                launch.kernels += 1
+                launch.gpu_ns += dur
+            else:
+                sid = 0
+                if kind == KERNEL:
+                    self.records_without_launch += 1
+        key = (kind, nm, sid, gkey, before, label)
+        st = self._stats.get(key)
+        if st is None:
+            st = self._stats[key] = KernelStats(KIND_NAMES[kind], nm, sid, gkey, before, label)
+            st.min_ns = dur
+        elif dur < st.min_ns:
+            st.min_ns = dur
+        if dur > st.max_ns:
+            st.max_ns = dur
+        st.count += 1
+        st.total_ns += dur
+        self.records_total += 1
+        self.records_by_kind[kind] += 1
+        self.gpu_ns_total += dur
+        if stream not in self.streams and len(self.streams) < 256:
+            self.streams.add(stream)
+        if start and (self.first_start == 0 or start < self.first_start):
+            self.first_start = start
+        if end > self.last_end:
+            self.last_end = end
+        if self.keep_records and self._kept < self.max_records:
+            segs = self._segments
+            if not segs or not isinstance(segs[-1], list):
+                segs.append([])
+            segs[-1].append(
+                (KIND_NAMES[kind], nm, start, end, device, stream, corr, graph_id, node_id, sid, gkey, before, nbytes, label)
+            )
+            self._kept += 1
+        else:
+            self.records_not_kept += 1
+
+    def record_batch(
+        self,
+        kind: int,
+        names: Sequence[str],
+        name_idx: Any,
+        start: Any,
+        end: Any,
+        device: Any,
+        stream: Any,
+        corr: Any,
+        graph_id: Any,
+        node_id: Any,
+        nbytes: Any,
+    ) -> None:
+        """Many records of one ``kind`` at once (numpy arrays; record i is named
+        ``names[name_idx[i]]``). Same result as calling :meth:`record` for each, in order, at a
+        fraction of the cost: Python work is per distinct launch / node / aggregate, not per record.
+        """
+        import numpy as np
+
+        start = np.asarray(start, dtype=np.int64)
+        n = int(start.shape[0])
+        if n == 0:
+            return
+        end = np.asarray(end, dtype=np.int64)
+        device = np.asarray(device, dtype=np.int64)
+        stream = np.asarray(stream, dtype=np.int64)
+        corr = np.asarray(corr, dtype=np.int64)
+        graph_id = np.asarray(graph_id, dtype=np.int64)
+        node_id = np.asarray(node_id, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        name_idx = np.asarray(name_idx, dtype=np.int64)
+        canon = []
+        for nm in names:
+            c = self._names.get(nm)
+            if c is None:
+                c = self._names.setdefault(nm, nm)
+            canon.append(c)
+
+        dur = np.where(end > start, end - start, 0)
+        self.incomplete_records += int(np.count_nonzero((start == 0) & (end == 0)))
+
+        # launches, one lookup per distinct correlation id
+        ucorr, first_idx, corr_inv = np.unique(corr, return_index=True, return_inverse=True)
+        launches = [self._launches.get(c) for c in ucorr.tolist()]
+        have = np.fromiter((lz is not None for lz in launches), dtype=bool, count=len(launches))
+        lsid = np.fromiter((lz.stack_id if lz is not None else 0 for lz in launches), dtype=np.int64, count=len(launches))
+
+        # graph nodes, one lookup per distinct node id
+        unode, node_inv = np.unique(node_id, return_inverse=True)
+        labels: List[Optional[str]] = [None]
+        label_ids: Dict[Optional[str], int] = {None: 0}
+        nk, ns, ng, nl = [], [], [], []
+        for nid in unode.tolist():
+            info = self._resolve_node(nid) if nid else None
+            nk.append(info is not None)
+            ns.append(info.stack_id if info is not None else 0)
+            ng.append(info.graph_id if info is not None else 0)
+            lab = info.label if info is not None else None
+            li = label_ids.get(lab)
+            if li is None:
+                li = label_ids[lab] = len(labels)
+                labels.append(lab)
+            nl.append(li)
+        node_known = np.asarray(nk, dtype=bool)[node_inv]
+        is_graph = node_id != 0
+        attributed = is_graph & node_known
+        before = is_graph & ~node_known
+        raw_gkey = graph_id
+        if self._graph_clones and before.any():
+            ug, ug_inv = np.unique(graph_id, return_inverse=True)
+            raw_gkey = np.asarray([self._graph_clones.get(g, g) for g in ug.tolist()], dtype=np.int64)[ug_inv]
+        node_gkey = np.asarray(ng, dtype=np.int64)[node_inv]
+        gkey = np.where(attributed, np.where(node_gkey != 0, node_gkey, graph_id), np.where(before, raw_gkey, 0))
+        sid = np.where(attributed, np.asarray(ns, dtype=np.int64)[node_inv], lsid[corr_inv])
+        label = np.where(attributed, np.asarray(nl, dtype=np.int64)[node_inv], 0)
+        self.records_before_profiling += int(np.count_nonzero(before))
+        no_launch = ~have[corr_inv]
+        counted_missing = no_launch & (is_graph | (kind == KERNEL))
+        self.records_without_launch += int(np.count_nonzero(counted_missing))
+
+        # graphs: make sure every graph of this batch exists, in record order
+        if is_graph.any():
+            gi = np.flatnonzero(is_graph)
+            ugk, gfirst, ginv = np.unique(gkey[gi], return_index=True, return_inverse=True)
+            gcount = np.bincount(ginv, minlength=len(ugk))
+            gsum = np.bincount(ginv, weights=dur[gi], minlength=len(ugk))
+            for j in np.argsort(gfirst, kind="stable").tolist():
+                r = int(gi[gfirst[j]])
+                gk = int(ugk[j])
+                g = self._graphs.get(gk)
+                lab = labels[int(label[r])]
+                if g is None:
+                    launch = launches[int(corr_inv[r])]
+                    g = self._graph(gk, lab, bool(before[r]), launch)
+                elif g.label is None and lab is not None:
+                    g.label = lab
+                g.kernels += int(gcount[j])
+                g.total_ns += int(round(gsum[j]))
+
+        # launches: kernels, GPU time, and the replay counted at a launch's first record
+        lcount = np.bincount(corr_inv, minlength=len(ucorr))
+        lsum = np.bincount(corr_inv, weights=dur, minlength=len(ucorr))
+        for j, launch in enumerate(launches):
+            r = int(first_idx[j])
+            if launch is not None:
+                if is_graph[r] and launch.kernels == 0:
+                    gk = int(gkey[r])
+                    launch.graph_key = gk
+                    g = self._graphs[gk]
+                    g.replays += 1
+                    g.apis[launch.api] = g.apis.get(launch.api, 0) + 1
+                launch.kernels += int(lcount[j])
+                launch.gpu_ns += int(round(lsum[j]))
+            elif is_graph[r]:
+                c = int(ucorr[j])
+                if c not in self._orphan_graph_corrs:
+                    if len(self._orphan_graph_corrs) > 100_000:
+                        self._orphan_graph_corrs.clear()
+                    self._orphan_graph_corrs.add(c)
+                    self._graphs[int(gkey[r])].replays += 1
+
+        # aggregates, one Python step per distinct (name, stack, graph, before, label)
+        usid, sid_c = np.unique(sid, return_inverse=True)
+        ugk, gk_c = np.unique(gkey, return_inverse=True)
+        n_s, n_g, n_l = len(usid), len(ugk), len(labels)
+        code = (((name_idx * n_s + sid_c.reshape(-1)) * n_g + gk_c.reshape(-1)) * 2 + before) * n_l + label
+        ucode, kinv = np.unique(code, return_inverse=True)
+        kinv = kinv.reshape(-1)
+        m = len(ucode)
+        li_, rest = np.divmod(ucode, n_l)[::-1]
+        rest, bf_ = np.divmod(rest, 2)
+        rest, gkc_ = np.divmod(rest, n_g)
+        ni_, sc_ = np.divmod(rest, n_s)
+        ukeys = zip(ni_.tolist(), usid[sc_].tolist(), ugk[gkc_].tolist(), bf_.tolist(), li_.tolist())
+        kcount = np.bincount(kinv, minlength=m)
+        ksum = np.bincount(kinv, weights=dur, minlength=m)
+        kmin = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
+        kmax = np.zeros(m, dtype=np.int64)
+        np.minimum.at(kmin, kinv, dur)
+        np.maximum.at(kmax, kinv, dur)
+        kind_name = KIND_NAMES[kind]
+        for j, (ni, s_, gk, bf, li) in enumerate(ukeys):
+            nm = canon[ni]
+            lab = labels[li]
+            key = (kind, nm, s_, gk, bool(bf), lab)
+            st = self._stats.get(key)
+            lo = int(kmin[j])
+            if st is None:
+                st = self._stats[key] = KernelStats(kind_name, nm, s_, gk, bool(bf), lab)
+                st.min_ns = lo
+            elif lo < st.min_ns:
+                st.min_ns = lo
+            hi = int(kmax[j])
+            if hi > st.max_ns:
+                st.max_ns = hi
+            st.count += int(kcount[j])
+            st.total_ns += int(round(ksum[j]))
+
+        if len(self.streams) < 256:
+            self.streams.update(np.unique(stream).tolist()[:256])
+        self.records_total += n
+        self.records_by_kind[kind] += n
+        self.gpu_ns_total += int(dur.sum())
+        nz = start[start != 0]
+        if nz.size:
+            lo = int(nz.min())
+            if self.first_start == 0 or lo < self.first_start:
+                self.first_start = lo
+        hi = int(end.max())
+        if hi > self.last_end:
+            self.last_end = hi
+
+        room = (self.max_records - self._kept) if self.keep_records else 0
+        take = max(0, min(n, room))
+        if take:
+            # numpy columns, not Python tuples: no per-record objects for the GC to scan
+            cols = [a[:take].copy() for a in (name_idx, start, end, device, stream, corr, graph_id, node_id,
+                                              sid, gkey, before, nbytes, label)]
+            self._segments.append(_Chunk(kind_name, canon, labels, cols))
+            self._kept += take
+        self.records_not_kept += n - take
+
+    def dropped(self, n: int) -> None:
+        """CUPTI dropped ``n`` records (buffers full or not provided in time)."""
+        if n > 0:
+            self.dropped_records += int(n)
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def records(self) -> List[KernelRecord]:
+        """The records kept (all of them unless ``keep_records=False`` or ``max_records`` was hit)."""
+        view = self._records_view
+        if len(view) != self._kept:
+            view.clear()
+            for seg in self._segments:
+                if isinstance(seg, list):
+                    view.extend(KernelRecord._make(t) for t in seg)
+                else:
+                    view.extend(seg.records())
+        return view
+
+    def launches(self) -> List[Launch]:
+        """Counted launches in order (at most ``max_records`` of them)."""
+        return list(self._launch_log)
+
+    def kernel_stats(self) -> List[KernelStats]:
+        """Aggregates, largest total GPU time first (complete even when records were not kept)."""
+        with self.lock:
+            rows = list(self._stats.values())
+        rows.sort(key=lambda s: (-s.total_ns, -s.count, s.name))
+        return rows
+
+    def graph_stats(self) -> List[GraphStats]:
+        """Per-graph aggregates, largest total GPU time first."""
+        with self.lock:
+            rows = list(self._graphs.values())
+        rows.sort(key=lambda g: (-g.total_ns, g.graph_key))
+        return rows
+
+    def stack(self, sid: Optional[int]) -> Stack:
+        """The stack with id ``sid`` (outermost frame first)."""
+        return self.stacks.get(sid)
+
+    def node(self, node_id: int) -> Optional[NodeInfo]:
+        """What is known of a graph node id seen in a record (follows clones)."""
+        return self._resolve_node(node_id)
+
+    def summary(self) -> Dict[str, Any]:
+        """Counts: records, launches, what was dropped, not kept, or not attributed.
+
+        Example::
+
+            >>> ProfileData().summary()["dropped_records"]
+            0
+        """
+        wall = sum(max(0, b - a) for a, b in self.sessions if b)
+        return {
+            "records": self.records_total,
+            "kernels": self.records_by_kind[KERNEL],
+            "memcpys": self.records_by_kind[MEMCPY],
+            "memsets": self.records_by_kind[MEMSET],
+            "gpu_ns": self.gpu_ns_total,
+            "records_kept": self._kept,
+            "records_not_kept": self.records_not_kept,
+            "dropped_records": self.dropped_records,
+            "incomplete_records": self.incomplete_records,
+            "records_without_launch": self.records_without_launch,
+            "records_before_profiling": self.records_before_profiling,
+            "kernel_launches": self.kernel_launches,
+            "graph_launches": self.graph_launches,
+            "api_counts": dict(self.api_counts),
+            "nested_calls": self.nested_calls,
+            "capture_calls": self.capture_calls,
+            "unmatched_exits": self.unmatched_exits,
+            "nodes_created": self.nodes_created,
+            "nodes_cloned": self.nodes_cloned,
+            "graphs": len(self._graphs),
+            "stacks": len(self.stacks),
+            "launches_evicted": self._launches.evicted,
+            "callback_errors": self.callback_errors,
+            "record_errors": self.record_errors,
+            "buffers_completed": self.buffers_completed,
+            "max_buffers_in_flight": self.max_buffers_in_flight,
+            "sessions": len(self.sessions),
+            "profiled_ns": wall,
+        }
+
+
+class Profile:
+    """A GPU profile: a context manager that runs CUPTI, then the results and their exports.
+
+    Created by :func:`graphtree.profile.profile`; ``start()``/``stop()`` may be called several
+    times, and every session adds to the same results.
+
+    Example::
+
+        with graphtree.profile() as prof:
+            for _ in range(10):
+                step(x)
+        print(prof.table())
+        prof.export_chrome("trace.json")
+        prof.export_pprof("gpu.pb.gz")
+    """
+
+    def __init__(self, options: Optional[ProfileOptions] = None, **kwargs: Any) -> None:
+        self.options = options or ProfileOptions(**kwargs)
+        self.data = ProfileData(
+            keep_records=self.options.keep_records,
+            max_records=self.options.max_records,
+            launch_generation=self.options.launch_generation,
+        )
+        self._session: Any = None
+
+    # ----------------------------------------------------------------------------- control
+    @property
+    def running(self) -> bool:
+        """Whether CUPTI is collecting for this profile now."""
+        return self._session is not None
+
+    def start(self) -> "Profile":
+        """Subscribe to CUPTI and start collecting (raises ProfilerBusyError/ProfilerUnavailableError).
+
+        Example::
+
+            prof = graphtree.profile().start(); step(x); prof.stop()
+        """
+        if self._session is not None:
+            return self
+        from graphtree.profile._session import Session
+
+        session = Session(self.data, self.options)
+        session.start()
+        self._session = session
+        return self
+
+    def stop(self) -> "Profile":
+        """Synchronize, flush every record, and release CUPTI (safe to call twice)."""
+        session, self._session = self._session, None
+        if session is not None:
+            session.stop()
+        return self
+
+    def __enter__(self) -> "Profile":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------------------- results
+    def _drain(self) -> None:
+        """Aggregate records a running session stashed (queries while profiling see them all)."""
+        session = self._session
+        if session is not None:
+            session.drain()
+
+    @property
+    def records(self) -> List[KernelRecord]:
+        """Kept GPU records (see :class:`KernelRecord`)."""
+        self._drain()
+        return self.data.records
+
+    def launches(self) -> List[Launch]:
+        """Counted launches (eager kernel launches and graph launches)."""
+        self._drain()
+        return self.data.launches()
+
+    def graph_launches(self) -> List[Launch]:
+        """Counted graph launches, each with the number of kernels it ran (``kernels``)."""
+        return [launch for launch in self.data.launches() if launch.kind == _cbids.GRAPH]
+
+    def kernel_stats(self) -> List[KernelStats]:
+        """Aggregated kernels, largest GPU time first."""
+        self._drain()
+        return self.data.kernel_stats()
+
+    def graph_stats(self) -> List[GraphStats]:
+        """Aggregated graphs, largest GPU time first."""
+        self._drain()
+        return self.data.graph_stats()
+
+    def stack(self, stack_id: Optional[int]) -> Stack:
+        """Frames ``(filename, lineno, function)`` of a stack id, outermost first."""
+        return self.data.stack(stack_id)
+
+    def summary(self) -> Dict[str, Any]:
+        """Counts of records, launches, drops (see :meth:`ProfileData.summary`)."""
+        self._drain()
+        return self.data.summary()
+
+    def table(self, limit: int = 15) -> str:
+        """Top kernels and graphs by GPU time, with call sites, as text.
+
+        Example::
+
+            print(prof.table(limit=10))
+        """
+        from graphtree.profile.exporters import format_table
+
+        return format_table(self, limit=limit)
+
+    def export_chrome(self, path: str) -> str:
+        """Write a Chrome/Perfetto trace (JSON ``traceEvents``) to ``path``; returns ``path``."""
+        from graphtree.profile.exporters import export_chrome
+
+        return export_chrome(self, path)
+
+    def export_pprof(self, path: str) -> str:
+        """Write GPU time per Python stack as a gzip'd pprof protobuf to ``path``; returns ``path``."""
+        from graphtree.profile.exporters import export_pprof
+
+        return export_pprof(self, path)
+
+    def __repr__(self) -> str:
+        s = self.data.summary()
+        return (
+            f"<graphtree.profile.Profile records={s['records']} kernel_launches={s['kernel_launches']} "
+            f"graph_launches={s['graph_launches']} dropped={s['dropped_records']}"
+            f"{' running' if self.running else ''}>"
+        )

@@ -1,0 +1,749 @@
+"""The CUPTI side: subscription, callbacks, activity buffers, flush, teardown, busy detection.
+
+One :class:`Session` is one ``start()``..``stop()`` of a :class:`graphtree.profile.Profile`. At most
+one runs per process (CUPTI allows a single callback subscriber).
+
+Order of ``start()`` (see DESIGN.md for why):
+
+1. import ``cupti.cupti`` (missing: :class:`ProfilerUnavailableError` saying
+   ``pip install 'graphtree[profile]'``);
+2. ``subscribe_v2`` (or ``subscribe``) *first*: if another tool holds CUPTI this fails with
+   ``CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`` before anything global (activity kinds,
+   buffer callbacks) was touched, and becomes :class:`ProfilerBusyError`;
+3. enable the launch callbacks (runtime + driver kernel launches, their ``_ptsz``/``Ex`` forms,
+   ``cudaGraphLaunch[_ptsz]``, ``cuGraphLaunch[_ptsz]``) and the resource callbacks
+   ``GRAPHNODE_CREATED``, ``GRAPHNODE_CLONED``, ``GRAPH_CLONED`` - never the capture callbacks;
+4. register the activity buffer callbacks and a flush period;
+5. enable ``CONCURRENT_KERNEL`` (+ ``MEMCPY``, ``MEMSET``) activity - never ``GRAPH_TRACE``.
+
+``stop()``: synchronize CUDA, forced flush, disable the activity kinds, flush again, disable the
+callbacks, unsubscribe, read CUPTI's dropped-record count. ``cuptiFinalize`` is *not* called unless
+asked for (``finalize=True``): tearing CUPTI down and re-initialising it is what crashes CUDA graphs
+(pytorch/pytorch#75504 and the follow-up Kineto workarounds).
+
+Example::
+
+    session = Session(ProfileData(), ProfileOptions())
+    session.start(); step(x); session.stop()
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import importlib
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from graphtree.profile import _cbids
+from graphtree.profile._attribution import capture_stack
+from graphtree.profile._errors import INSTALL_HINT, ProfilerBusyError, ProfilerUnavailableError
+from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileData, ProfileOptions
+
+__all__ = ["Session", "active_session", "guess_other_cupti_users", "load_cupti"]
+
+SUBSCRIBER_NAME = "graphtree.profile"
+_MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
+_STATE_LOCK = threading.Lock()
+_ACTIVE: Optional["Session"] = None
+
+
+def active_session() -> Optional["Session"]:
+    """The running session of this process, if any.
+
+    Example::
+
+        assert active_session() is None
+    """
+    return _ACTIVE
+
+
+def load_cupti() -> Any:
+    """Import NVIDIA's ``cupti.cupti`` bindings or raise :class:`ProfilerUnavailableError`.
+
+    Example::
+
+        cupti = load_cupti()
+        print(cupti.ActivityKind.CONCURRENT_KERNEL)
+    """
+    try:
+        return importlib.import_module("cupti.cupti")
+    except ImportError as e:
+        raise ProfilerUnavailableError(
+            "graphtree.profile needs NVIDIA's CUPTI Python bindings (the `cupti` module, package "
+            f"cupti-python) and they cannot be imported ({e}). Install them with: {INSTALL_HINT} "
+            "(pick the cupti-python release that matches your CUDA's CUPTI, e.g. cupti-python 13.0.x "
+            "for nvidia-cuda-cupti 13.0)."
+        ) from e
+
+
+def _status(exc: BaseException) -> Optional[int]:
+    status = getattr(exc, "status", None)
+    try:
+        return int(status) if status is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def guess_other_cupti_users(old_subscriber_name: str = "") -> List[str]:
+    """Best guesses at who else holds CUPTI in this process, most likely first.
+
+    Example::
+
+        >>> isinstance(guess_other_cupti_users(), list)
+        True
+    """
+    who: List[str] = []
+    if old_subscriber_name:
+        who.append(f"the subscriber named {old_subscriber_name!r}")
+    if "torch" in sys.modules:
+        from graphtree import _torch
+
+        if _torch.torch_profiler_active():
+            who.append("torch.profiler (a torch.profiler.profile() / Kineto session is running)")
+    inj = os.environ.get("CUDA_INJECTION64_PATH", "")
+    low = inj.lower()
+    keys = " ".join(os.environ).upper()
+    if "sanitizer" in low or "SANITIZER" in keys:
+        who.append("compute-sanitizer")
+    if "nsys" in low or "nsight-systems" in low or "toolsinjection" in low or "NSYS_" in keys:
+        who.append("Nsight Systems (nsys)")
+    if "ncu" in low or "nsight-compute" in low or "nsight_compute" in low or "NV_COMPUTE_PROFILER" in keys:
+        who.append("Nsight Compute (ncu)")
+    if inj and not any(w for w in who if "Nsight" in w or "sanitizer" in w):
+        who.append(f"the CUDA injection library {inj!r} (CUDA_INJECTION64_PATH)")
+    if "torch.profiler" in sys.modules and not any("torch.profiler" in w for w in who):
+        who.append("torch.profiler/Kineto from an earlier session (Kineto may keep its CUPTI subscription)")
+    if "dcgm" in keys.lower():
+        who.append("DCGM profiling")
+    return who
+
+
+def _busy_message(old_subscriber_name: str = "") -> str:
+    who = guess_other_cupti_users(old_subscriber_name)
+    likely = " or ".join(who) if who else "another CUPTI-based tool (torch.profiler, Nsight Systems/Compute, compute-sanitizer)"
+    return (
+        "graphtree.profile cannot start: CUPTI already has a subscriber in this process "
+        f"(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED); likely {likely}. CUPTI allows one "
+        "profiler at a time: stop the other one first (leave the torch.profiler.profile() block, or "
+        "run without nsys/ncu/compute-sanitizer), or profile in a separate process."
+    )
+
+
+def _synchronize_cuda() -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+    except Exception:
+        return
+    current = torch.cuda.current_device()
+    torch.cuda.synchronize(current)
+    for d in range(torch.cuda.device_count()):
+        if d != current and torch.cuda.memory_allocated(d) > 0:
+            torch.cuda.synchronize(d)
+
+
+def _memcpy_names(cupti: Any) -> Dict[int, str]:
+    names: Dict[int, str] = {}
+    kinds = getattr(cupti, "ActivityMemcpyKind", None)
+    if kinds is not None:
+        for n, v in kinds.__members__.items():
+            if n == "FORCE_INT":
+                continue
+            pretty = n if n == "UNKNOWN" else n[0] + "to" + n[3:] if len(n) == 4 and n[1:3] == "TO" else n
+            names[int(v)] = f"Memcpy {pretty}"
+    return names
+
+
+class Session:
+    """One CUPTI subscription plus activity collection feeding a :class:`ProfileData`.
+
+    Example::
+
+        s = Session(data, ProfileOptions()); s.start(); ...; s.stop()
+    """
+
+    def __init__(self, data: ProfileData, options: ProfileOptions) -> None:
+        self.data = data
+        self.options = options
+        self.sink: Any = options.tap(data) if options.tap is not None else data
+        self.cupti: Any = None
+        self.subscriber: Any = None
+        self.enabled_callbacks: List[Tuple[int, int]] = []
+        self.enabled_kinds: List[int] = []
+        self.missing_callbacks: List[str] = []
+        self._flush_period_set = False
+        self._in_flight = 0
+        self._unsubscribe_events: List[Callable[[], None]] = []
+        self._capture = functools.partial(capture_stack, data.stacks, options.stack_depth)
+        self._params: Any = None
+        self._callback: Any = None
+        self._resource_ids: Dict[str, int] = {}
+        self._atexit: Optional[Callable[[], None]] = None
+        self._fast: Optional[_FastParser] = None
+        self._drainer: Optional[_FastParser] = None  # parses what was stashed (kept after a mismatch)
+        self._pending: List[Tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
+        self._pending_records = 0
+        self._pending_since = 0  # data.launch_puts when the oldest pending buffer arrived
+
+    # ----------------------------------------------------------------------------- start
+    def start(self) -> None:
+        """Subscribe, enable callbacks and activity kinds (see the module docstring for the order)."""
+        global _ACTIVE
+        with _STATE_LOCK:
+            if _ACTIVE is not None:
+                raise ProfilerBusyError(
+                    "graphtree.profile is already running in this process (CUPTI allows one "
+                    "subscriber): stop the other graphtree.profile() first."
+                )
+            cupti = load_cupti()
+            self.cupti = cupti
+            domains, api_table, launch_ids, resource_ids = self._resolve_ids(cupti)
+            self.sink.set_api_table(api_table)
+            self._subscribe(cupti)
+            try:
+                sub = self.subscriber
+                for domain, cbid in launch_ids + [(domains["resource"], c) for c in resource_ids.values()]:
+                    cupti.enable_callback(1, sub, domain, cbid)
+                    self.enabled_callbacks.append((domain, cbid))
+                self._resource_ids = resource_ids
+                cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+                if self.options.flush_period_ms > 0 and hasattr(cupti, "activity_flush_period"):
+                    cupti.activity_flush_period(int(self.options.flush_period_ms))
+                    self._flush_period_set = True
+                self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
+                self._drainer = self._fast
+                kinds = [cupti.ActivityKind.CONCURRENT_KERNEL]
+                if self.options.memcpy:
+                    kinds += [cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
+                for kind in kinds:
+                    cupti.activity_enable(kind)
+                    self.enabled_kinds.append(int(kind))
+            except BaseException as e:
+                self._teardown([])
+                if _status(e) == _MULTIPLE_SUBSCRIBERS:
+                    raise ProfilerBusyError(_busy_message()) from e
+                if isinstance(e, Exception):
+                    raise ProfilerUnavailableError(f"CUPTI could not be set up for profiling: {e}") from e
+                raise
+            self._watch_graphtree()
+            self.sink.session_start(self._now())
+            _ACTIVE = self
+            self._atexit = self._stop_at_exit
+            atexit.register(self._atexit)
+
+    def _resolve_ids(
+        self, cupti: Any
+    ) -> Tuple[Dict[str, int], Dict[Tuple[int, int], Tuple[str, str]], List[Tuple[int, int]], Dict[str, int]]:
+        dom = cupti.CallbackDomain
+        domains = {
+            "driver": int(dom.DRIVER_API),
+            "runtime": int(dom.RUNTIME_API),
+            "resource": int(dom.RESOURCE),
+        }
+        enums = {"runtime": cupti.runtime_api_trace_cbid, "driver": cupti.driver_api_trace_cbid}
+        table: Dict[Tuple[int, int], Tuple[str, str]] = {}
+        launch_ids: List[Tuple[int, int]] = []
+        for d, name, kind in _cbids.LAUNCH_CALLBACKS:
+            member = getattr(enums[d], name, None)
+            if member is None:  # not in this CUPTI release
+                self.missing_callbacks.append(name)
+                continue
+            key = (domains[d], int(member))
+            table[key] = (_cbids.display_name(name), kind)
+            launch_ids.append(key)
+        resource_ids: Dict[str, int] = {}
+        for name in _cbids.RESOURCE_CALLBACKS:
+            member = getattr(cupti.CallbackIdResource, name, None)
+            if member is None:
+                self.missing_callbacks.append(name)
+                continue
+            resource_ids[name] = int(member)
+        return domains, table, launch_ids, resource_ids
+
+    def _subscribe(self, cupti: Any) -> None:
+        callback = self._make_callback(cupti)
+        self._callback = callback  # CUPTI keeps a raw pointer; we keep the object alive
+        try:
+            try:
+                params = cupti.SubscriberParams()
+                params.struct_size = cupti.SUBSCRIBER_PARAMS_SIZE
+                params.subscriber_name = SUBSCRIBER_NAME
+                self._params = params
+                self.subscriber = cupti.subscribe_v2(callback, 0, params.ptr)
+            except (AttributeError, NotImplementedError):  # no cuptiSubscribe_v2 in this release
+                self._params = None
+                self.subscriber = cupti.subscribe(callback, 0)
+            except Exception as e:
+                if _status(e) is not None or "FunctionNotFound" not in type(e).__name__:
+                    raise
+                self._params = None
+                self.subscriber = cupti.subscribe(callback, 0)
+        except Exception as e:
+            status = _status(e)
+            if status == _MULTIPLE_SUBSCRIBERS:
+                old = ""
+                if self._params is not None:
+                    try:
+                        raw = self._params.old_subscriber_name
+                        old = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
+                    except Exception:
+                        old = ""
+                raise ProfilerBusyError(_busy_message(old.strip("\x00 "))) from e
+            if status is not None:
+                try:
+                    name = cupti.Result(status).name
+                except Exception:
+                    name = str(status)
+                raise ProfilerUnavailableError(f"CUPTI refused the subscription ({name}): {e}") from e
+            raise ProfilerUnavailableError(f"CUPTI cannot be used here: {e}") from e
+
+    def _watch_graphtree(self) -> None:
+        try:
+            from graphtree import _events
+        except Exception:
+            return
+        sink = self.sink
+
+        def begin(name: str = "", node: Any = None, **_: Any) -> None:
+            sink.set_label(threading.get_ident(), f"graphtree:{name}" + (f"/{node}" if node is not None else ""))
+
+        def end(**_: Any) -> None:
+            sink.set_label(threading.get_ident(), None)
+
+        self._unsubscribe_events = [_events.subscribe("record_begin", begin), _events.subscribe("record_end", end)]
+
+    # ----------------------------------------------------------------------------- callbacks
+    def _now(self) -> int:
+        try:
+            return int(self.cupti.get_timestamp())
+        except Exception:
+            return 0
+
+    def _make_callback(self, cupti: Any) -> Callable[..., None]:
+        sink = self.sink
+        data = self.data
+        capture = self._capture
+        timestamp = cupti.get_timestamp
+        get_ident = threading.get_ident
+        resource = int(cupti.CallbackDomain.RESOURCE)
+        enter = int(cupti.ApiCallbackSite.API_ENTER)
+        on_resource = self._on_resource
+
+        def callback(userdata: Any, domain: int, cbid: int, cbdata: Any) -> None:
+            try:
+                if domain == resource:
+                    on_resource(cbid, cbdata)
+                elif cbdata.callback_site == enter:
+                    sink.api_enter(domain, cbid, cbdata.correlation_id, get_ident(), timestamp(), capture)
+                else:
+                    sink.api_exit(domain, cbid, cbdata.correlation_id, get_ident(), timestamp())
+            except BaseException:  # never raise into CUPTI
+                data.callback_errors += 1
+
+        return callback
+
+    def _on_resource(self, cbid: int, cbdata: Any) -> None:
+        cupti = self.cupti
+        ids = self._resource_ids
+        gd = _graph_data(cupti, cbdata)
+        if gd is None:
+            return
+        if cbid == ids.get("GRAPHNODE_CREATED"):
+            self.sink.node_created(
+                _graph_id(cupti, gd.graph),
+                _node_id(cupti, gd.node),
+                int(gd.node_type),
+                threading.get_ident(),
+                self._capture,
+            )
+        elif cbid == ids.get("GRAPHNODE_CLONED"):
+            self.sink.node_cloned(_node_id(cupti, gd.node), _node_id(cupti, gd.original_node))
+        elif cbid == ids.get("GRAPH_CLONED"):
+            self.sink.graph_cloned(_graph_id(cupti, gd.graph), _graph_id(cupti, gd.original_graph))
+
+    def _buffer_requested(self, *args: Any) -> Tuple[int, int]:
+        self._in_flight += 1
+        if self._in_flight > self.data.max_buffers_in_flight:
+            self.data.max_buffers_in_flight = self._in_flight
+        return int(self.options.buffer_size), 0
+
+    def _buffer_completed(self, *args: Any) -> None:
+        """CUPTI's thread hands over a completed buffer (holding the GIL: the replay loop waits).
+
+        Fast path: copy the needed fields of the buffer's records into compact numpy columns
+        (:meth:`_FastParser.stash`, a few vectorized copies per buffer) and return. Aggregation
+        (:meth:`drain`) runs at ``stop()``, on queries, or when ``options.defer_records`` records or
+        half a launch-table generation of launches are pending, so memory stays bounded and every
+        record still finds its launch.
+        """
+        self._in_flight = max(0, self._in_flight - 1)
+        data = self.data
+        activities = args[-1] if args else ()
+        if not activities:
+            with data.lock:
+                data.buffers_completed += 1
+            return
+        if self._fast is not None:
+            try:
+                items = self._fast.stash(activities)
+            except Exception as e:  # layout not as expected: per-record path from now on
+                self._fast = None
+                data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
+                self.drain()  # what was stashed before keeps its order
+            else:
+                with data.lock:
+                    data.buffers_completed += 1
+                    if not self._pending:
+                        self._pending_since = data.launch_puts
+                    self._pending.extend(items)
+                    self._pending_records += sum(int(a.shape[0]) for _, a in items)
+                    if (
+                        self._pending_records >= self.options.defer_records
+                        or data.launch_puts - self._pending_since >= data.launch_generation // 2
+                    ):
+                        self.drain()
+                return
+        self._buffer_completed_slow(activities)
+
+    def drain(self) -> None:
+        """Aggregate every stashed record now (records keep their arrival order)."""
+        data = self.data
+        with data.lock:
+            if not self._pending:
+                return
+            items, self._pending = self._pending, []
+            self._pending_records = 0
+            drainer = self._drainer
+            if drainer is None:  # pragma: no cover - nothing is stashed without a parser
+                return
+            try:
+                for batch in drainer.batches(items):
+                    self.sink.record_batch(*batch)
+            except Exception as e:
+                data.record_errors += sum(int(a.shape[0]) for _, a in items)
+                data.notes.append(f"records lost while aggregating ({type(e).__name__}: {e})")
+
+    def _buffer_completed_slow(self, activities: Any) -> None:
+        data = self.data
+        try:
+            cupti = self.cupti
+            kernel_kinds = (int(cupti.ActivityKind.CONCURRENT_KERNEL), int(cupti.ActivityKind.KERNEL))
+            memcpy_kind = int(cupti.ActivityKind.MEMCPY)
+            memset_kind = int(cupti.ActivityKind.MEMSET)
+            names = self._memcpy_names
+            record = self.sink.record
+            with data.lock:
+                data.buffers_completed += 1
+                for a in activities or ():
+                    try:
+                        k = a.kind
+                        if k in kernel_kinds:
+                            record(
+                                KERNEL, a.name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id,
+                                a.graph_id, a.graph_node_id, 0,
+                            )
+                        elif k == memcpy_kind:
+                            record(
+                                MEMCPY, names.get(a.copy_kind, "Memcpy"), a.start, a.end, a.device_id,
+                                a.stream_id, a.correlation_id, a.graph_id, a.graph_node_id, a.bytes,
+                            )
+                        elif k == memset_kind:
+                            record(
+                                MEMSET, "Memset", a.start, a.end, a.device_id, a.stream_id, a.correlation_id,
+                                a.graph_id, a.graph_node_id, a.bytes,
+                            )
+                    except Exception:
+                        data.record_errors += 1
+        except Exception:
+            data.record_errors += 1
+
+    @functools.cached_property
+    def _memcpy_names(self) -> Dict[int, str]:
+        return _memcpy_names(self.cupti)
+
+    # ----------------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """Synchronize, flush, disable, unsubscribe (each step runs even if an earlier one failed)."""
+        global _ACTIVE
+        with _STATE_LOCK:
+            if _ACTIVE is not self:
+                return
+            errors: List[str] = []
+            _step(errors, "synchronize", _synchronize_cuda)
+            self._teardown(errors)
+            _ACTIVE = None
+            if self._atexit is not None:
+                atexit.unregister(self._atexit)
+                self._atexit = None
+            if errors:
+                self.data.notes.append("while stopping: " + "; ".join(errors))
+
+    def _teardown(self, errors: List[str]) -> None:
+        cupti = self.cupti
+        forced = int(getattr(getattr(cupti, "ActivityFlag", None), "FLUSH_FORCED", 1))
+        if self.enabled_kinds:
+            _step(errors, "flush", lambda: cupti.activity_flush_all(forced))
+        for kind in self.enabled_kinds:
+            _step(errors, f"disable activity {kind}", lambda k=kind: cupti.activity_disable(k))
+        if self.enabled_kinds:
+            _step(errors, "flush", lambda: cupti.activity_flush_all(forced))
+        self.enabled_kinds = []
+        _step(errors, "aggregate records", self.drain)
+        if self._flush_period_set:
+            _step(errors, "flush period", lambda: cupti.activity_flush_period(0))
+            self._flush_period_set = False
+        ts = self._now()
+        if self.subscriber is not None:
+            for domain, cbid in self.enabled_callbacks:
+                _step(errors, f"disable callback {domain}/{cbid}", lambda d=domain, c=cbid: cupti.enable_callback(0, self.subscriber, d, c))
+            _step(errors, "unsubscribe", lambda: cupti.unsubscribe(self.subscriber))
+            self.subscriber = None
+        self.enabled_callbacks = []
+        _step(errors, "dropped records", self._read_dropped)
+        if self.options.finalize:
+            _step(errors, "finalize", cupti.finalize)
+        for unsub in self._unsubscribe_events:
+            _step(errors, "graphtree events", unsub)
+        self._unsubscribe_events = []
+        if self.data.sessions and self.data.sessions[-1][1] == 0 and _ACTIVE is self:
+            self.sink.session_stop(ts)
+
+    def _read_dropped(self) -> None:
+        """CUPTI's dropped-record counts: the global queue, then each seen stream of the current
+        context (when cuda-python can name the context). Each query resets its counter."""
+        value = ctypes.c_size_t(0)
+        self.cupti.activity_get_num_dropped_records(0, 0, ctypes.addressof(value))
+        total = int(value.value)
+        ctx = _current_context()
+        if ctx:
+            for stream in sorted(self.data.streams)[:64]:
+                value.value = 0
+                try:
+                    self.cupti.activity_get_num_dropped_records(ctx, int(stream), ctypes.addressof(value))
+                    total += int(value.value)
+                except Exception:
+                    break
+        self.sink.dropped(total)
+
+    def _stop_at_exit(self) -> None:
+        try:
+            self.stop()
+        except Exception:
+            pass
+
+
+class _LayoutMismatch(Exception):
+    """Raw bytes and cupti-python's objects disagree: do not trust the raw layout."""
+
+
+class _FastParser:
+    """Reads a completed buffer's records straight from memory with numpy.
+
+    cupti-python hands over one Python object per record; each object's ``ptr`` is the record's
+    address inside the CUPTI buffer, and ``cupti.activity_kernel10_dtype`` (and the memcpy /
+    memset dtypes) describe the C layout. So the whole buffer is copied in one call and its fields
+    are read as arrays: per-record Python work is two attribute reads instead of a dozen plus the
+    aggregation. Every buffer is checked: the first and last record of each kind must read the
+    same as the objects' attributes, else :class:`_LayoutMismatch` and the session falls back to
+    the per-record path for good.
+    """
+
+    _FIELDS = ("start", "end", "device_id", "stream_id", "correlation_id", "graph_id", "graph_node_id")
+    _EXTRA = {KERNEL: ("name",), MEMCPY: ("copy_kind", "bytes"), MEMSET: ("bytes",)}
+
+    def __init__(self, np: Any, groups: Dict[int, Tuple[int, Any]], span_limit: int,
+                 memcpy_names: Dict[int, str]) -> None:
+        self.np = np
+        self.groups = groups  # activity kind value -> (our KERNEL/MEMCPY/MEMSET, dtype)
+        self.span_limit = span_limit
+        self.memcpy_names = memcpy_names
+        self.names: Dict[int, str] = {}
+        self.compact: Dict[int, Any] = {}  # our KERNEL/MEMCPY/MEMSET -> dtype of the stashed columns
+
+    @classmethod
+    def create(cls, cupti: Any, options: ProfileOptions) -> Optional["_FastParser"]:
+        try:
+            import numpy as np
+        except ImportError:
+            return None
+        ak = cupti.ActivityKind
+        wanted = (
+            (ak.CONCURRENT_KERNEL, "activity_kernel10_dtype", KERNEL),
+            (ak.KERNEL, "activity_kernel10_dtype", KERNEL),
+            (ak.MEMCPY, "activity_memcpy6_dtype", MEMCPY),
+            (ak.MEMSET, "activity_memset4_dtype", MEMSET),
+        )
+        groups: Dict[int, Tuple[int, Any]] = {}
+        for kind, attr, code in wanted:
+            dt = getattr(cupti, attr, None)
+            if dt is None or not all(f in (dt.names or ()) for f in cls._FIELDS + ("kind",)):
+                return None
+            extra = {KERNEL: ("name",), MEMCPY: ("copy_kind", "bytes"), MEMSET: ("bytes",)}[code]
+            if not all(f in dt.names for f in extra):
+                return None
+            groups[int(kind)] = (code, dt)
+        return cls(np, groups, int(options.buffer_size) + 4096, _memcpy_names(cupti))
+
+    def _name(self, ptr: int) -> str:
+        name = self.names.get(ptr)
+        if name is None:
+            raw = ctypes.string_at(ptr) if ptr else b"<unknown>"
+            name = self.names[ptr] = raw.decode("utf-8", "replace")
+        return name
+
+    def _compact_dtype(self, code: int) -> Any:
+        dt = self.compact.get(code)
+        if dt is None:
+            src = next(d for c, d in self.groups.values() if c == code)
+            names = self._FIELDS + self._EXTRA[code]
+            dt = self.compact[code] = self.np.dtype([(f, src.fields[f][0]) for f in names])
+        return dt
+
+    def _check(self, code: int, arr: Any, rows: Any, activities: Any, idx: Any) -> None:
+        """Raw fields of ``arr`` rows ``rows`` must equal the attributes of ``activities[idx]``."""
+        for j, i in zip(rows, idx):
+            obj = activities[i]
+            for f in self._FIELDS:
+                if int(arr[f][j]) != int(getattr(obj, f)):
+                    raise _LayoutMismatch(f"field {f} of record {i}")
+            if code == KERNEL and self._name(int(arr["name"][j])) != obj.name:
+                raise _LayoutMismatch("kernel name")
+
+    def _take(self, code: int, arr: Any) -> Tuple[int, Any]:
+        out = self.np.empty(arr.shape[0], dtype=self._compact_dtype(code))
+        for f in out.dtype.names:
+            out[f] = arr[f]
+        return code, out
+
+    def stash(self, activities: Any) -> List[Tuple[int, Any]]:
+        """The records of one buffer as compact numpy columns per kind: ``[(code, array)]``.
+
+        This is what runs in CUPTI's thread for every buffer, so it does no per-record Python
+        work in the common case (one kind, records back to back: a graph replay's kernels): the
+        buffer is viewed in place with the record dtype, its ``kind`` column checked, three records
+        compared with cupti-python's objects, and the needed fields copied out. Mixed buffers
+        read each object's ``ptr`` once. Kernel names stay pointers (CUPTI's name strings live as
+        long as the context) until :meth:`batches`.
+        """
+        np = self.np
+        n = len(activities)
+        first, last = activities[0], activities[-1]
+        k0 = int(first.kind)
+        group = self.groups.get(k0)
+        if group is not None and int(last.kind) == k0:
+            code, dt = group
+            size = dt.itemsize
+            base = int(first.ptr)
+            if base > 0 and int(last.ptr) - base == (n - 1) * size and n * size <= self.span_limit:
+                view = np.frombuffer((ctypes.c_char * (n * size)).from_address(base), dtype=dt)
+                if bool((view["kind"] == k0).all()):
+                    idx = sorted({0, n // 2, n - 1})
+                    self._check(code, view, idx, activities, idx)
+                    return [self._take(code, view)]
+        # mixed kinds or gaps: one pointer read per record
+        ptrs = np.fromiter((a.ptr for a in activities), dtype=np.int64, count=n)
+        if int(ptrs.min()) <= 0:
+            raise _LayoutMismatch("record without an address")
+        kinds = np.fromiter((a.kind for a in activities), dtype=np.int64, count=n)
+        sizes = np.zeros(n, dtype=np.int64)
+        for kind, (_, dt) in self.groups.items():
+            sizes[kinds == kind] = dt.itemsize
+        # records of one buffer lie one after another, in order; anything else: do not read raw memory
+        if n > 1 and not bool((ptrs[1:] >= ptrs[:-1] + sizes[:-1]).all()):
+            raise _LayoutMismatch("records are not laid out one after another")
+        base = int(ptrs[0])
+        top = int(ptrs[-1] + max(int(sizes[-1]), 8))
+        if top - base > self.span_limit:
+            raise _LayoutMismatch(f"records span {top - base} bytes")
+        offs = ptrs - base
+        full = np.frombuffer((ctypes.c_char * (top - base)).from_address(base), dtype=np.uint8)
+        out: List[Tuple[int, Any]] = []
+        for kind, (code, dt) in self.groups.items():
+            sel = np.flatnonzero(kinds == kind)
+            if not sel.size:
+                continue
+            o = offs[sel]
+            size = dt.itemsize
+            rows = full[o[:, None] + np.arange(size)]
+            arr = np.ascontiguousarray(rows).view(dt).reshape(-1)
+            js = sorted({0, int(sel.size) - 1})
+            self._check(code, arr, js, activities, [int(sel[j]) for j in js])
+            out.append(self._take(code, arr))
+        if len(out) > 1:  # keep the order of kinds fixed (kernels, memcpys, memsets)
+            out.sort(key=lambda t: t[0])
+        return out
+
+    def batches(self, items: List[Tuple[int, Any]]) -> List[Tuple[Any, ...]]:
+        """``record_batch`` argument tuples for stashed items (one batch per kind, in order)."""
+        np = self.np
+        by_code: Dict[int, List[Any]] = {}
+        for code, arr in items:
+            by_code.setdefault(code, []).append(arr)
+        out = []
+        for code, arrs in sorted(by_code.items()):
+            arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
+            if code == KERNEL:
+                uptr, inv = np.unique(arr["name"], return_inverse=True)
+                names = [self._name(int(p)) for p in uptr.tolist()]
+                nbytes = np.zeros(arr.shape[0], dtype=np.int64)
+            elif code == MEMCPY:
+                ukind, inv = np.unique(arr["copy_kind"], return_inverse=True)
+                names = [self.memcpy_names.get(int(k), "Memcpy") for k in ukind.tolist()]
+                nbytes = arr["bytes"]
+            else:
+                names, inv = ["Memset"], np.zeros(arr.shape[0], dtype=np.int64)
+                nbytes = arr["bytes"]
+            out.append(
+                (code, names, inv.reshape(-1), arr["start"], arr["end"], arr["device_id"], arr["stream_id"],
+                 arr["correlation_id"], arr["graph_id"], arr["graph_node_id"], nbytes)
+            )
+        return out
+
+    def parse(self, activities: Any) -> List[Tuple[Any, ...]]:
+        """``record_batch`` argument tuples for the records of one buffer (validated)."""
+        return self.batches(self.stash(activities))
+
+
+def _current_context() -> int:
+    if "cuda.bindings" not in sys.modules and "cuda.bindings.driver" not in sys.modules:
+        return 0  # do not import cuda-python just for this
+    try:
+        from cuda.bindings import driver
+
+        err, ctx = driver.cuCtxGetCurrent()
+        return int(ctx) if int(err) == 0 else 0
+    except Exception:
+        return 0
+
+
+def _step(errors: List[str], what: str, fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception as e:  # keep tearing down: never leave CUPTI subscribed
+        errors.append(f"{what}: {type(e).__name__}: {e}")
+
+
+def _graph_data(cupti: Any, cbdata: Any) -> Any:
+    if hasattr(cbdata, "node") and hasattr(cbdata, "original_node"):
+        return cbdata
+    ptr = getattr(cbdata, "resource_descriptor", 0)
+    if not ptr:
+        return None
+    return cupti.GraphData.from_ptr(int(ptr), True)
+
+
+def _graph_id(cupti: Any, handle: Any) -> int:
+    h = int(handle or 0)
+    return int(cupti.get_graph_id(h)) if h else 0
+
+
+def _node_id(cupti: Any, handle: Any) -> int:
+    h = int(handle or 0)
+    return int(cupti.get_graph_node_id(h)) if h else 0

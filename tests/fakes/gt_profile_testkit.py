@@ -1,0 +1,62 @@
+"""Shared pieces of the graphtree.profile CPU tests: the fake-CUPTI fixture and helpers.
+
+Test modules put ``tests/fakes`` on ``sys.path`` and import from here.
+
+Example::
+
+    from gt_profile_testkit import fake_cupti  # noqa: F401  (a pytest fixture)
+
+    def test_x(fake_cupti):
+        fake_cupti.SIM.launch_kernel("k")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+FAKES = Path(__file__).resolve().parent
+FIXTURES = FAKES.parent / "fixtures"
+
+__graphtree_profile_internal__ = True
+
+
+@pytest.fixture
+def fake_cupti() -> Iterator[Any]:
+    """Install the fake as ``cupti``/``cupti.cupti`` for one test; yields the fake ``cupti.cupti``."""
+    import fake_cupti as pkg
+    from fake_cupti import cupti
+
+    saved = {k: sys.modules.get(k) for k in ("cupti", "cupti.cupti")}
+    sys.modules["cupti"] = pkg
+    sys.modules["cupti.cupti"] = cupti
+    cupti.SIM.reset()
+    try:
+        yield cupti
+    finally:
+        from graphtree.profile import _session
+
+        s = _session.active_session()
+        if s is not None:
+            s.stop()
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def fixture_files() -> List[Path]:
+    """Every profile fixture committed under tests/fixtures."""
+    return sorted(FIXTURES.glob("profile_*.json"))
+
+
+def load_fixture(path: os.PathLike) -> Dict[str, Any]:
+    """The JSON document of a fixture."""
+    with open(path) as f:
+        return json.load(f)

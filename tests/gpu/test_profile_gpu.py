@@ -1,0 +1,369 @@
+"""GPU tests of graphtree.profile (``pytest -m gpu tests/gpu/test_profile_gpu.py``).
+
+Every scenario runs in its own Python process under a timeout (a hang or an illegal memory access
+fails one test instead of the run): this file is also the scenario script,
+``python tests/gpu/test_profile_gpu.py <scenario>``, which prints one ``RESULT {json}`` line.
+
+Skipped without a CUDA GPU or without NVIDIA's cupti-python (``pip install 'graphtree[profile]'``,
+or ``pip install --no-deps --target DIR cupti-python==13.0.1`` with DIR on PYTHONPATH).
+
+Covered: launch callbacks for runtime and driver graph launches with exact counts (``graph.replay()``
+vs ``cuda.bindings.driver.cuGraphLaunch`` on ``raw_cuda_graph_exec()``); attribution of replayed
+kernels to the captured lines; graphs captured before profiling (``make_graphed_callables`` as in
+pytorch/pytorch#75504, and ``graphtree.graphed``) with start/stop/start; another CUPTI user
+(torch.profiler) -> ProfilerBusyError, and torch.profiler working after graphtree stops; one
+million kernel records with bounded memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _have_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _have_cuda(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("cupti") is None, reason="needs cupti-python (graphtree[profile])"),
+]
+
+
+def _run(scenario: str, timeout: float = 120.0, env: Dict[str, str] | None = None) -> Dict[str, Any]:
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), scenario],
+            capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"scenario {scenario} hung (> {timeout:.0f}s); output so far:\n{e.stdout}\n{e.stderr}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"scenario {scenario} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ------------------------------------------------------------------------------------ the tests
+def test_runtime_and_driver_graph_launches_with_exact_counts() -> None:
+    r = _run("launch_paths")
+    assert r["results_correct"]
+    assert r["driver_launches"] == 2, "cuda.bindings.driver.cuGraphLaunch was not exercised"
+    assert r["problems"] == [], "\n".join(r["problems"])
+    api = r["api_counts"]
+    assert api.get("cudaGraphLaunch", 0) + api.get("cudaGraphLaunch_ptsz", 0) == 5, api
+    assert api.get("cuGraphLaunch", 0) + api.get("cuGraphLaunch_ptsz", 0) == 2, api
+    assert r["chrome_ok"] and r["pprof_ok"]
+
+
+def test_make_graphed_callables_captured_before_profiling_start_stop_start() -> None:
+    r = _run("make_graphed_before", env={"CUDA_LAUNCH_BLOCKING": "1"})
+    assert r["results"] == [True] * len(r["results"]), r
+    assert r["session_kernels"][0] > 0 and r["session_kernels"][1] > 0, r
+    assert r["graph_launches"][0] >= 2 and r["graph_launches"][1] >= 2, r  # forward + backward graphs
+    # the graphed kernels come from graphs captured before profiling (plus eager ones around them)
+    assert r["before_profiling"][0] > 0 and r["before_profiling"][1] > 0, r
+    assert r["errors"] == [], r
+
+
+def test_graphtree_recordings_before_and_during_profiling() -> None:
+    r = _run("graphtree_before")
+    assert r["results"] == [True] * len(r["results"]), r
+    assert r["before_kernels"] > 0, r
+    assert r["attributed_lines"], r  # kernels of the recording made while profiling
+    assert "body_inside" in r["attributed_functions"], r
+    assert r["labels"] and all(lab.startswith("graphtree:") for lab in r["labels"]), r
+    assert r["errors"] == [], r
+
+
+def test_torch_profiler_busy_error_and_handoff() -> None:
+    r = _run("busy_and_handoff")
+    assert r["graphtree_first"] > 0, r
+    assert r["torch_profiler_after_graphtree_cuda_events"] > 0, "torch.profiler saw no CUDA kernels after graphtree stopped"
+    assert r["busy_error"] == "ProfilerBusyError", r
+    assert "torch.profiler" in r["busy_message"], r["busy_message"]
+    assert r["results_correct"], r
+
+
+def test_one_million_kernel_records_bounded_memory() -> None:
+    r = _run("million_records", timeout=240.0)
+    assert r["result_correct"], r
+    assert r["graph_launches"] == r["replays"], r
+    # the kernels of the 1000 replays, exactly; the profiled region also runs a few eager kernels
+    # outside the graph (torch.cuda.graph's capture_begin fills the RNG seed/offset: 2 on an H200)
+    assert r["graph_kernels_counted"] + r["dropped"] == r["expected_kernels"] == 1_000_000, r
+    assert r["kernels"] == r["graph_kernels_counted"] + r["eager_kernels"], r
+    assert 0 <= r["eager_kernels"] <= 16, r
+    if r["dropped"] == 0:
+        assert r["kernels_per_graph_launch"] == [1000], r  # every replay got all its kernels
+    assert r["records_kept"] == 0, r
+    assert r["rss_growth_mb"] < 512, r
+    assert r["capped"]["records_kept"] == 100_000, r
+    assert r["capped"]["records_kept"] + r["capped"]["records_not_kept"] + r["capped"]["dropped"] == r["capped"]["expected"], r
+
+
+# ------------------------------------------------------------------------------------ scenarios
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def scenario_launch_paths() -> Dict[str, Any]:
+    import tempfile
+
+    import graphtree
+    from graphtree.profile import _record_fixture
+
+    prof = graphtree.profile()
+    outcome, expect = _record_fixture.run_scenario(prof)
+    problems = _record_fixture.check_expectations(prof, expect)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = prof.export_chrome(os.path.join(tmp, "t.json"))
+        with open(trace) as f:
+            doc = json.load(f)
+        chrome_ok = bool(doc["traceEvents"]) and all(
+            {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 for e in doc["traceEvents"]
+        )
+        pb = prof.export_pprof(os.path.join(tmp, "g.pb.gz"))
+        pprof_ok = os.path.getsize(pb) > 0
+    print(prof.table(), file=sys.stderr)
+    return {
+        **outcome,
+        "problems": problems,
+        "api_counts": prof.summary()["api_counts"],
+        "summary": prof.summary(),
+        "chrome_ok": chrome_ok,
+        "pprof_ok": pprof_ok,
+    }
+
+
+def scenario_make_graphed_before() -> Dict[str, Any]:
+    import torch
+
+    import graphtree
+
+    def add_one(in_: torch.Tensor) -> torch.Tensor:
+        return in_ + 1
+
+    sample_arg = torch.zeros(10, device="cuda").requires_grad_(True)
+    add_one_graphed = torch.cuda.graphs.make_graphed_callables(add_one, sample_args=(sample_arg,))
+    zeros = torch.zeros(10, device="cuda")
+    assert add_one_graphed(zeros)[0] == 1
+
+    results, kernels, launches, before, errors = [], [], [], [], []
+
+    def step() -> None:
+        x = torch.zeros(10, device="cuda").requires_grad_(True)
+        out = add_one_graphed(x)
+        out.sum().backward()
+        torch.cuda.synchronize()
+        results.append(bool(out[0].item() == 1.0) and bool((x.grad == 1).all().item()))
+
+    prof = graphtree.profile()
+    for session in range(2):
+        prof.start()
+        step()
+        step()
+        prof.stop()
+        s = prof.summary()
+        kernels.append(s["kernels"] - sum(kernels))
+        launches.append(s["graph_launches"] - sum(launches))
+        before.append(s["records_before_profiling"] - sum(before))
+        step()  # replay between sessions, unprofiled
+    errors += prof.data.notes
+    print(prof.table(), file=sys.stderr)
+    return {"results": results, "session_kernels": kernels, "graph_launches": launches,
+            "before_profiling": before, "errors": errors}
+
+
+def scenario_graphtree_before() -> Dict[str, Any]:
+    import torch
+
+    import graphtree
+
+    w = torch.randn(64, 64, device="cuda")
+
+    def body_before(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w) + 1
+
+    def body_inside(x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x @ w)
+        return y * 2
+
+    f_before = graphtree.graphed(body_before)
+    x = torch.randn(8, 64, device="cuda")
+    for _ in range(4):
+        graphtree.mark_step()
+        f_before(x)
+    torch.cuda.synchronize()
+
+    results, errors = [], []
+    prof = graphtree.profile()
+    f_inside = graphtree.graphed(body_inside)
+    for session in range(2):
+        prof.start()
+        for _ in range(4):
+            graphtree.mark_step()
+            a = f_before(x)
+            b = f_inside(x)
+            results.append(bool(torch.allclose(a, body_before(x), atol=1e-4)))
+            results.append(bool(torch.allclose(b, body_inside(x), atol=1e-4)))
+        torch.cuda.synchronize()
+        prof.stop()
+        graphtree.mark_step()
+        results.append(bool(torch.allclose(f_before(x), body_before(x), atol=1e-4)))
+    s = prof.summary()
+    lines, funcs, labels = set(), set(), set()
+    for st in prof.kernel_stats():
+        if st.graph_key and not st.captured_before_profiling and st.kind == "kernel":
+            frames = prof.stack(st.stack_id)
+            if frames:
+                lines.add(frames[-1][1])
+                funcs.add(frames[-1][2])
+            if st.label:
+                labels.add(st.label)
+    errors += prof.data.notes
+    print(prof.table(), file=sys.stderr)
+    return {"results": results, "before_kernels": s["records_before_profiling"], "attributed_lines": sorted(lines),
+            "attributed_functions": sorted(funcs), "labels": sorted(labels), "errors": errors, "summary": s}
+
+
+def scenario_busy_and_handoff() -> Dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import graphtree
+    from graphtree.profile import ProfilerBusyError
+
+    x = torch.randn(256, 256, device="cuda")
+    with graphtree.profile() as prof:
+        y = x @ x
+        torch.cuda.synchronize()
+    first = prof.summary()["kernels"]
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        z = torch.relu(x @ x)
+        torch.cuda.synchronize()
+        busy_error, busy_message = "none", ""
+        try:
+            graphtree.profile().start()
+        except ProfilerBusyError as e:
+            busy_error, busy_message = type(e).__name__, str(e)
+        except Exception as e:  # the wrong error is a failure
+            busy_error, busy_message = type(e).__name__, str(e)
+    cuda_events = sum(1 for ev in tp.events() if "CUDA" in str(getattr(ev, "device_type", "")))
+    cuda_time = 0.0
+    for ev in tp.key_averages():
+        for attr in ("self_device_time_total", "self_cuda_time_total"):
+            cuda_time += float(getattr(ev, attr, 0) or 0)
+            if getattr(ev, attr, None) is not None:
+                break
+    maps: Any = ""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sorted({ln.split()[-1] for ln in f if "libcupti" in ln})
+    except OSError:
+        pass
+    return {
+        "graphtree_first": first,
+        "torch_profiler_after_graphtree_cuda_events": max(cuda_events, 1 if cuda_time > 0 else 0),
+        "torch_profiler_cuda_time_us": cuda_time,
+        "busy_error": busy_error,
+        "busy_message": busy_message,
+        "libcupti_loaded": maps,
+        "results_correct": bool(torch.allclose(y, x @ x)) and bool(torch.allclose(z, torch.relu(x @ x))),
+    }
+
+
+def scenario_million_records() -> Dict[str, Any]:
+    import gc
+
+    import torch
+
+    import graphtree
+
+    n_nodes, replays = 1000, 1000
+    x = torch.zeros(32, device="cuda")
+
+    def tiny_kernels() -> None:
+        for _ in range(n_nodes):
+            x.add_(1.0)
+
+    tiny_kernels()  # load the kernel before capture
+    torch.cuda.synchronize()
+    x.zero_()
+    gc.collect()
+    rss0 = _rss_mb()
+    prof = graphtree.profile(keep_records=False)
+    with prof:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            tiny_kernels()
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    rss1 = _rss_mb()
+    s = prof.summary()
+    graph_kernels = sum(st.count for st in prof.kernel_stats() if st.graph_key)
+    result_correct = bool((x == float(n_nodes * replays)).all().item())
+
+    capped_replays = 200
+    capped = graphtree.profile(max_records=100_000)
+    with capped:
+        for _ in range(capped_replays):
+            g.replay()
+        torch.cuda.synchronize()
+    c = capped.summary()
+    return {
+        "replays": replays,
+        "graph_launches": s["graph_launches"],
+        "kernels": s["kernels"],
+        "dropped": s["dropped_records"],
+        "expected_kernels": n_nodes * replays,
+        "graph_kernels_counted": graph_kernels,
+        "eager_kernels": sum(st.count for st in prof.kernel_stats() if not st.graph_key and st.kind == "kernel"),
+        "kernels_per_graph_launch": sorted({launch.kernels for launch in prof.graph_launches()}),
+        "records_kept": s["records_kept"],
+        "rss_growth_mb": rss1 - rss0,
+        "max_buffers_in_flight": s["max_buffers_in_flight"],
+        "buffers_completed": s["buffers_completed"],
+        "notes": prof.data.notes,
+        "result_correct": result_correct,
+        "capped": {"records_kept": c["records_kept"], "records_not_kept": c["records_not_kept"],
+                   "dropped": c["dropped_records"], "expected": n_nodes * capped_replays},
+    }
+
+
+SCENARIOS: Dict[str, Callable[[], Dict[str, Any]]] = {
+    "launch_paths": scenario_launch_paths,
+    "make_graphed_before": scenario_make_graphed_before,
+    "graphtree_before": scenario_graphtree_before,
+    "busy_and_handoff": scenario_busy_and_handoff,
+    "million_records": scenario_million_records,
+}
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    result = SCENARIOS[name]()
+    print("RESULT " + json.dumps(result, default=str))
+    sys.stdout.flush()
