@@ -67,7 +67,6 @@ class GraphedCallable:
         self.bucketing = Bucketing(list(buckets), bucket_dim) if buckets is not None else None
         self.warmup = warmup
         self.max_rerecords = max_rerecords
-        self.warmups_done: dict[Any, int] = {}
         self.disabled_reason: str | None = None
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)

@@ -110,6 +110,9 @@ class TreeManager:
         self.counters = Counters()
         self.check = _torch.data_ptrs_checker()
         self.user_steps = user_steps  # mark_step() was called: no automatic steps
+        # Warm-up runs per (graphed function, signature). Kept per tree, so per thread and device:
+        # lazy initialisation (cuBLAS handles, workspaces) is per thread and per device.
+        self.warmed: dict[tuple[int, Any], int] = {}
         self._pool: Pool | None = None
         self._stream: torch.cuda.Stream | None = None
         self._clear()
@@ -163,7 +166,7 @@ class TreeManager:
                         self.bookkeeping_live = False
                         self.counters.replays += 1
                         return out
-            if self.warming or gc.warmups_done.get(info.key, 0) < gc.warmup:
+            if self.warming or self.warmed.get((gc.id, info.key), 0) < gc.warmup:
                 return self._warm_up(gc, leaves, spec, info)
             return self._record(gc, (gc.id, info.key), leaves, spec, info)
 
@@ -293,7 +296,8 @@ class TreeManager:
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         self.counters.warmups += 1
-        gc.warmups_done[info.key] = gc.warmups_done.get(info.key, 0) + 1
+        done = (gc.id, info.key)
+        self.warmed[done] = self.warmed.get(done, 0) + 1
         if watch.written:
             gc.disable(_mutation_reason(watch.written))
         elif sync.found:
@@ -454,6 +458,7 @@ class TreeManager:
                 _torch.invalidate_storage(r, msg.replace("a new step began", "graphtree.reset() was called"))
             self._clear()
             self.user_steps = False
+            self.warmed = {}
             self._pool = None
             self.counters = Counters()
             torch.cuda.synchronize(self.device)

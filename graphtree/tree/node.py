@@ -54,7 +54,7 @@ class Node:
     def can_replay(self, leaves: list[Any], path: list["Node"], check: Callable[..., bool]) -> bool:
         """Whether replaying here keeps every held output intact and reads the right inputs."""
         plan = self.inputs
-        if plan.inplace_idx and not check(leaves, plan.inplace_ptrs, plan.inplace_idx):
+        if plan.inplace_idx and not check(list(leaves), plan.inplace_ptrs, plan.inplace_idx):
             return False
         if self.static_idx and not check(self.statics, self.static_ptrs, self.static_idx):
             return False
