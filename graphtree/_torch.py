@@ -34,7 +34,20 @@ class PrivateAPIMissing(RuntimeError):
     """A torch private function graphtree relies on does not exist in this torch build."""
 
 
+_warned_version = False
+
+
 def _private(name: str) -> Callable[..., Any]:
+    global _warned_version
+    if not VERSION_SUPPORTED and not _warned_version:
+        _warned_version = True
+        warnings.warn(
+            f"graphtree is tested with torch {TESTED_TORCH[0][0]}.{TESTED_TORCH[0][1]} to "
+            f"{TESTED_TORCH[1][0]}.{TESTED_TORCH[1][1]}; torch {torch.__version__}'s private APIs "
+            "may behave differently (run the GPU tests: python -m pytest -m gpu)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     fn = getattr(torch._C, name, None)
     if fn is None:
         raise PrivateAPIMissing(

@@ -140,3 +140,13 @@ def test_stats_render_and_dict():
     d = s.as_dict()
     assert set(d) >= {"recordings", "replays", "warmups", "eager", "pool_bytes", "cuda", "note"}
     assert "recordings" in str(s)
+
+
+def test_private_apis_are_version_gated(monkeypatch):
+    from graphtree import _torch
+
+    monkeypatch.setattr(_torch, "VERSION_SUPPORTED", False)
+    monkeypatch.setattr(_torch, "_warned_version", False)
+    with pytest.warns(RuntimeWarning, match="tested with torch 2.11"):
+        with pytest.raises(_torch.PrivateAPIMissing, match="_no_such_api"):
+            _torch._private("_no_such_api")
