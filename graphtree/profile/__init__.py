@@ -54,6 +54,8 @@ def profile(
     stack_depth: int = 64,
     finalize: bool = False,
     tap: Optional[Callable[[Any], Any]] = None,
+    raw_buffers: bool = True,
+    **advanced: Any,
 ) -> Profile:
     """A GPU profile to use as a context manager (or with ``start()`` / ``stop()``).
 
@@ -68,6 +70,10 @@ def profile(
         finalize: call ``cuptiFinalize`` at stop (off: re-initialising CUPTI after a teardown
             is what crashes CUDA graphs on some drivers).
         tap: a ``tap(data) -> sink`` that sees every normalized CUPTI event (fixture recording).
+        raw_buffers: read CUPTI's activity buffers straight from libcupti (ctypes, numpy; no
+            Python object per record); False: through cupti-python's buffer callbacks.
+        advanced: further :class:`ProfileOptions` fields (``defer_records``, ``buffer_pool``,
+            ``vectorized``, ``launch_generation``).
 
     Raises (on start): :class:`ProfilerUnavailableError` without CUPTI bindings or driver,
     :class:`ProfilerBusyError` when another CUPTI user (torch.profiler, Nsight, compute-sanitizer,
@@ -89,6 +95,8 @@ def profile(
             stack_depth=stack_depth,
             finalize=finalize,
             tap=tap,
+            raw_buffers=raw_buffers,
+            **advanced,
         )
     )
 

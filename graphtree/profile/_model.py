@@ -291,6 +291,11 @@ class ProfileOptions:
     # buffers are only copied while the program runs, aggregation happens at stop(), on queries,
     # or when this many are pending (0: aggregate every buffer when it completes).
     defer_records: int = 1_000_000
+    # Activity buffers straight from libcupti through ctypes (no Python object per record); False:
+    # cupti-python's buffer callbacks. Falls back to those by itself when libcupti is not found.
+    raw_buffers: bool = True
+    # Free activity buffers kept for reuse (memory: (in flight + this) * buffer_size).
+    buffer_pool: int = 3
     tap: Optional[Any] = field(default=None, repr=False)
 
 
@@ -360,6 +365,9 @@ class ProfileData:
         self.notes: List[str] = []
         self.wall_start_ns = 0
         self.streams: set = set()  # CUPTI stream ids seen (to ask for per-stream dropped counts)
+        self.buffer_path = ""  # how activity buffers arrived: "libcupti (path)" or "cupti-python"
+        self.buffer_path_reason = ""  # why not libcupti, when it was not
+        self.stop_timings: Dict[str, float] = {}  # ms per step of the last stop()
 
     @property
     def launch_puts(self) -> int:
@@ -653,13 +661,13 @@ class ProfileData:
         self.incomplete_records += int(np.count_nonzero((start == 0) & (end == 0)))
 
         # launches, one lookup per distinct correlation id
-        ucorr, first_idx, corr_inv = np.unique(corr, return_index=True, return_inverse=True)
+        ucorr, first_idx, corr_inv = _group_runs(np, corr)
         launches = [self._launches.get(c) for c in ucorr.tolist()]
         have = np.fromiter((lz is not None for lz in launches), dtype=bool, count=len(launches))
         lsid = np.fromiter((lz.stack_id if lz is not None else 0 for lz in launches), dtype=np.int64, count=len(launches))
 
         # graph nodes, one lookup per distinct node id
-        unode, node_inv = np.unique(node_id, return_inverse=True)
+        unode, node_inv = _factorize(np, node_id)
         labels: List[Optional[str]] = [None]
         label_ids: Dict[Optional[str], int] = {None: 0}
         nk, ns, ng, nl = [], [], [], []
@@ -680,7 +688,7 @@ class ProfileData:
         before = is_graph & ~node_known
         raw_gkey = graph_id
         if self._graph_clones and before.any():
-            ug, ug_inv = np.unique(graph_id, return_inverse=True)
+            ug, ug_inv = _factorize(np, graph_id)
             raw_gkey = np.asarray([self._graph_clones.get(g, g) for g in ug.tolist()], dtype=np.int64)[ug_inv]
         node_gkey = np.asarray(ng, dtype=np.int64)[node_inv]
         gkey = np.where(attributed, np.where(node_gkey != 0, node_gkey, graph_id), np.where(before, raw_gkey, 0))
@@ -694,7 +702,9 @@ class ProfileData:
         # graphs: make sure every graph of this batch exists, in record order
         if is_graph.any():
             gi = np.flatnonzero(is_graph)
-            ugk, gfirst, ginv = np.unique(gkey[gi], return_index=True, return_inverse=True)
+            ugk, ginv = _factorize(np, gkey[gi])
+            gfirst = np.full(len(ugk), gi.shape[0], dtype=np.int64)
+            np.minimum.at(gfirst, ginv, np.arange(gi.shape[0]))
             gcount = np.bincount(ginv, minlength=len(ugk))
             gsum = np.bincount(ginv, weights=dur[gi], minlength=len(ugk))
             for j in np.argsort(gfirst, kind="stable").tolist():
@@ -733,11 +743,11 @@ class ProfileData:
                     self._graphs[int(gkey[r])].replays += 1
 
         # aggregates, one Python step per distinct (name, stack, graph, before, label)
-        usid, sid_c = np.unique(sid, return_inverse=True)
-        ugk, gk_c = np.unique(gkey, return_inverse=True)
+        usid, sid_c = _factorize(np, sid)
+        ugk, gk_c = _factorize(np, gkey)
         n_s, n_g, n_l = len(usid), len(ugk), len(labels)
         code = (((name_idx * n_s + sid_c.reshape(-1)) * n_g + gk_c.reshape(-1)) * 2 + before) * n_l + label
-        ucode, kinv = np.unique(code, return_inverse=True)
+        ucode, kinv = _factorize(np, code)
         kinv = kinv.reshape(-1)
         m = len(ucode)
         li_, rest = np.divmod(ucode, n_l)[::-1]
@@ -770,7 +780,7 @@ class ProfileData:
             st.total_ns += int(round(ksum[j]))
 
         if len(self.streams) < 256:
-            self.streams.update(np.unique(stream).tolist()[:256])
+            self.streams.update(_factorize(np, stream)[0].tolist()[:256])
         self.records_total += n
         self.records_by_kind[kind] += n
         self.gpu_ns_total += int(dur.sum())
@@ -877,6 +887,38 @@ class ProfileData:
             "sessions": len(self.sessions),
             "profiled_ns": wall,
         }
+
+
+def _factorize(np: Any, a: Any) -> Tuple[Any, Any]:
+    """``np.unique(a, return_inverse=True)`` for int64 ``a``, without sorting when the values
+    span a small range (graph node ids, stack ids, aggregate keys: O(n + span) instead of a sort)."""
+    n = int(a.shape[0])
+    if n == 0:
+        return a[:0], np.zeros(0, dtype=np.int64)
+    lo, hi = int(a.min()), int(a.max())
+    span = hi - lo + 1
+    if span > max(1 << 16, 2 * n):
+        u, inv = np.unique(a, return_inverse=True)
+        return u, inv.reshape(-1)
+    rel = a - lo
+    present = np.zeros(span, dtype=bool)
+    present[rel] = True
+    ids = np.cumsum(present) - 1
+    return np.flatnonzero(present) + lo, ids[rel]
+
+
+def _group_runs(np: Any, a: Any) -> Tuple[Any, Any, Any]:
+    """``np.unique(a, return_index=True, return_inverse=True)`` through runs of equal values:
+    a graph replay's records share one correlation id and arrive together, so the sort (when
+    one is needed at all) is over runs, not records."""
+    n = int(a.shape[0])
+    starts = np.concatenate(([0], np.flatnonzero(a[1:] != a[:-1]) + 1))
+    vals = a[starts]
+    lengths = np.diff(np.concatenate((starts, [n])))
+    if vals.shape[0] < 2 or bool((vals[1:] > vals[:-1]).all()):  # increasing: already unique, in order
+        return vals, starts, np.repeat(np.arange(vals.shape[0]), lengths)
+    u, idx, inv = np.unique(vals, return_index=True, return_inverse=True)
+    return u, starts[idx], np.repeat(inv.reshape(-1), lengths)
 
 
 class Profile:

@@ -36,9 +36,10 @@ import importlib
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from graphtree.profile import _cbids
+from graphtree.profile import _cbids, _rawbuf
 from graphtree.profile._attribution import capture_stack
 from graphtree.profile._errors import INSTALL_HINT, ProfilerBusyError, ProfilerUnavailableError
 from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileData, ProfileOptions
@@ -48,7 +49,14 @@ __all__ = ["Session", "active_session", "guess_other_cupti_users", "load_cupti"]
 SUBSCRIBER_NAME = "graphtree.profile"
 _MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
 _STATE_LOCK = threading.Lock()
+_RAW_LAYOUT_BAD = False  # a raw buffer failed its layout check: later sessions use cupti-python's
 _ACTIVE: Optional["Session"] = None
+
+# cupti-python's record objects made with ``from_ptr`` on buffers graphtree owns must never be
+# freed: their destructor looks the buffer up in cupti-python's own buffer manager, which does
+# not know it, and prints a KeyError. They are few (layout checks once per process, and the rare
+# per-record fallback), so they are kept.
+_KEEP_ALIVE: List[Any] = []
 
 
 def active_session() -> Optional["Session"]:
@@ -191,6 +199,12 @@ class Session:
         self._pending: List[Tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
         self._pending_records = 0
         self._pending_since = 0  # data.launch_puts when the oldest pending buffer arrived
+        # activity control: libcupti through ctypes (raw buffers) or cupti-python
+        self._act: Any = None
+        self._raw: Optional[_RawParser] = None  # raw-buffer parser while its layout checks pass
+        self._raw_backend: Any = None
+        self._pool: Optional[_rawbuf.BufferPool] = None
+        self.buffer_path = ""  # "libcupti" (raw buffers through ctypes) or "cupti-python"
 
     # ----------------------------------------------------------------------------- start
     def start(self) -> None:
@@ -213,17 +227,13 @@ class Session:
                     cupti.enable_callback(1, sub, domain, cbid)
                     self.enabled_callbacks.append((domain, cbid))
                 self._resource_ids = resource_ids
-                cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
-                if self.options.flush_period_ms > 0 and hasattr(cupti, "activity_flush_period"):
-                    cupti.activity_flush_period(int(self.options.flush_period_ms))
-                    self._flush_period_set = True
-                self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
-                self._drainer = self._fast
+                self._register_buffers(cupti)
+                act = self._act
                 kinds = [cupti.ActivityKind.CONCURRENT_KERNEL]
                 if self.options.memcpy:
                     kinds += [cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
                 for kind in kinds:
-                    cupti.activity_enable(kind)
+                    act.enable(int(kind))
                     self.enabled_kinds.append(int(kind))
             except BaseException as e:
                 self._teardown([])
@@ -237,6 +247,48 @@ class Session:
             _ACTIVE = self
             self._atexit = self._stop_at_exit
             atexit.register(self._atexit)
+
+    def _register_buffers(self, cupti: Any) -> None:
+        """Register the activity buffer callbacks: raw buffers straight from libcupti when it can
+        be loaded and the record dtypes are known (see ``_rawbuf``), else cupti-python's."""
+        data = self.data
+        if self.options.vectorized and self.options.raw_buffers and not _RAW_LAYOUT_BAD:
+            parser = _RawParser.create(cupti, self.options)
+            backend = None
+            if parser is not None:
+                try:
+                    backend = _rawbuf.open_backend(cupti)
+                except Exception as e:  # no libcupti to load: cupti-python's buffers
+                    data.buffer_path_reason = f"{type(e).__name__}: {e}"
+            if parser is not None and backend is not None:
+                parser.backend = backend
+                parser.objects = _record_classes(cupti)
+                self._pool = _rawbuf.BufferPool(int(self.options.buffer_size), keep=self.options.buffer_pool)
+                try:
+                    backend.register(self._raw_requested, self._raw_completed)
+                    self._set_flush_period(backend)
+                except Exception as e:  # this libcupti will not do: cupti-python's buffers
+                    data.buffer_path_reason = f"{type(e).__name__}: {e}"
+                    self._pool = None
+                    backend.release()
+                else:
+                    self._raw = self._drainer = parser
+                    self._raw_backend = self._act = backend
+                    self.buffer_path = "libcupti"
+                    data.buffer_path = f"libcupti ({getattr(backend, 'path', '?')})"
+                    return
+        cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        self._act = _CuptiPythonActivity(cupti)
+        self._set_flush_period(self._act)
+        self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
+        self._drainer = self._fast
+        self.buffer_path = "cupti-python"
+        data.buffer_path = "cupti-python"
+
+    def _set_flush_period(self, act: Any) -> None:
+        if self.options.flush_period_ms > 0 and act.has_flush_period:
+            act.flush_period(int(self.options.flush_period_ms))
+            self._flush_period_set = True
 
     def _resolve_ids(
         self, cupti: Any
@@ -398,19 +450,86 @@ class Session:
                 data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
                 self.drain()  # what was stashed before keeps its order
             else:
-                with data.lock:
-                    data.buffers_completed += 1
-                    if not self._pending:
-                        self._pending_since = data.launch_puts
-                    self._pending.extend(items)
-                    self._pending_records += sum(int(a.shape[0]) for _, a in items)
-                    if (
-                        self._pending_records >= self.options.defer_records
-                        or data.launch_puts - self._pending_since >= data.launch_generation // 2
-                    ):
-                        self.drain()
+                self._add_pending(items)
                 return
         self._buffer_completed_slow(activities)
+
+    def _add_pending(self, items: List[Tuple[int, Any]]) -> None:
+        data = self.data
+        with data.lock:
+            data.buffers_completed += 1
+            if not self._pending:
+                self._pending_since = data.launch_puts
+            self._pending.extend(items)
+            self._pending_records += sum(int(a.shape[0]) for _, a in items)
+            if (
+                self._pending_records >= self.options.defer_records
+                or data.launch_puts - self._pending_since >= data.launch_generation // 2
+            ):
+                self.drain()
+
+    # -- raw buffers (libcupti through ctypes)
+    def _raw_requested(self) -> Tuple[int, int]:
+        pool = self._pool
+        if pool is None:
+            return 0, 0
+        got = pool.take()
+        if pool.max_in_flight > self.data.max_buffers_in_flight:
+            self.data.max_buffers_in_flight = pool.max_in_flight
+        return got
+
+    def _raw_completed(self, addr: int, size: int, valid: int) -> None:
+        """CUPTI hands back buffer ``addr`` with ``valid`` bytes of records (CUPTI's thread, or the
+        flushing one; ctypes holds the GIL meanwhile). The records' fields are copied into compact
+        numpy columns (:meth:`_RawParser.stash_raw`: a few vectorized copies per run of records of
+        one kind, no Python object per record), then the buffer goes back to the pool."""
+        data = self.data
+        try:
+            if valid <= 0:
+                with data.lock:
+                    data.buffers_completed += 1
+                return
+            raw = self._raw
+            if raw is not None:
+                try:
+                    items = raw.stash_raw(addr, valid)
+                except Exception as e:  # layout not as expected: CUPTI's iterator + cupti-python objects
+                    global _RAW_LAYOUT_BAD
+                    _RAW_LAYOUT_BAD = True  # later sessions use cupti-python's buffers
+                    self._raw = None
+                    data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
+                    self.drain()  # what was stashed before keeps its order
+                else:
+                    self._add_pending(items)
+                    return
+            self._raw_completed_slow(addr, valid)
+        except Exception:
+            data.record_errors += 1
+        finally:
+            pool = self._pool
+            if pool is not None:
+                pool.give(addr)
+
+    def _raw_completed_slow(self, addr: int, valid: int) -> None:
+        """Per-record fallback: CUPTI's own iterator finds the records, cupti-python's classes
+        (``from_ptr``) read them."""
+        backend = self._raw_backend
+        parser = self._drainer
+        classes = getattr(parser, "objects", {}) or {}
+        offsets = backend.record_offsets(addr, valid)
+        objs = []
+        lost = 0
+        for off in offsets:
+            kind = ctypes.c_uint32.from_address(addr + off).value
+            cls = classes.get(int(kind))
+            if cls is None:
+                lost += 1
+                continue
+            objs.append(cls.from_ptr(addr + off, True))
+        _KEEP_ALIVE.extend(objs)
+        if lost:
+            self.data.record_errors += lost
+        self._buffer_completed_slow(objs)
 
     def drain(self) -> None:
         """Aggregate every stashed record now (records keep their arrival order)."""
@@ -476,8 +595,11 @@ class Session:
             if _ACTIVE is not self:
                 return
             errors: List[str] = []
+            t0 = time.perf_counter()
             _step(errors, "synchronize", _synchronize_cuda)
+            t_sync = 1e3 * (time.perf_counter() - t0)
             self._teardown(errors)
+            self.data.stop_timings["synchronize"] = t_sync
             _ACTIVE = None
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
@@ -487,26 +609,40 @@ class Session:
 
     def _teardown(self, errors: List[str]) -> None:
         cupti = self.cupti
+        act = self._act
+        timings = self.data.stop_timings
+        timings.clear()
         forced = int(getattr(getattr(cupti, "ActivityFlag", None), "FLUSH_FORCED", 1))
         if self.enabled_kinds:
-            _step(errors, "flush", lambda: cupti.activity_flush_all(forced))
+            _step(errors, "flush", lambda: act.flush_all(forced), timings)
         for kind in self.enabled_kinds:
-            _step(errors, f"disable activity {kind}", lambda k=kind: cupti.activity_disable(k))
+            _step(errors, f"disable activity {kind}", lambda k=kind: act.disable(k), timings, "disable")
         if self.enabled_kinds:
-            _step(errors, "flush", lambda: cupti.activity_flush_all(forced))
+            _step(errors, "flush", lambda: act.flush_all(forced), timings, "flush again")
         self.enabled_kinds = []
-        _step(errors, "aggregate records", self.drain)
+        _step(errors, "aggregate records", self.drain, timings)
         if self._flush_period_set:
-            _step(errors, "flush period", lambda: cupti.activity_flush_period(0))
+            _step(errors, "flush period", lambda: act.flush_period(0), timings)
             self._flush_period_set = False
+        if self._pool is not None:
+            if self._pool.in_flight:  # CUPTI still holds some: never free memory it may write to
+                _rawbuf.ORPHANED.append(self._pool)
+            self._pool = None
+        if self._raw_backend is not None and hasattr(self._raw_backend, "release"):
+            self._raw_backend.release()
         ts = self._now()
         if self.subscriber is not None:
-            for domain, cbid in self.enabled_callbacks:
-                _step(errors, f"disable callback {domain}/{cbid}", lambda d=domain, c=cbid: cupti.enable_callback(0, self.subscriber, d, c))
-            _step(errors, "unsubscribe", lambda: cupti.unsubscribe(self.subscriber))
+            sub = self.subscriber
+
+            def disable_callbacks() -> None:
+                for domain, cbid in self.enabled_callbacks:
+                    _step(errors, f"disable callback {domain}/{cbid}", lambda d=domain, c=cbid: cupti.enable_callback(0, sub, d, c))
+
+            _step(errors, "disable callbacks", disable_callbacks, timings)
+            _step(errors, "unsubscribe", lambda: cupti.unsubscribe(sub), timings)
             self.subscriber = None
         self.enabled_callbacks = []
-        _step(errors, "dropped records", self._read_dropped)
+        _step(errors, "dropped records", self._read_dropped, timings)
         if self.options.finalize:
             _step(errors, "finalize", cupti.finalize)
         for unsub in self._unsubscribe_events:
@@ -597,6 +733,21 @@ class _FastParser:
             raw = ctypes.string_at(ptr) if ptr else b"<unknown>"
             name = self.names[ptr] = raw.decode("utf-8", "replace")
         return name
+
+    def _name_ids(self, ptrs: Any) -> Tuple[Any, Any]:
+        """``np.unique(ptrs, return_inverse=True)`` for kernel name pointers: a binary search in
+        the (few) pointers seen before instead of sorting every record's."""
+        np = self.np
+        known = getattr(self, "_known_ptrs", None)
+        if known is not None and known.shape[0]:
+            pos = np.searchsorted(known, ptrs)
+            np.minimum(pos, known.shape[0] - 1, out=pos)
+            if bool((known[pos] == ptrs).all()):
+                return known, pos
+        uptr, inv = np.unique(ptrs, return_inverse=True)
+        merged = uptr if known is None else np.union1d(known, uptr)
+        self._known_ptrs = merged if merged.shape[0] <= 1 << 16 else None
+        return uptr, inv.reshape(-1)
 
     def _compact_dtype(self, code: int) -> Any:
         dt = self.compact.get(code)
@@ -690,7 +841,7 @@ class _FastParser:
         for code, arrs in sorted(by_code.items()):
             arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
             if code == KERNEL:
-                uptr, inv = np.unique(arr["name"], return_inverse=True)
+                uptr, inv = self._name_ids(arr["name"])
                 names = [self._name(int(p)) for p in uptr.tolist()]
                 nbytes = np.zeros(arr.shape[0], dtype=np.int64)
             elif code == MEMCPY:
@@ -711,6 +862,142 @@ class _FastParser:
         return self.batches(self.stash(activities))
 
 
+class _CuptiPythonActivity:
+    """Activity control through cupti-python (the path without raw buffers)."""
+
+    def __init__(self, cupti: Any) -> None:
+        self.cupti = cupti
+        self.has_flush_period = hasattr(cupti, "activity_flush_period")
+
+    def enable(self, kind: int) -> None:
+        self.cupti.activity_enable(kind)
+
+    def disable(self, kind: int) -> None:
+        self.cupti.activity_disable(kind)
+
+    def flush_all(self, flag: int) -> None:
+        self.cupti.activity_flush_all(flag)
+
+    def flush_period(self, ms: int) -> None:
+        self.cupti.activity_flush_period(ms)
+
+
+def _record_classes(cupti: Any) -> Dict[int, Any]:
+    """Activity kind value -> cupti-python record class with ``from_ptr`` (layout checks, fallback)."""
+    ak = cupti.ActivityKind
+    out: Dict[int, Any] = {}
+    for kind, cls in (("CONCURRENT_KERNEL", "ActivityKernel10"), ("KERNEL", "ActivityKernel10"),
+                      ("MEMCPY", "ActivityMemcpy6"), ("MEMSET", "ActivityMemset4")):
+        c = getattr(cupti, cls, None)
+        if c is not None and hasattr(c, "from_ptr") and hasattr(ak, kind):
+            out[int(getattr(ak, kind))] = c
+    return out
+
+
+class _RawParser(_FastParser):
+    """Reads a raw CUPTI buffer (``address``, ``valid_size``) with numpy, no object per record.
+
+    Every CUPTI activity record starts with its ``CUpti_ActivityKind`` (uint32) and records lie
+    back to back (each ``dtype.itemsize`` bytes, the C struct's size). The walk finds *runs* of one
+    kind: at the run's first record the kind gives the size, the kinds at that stride are compared
+    in growing vectorized chunks, and the first mismatch is exactly where the next record (of
+    another kind) begins. Each run is viewed in place with its dtype and the needed fields copied
+    (:meth:`_FastParser._take`): per buffer a handful of numpy calls per run.
+
+    Checks, per buffer (cheap; a failure raises :class:`_LayoutMismatch` and the session goes
+    per-record through CUPTI's iterator and cupti-python's classes for good): the walk must end
+    exactly at ``valid_size`` with only known kinds; the first ``verify_records`` record offsets
+    (every record of the first buffer of the process, up to 4096) must equal what
+    ``cuptiActivityGetNextRecord`` returns; the first and last record of every run of a kind are
+    read through cupti-python's ``from_ptr`` objects and must give the same fields and name.
+    """
+
+    verify_records = 16
+    _first_done = False  # class level: the first buffer of the process is checked in full
+
+    backend: Any = None
+    objects: Dict[int, Any] = {}
+
+    def _walk(self, mem: Any, valid: int) -> List[Tuple[int, int, int]]:
+        """``[(kind, offset, count)]``: runs of records of one kind, in buffer order."""
+        np = self.np
+        runs: List[Tuple[int, int, int]] = []
+        groups = self.groups
+        off = 0
+        while off < valid:
+            if valid - off < 4:
+                raise _LayoutMismatch(f"{valid - off} trailing bytes")
+            k = int(mem[off:off + 4].view("<u4")[0])
+            g = groups.get(k)
+            if g is None:
+                raise _LayoutMismatch(f"record of unknown kind {k} at offset {off}")
+            size = g[1].itemsize
+            m = (valid - off) // size
+            if m == 0:
+                raise _LayoutMismatch(f"truncated record of kind {k} at offset {off}")
+            count, chunk = 0, 64
+            while count < m:
+                c = min(chunk, m - count)
+                ks = np.ndarray((c,), dtype="<u4", buffer=mem, offset=off + count * size, strides=(size,))
+                bad = np.flatnonzero(ks != k)
+                if bad.size:
+                    count += int(bad[0])
+                    break
+                count += c
+                chunk *= 4
+            runs.append((k, off, count))
+            off += count * size
+        if off != valid:
+            raise _LayoutMismatch(f"records end at {off}, valid size {valid}")
+        return runs
+
+    def _verify(self, addr: int, valid: int, runs: List[Tuple[int, int, int]], views: List[Any]) -> None:
+        backend = self.backend
+        limit = self.verify_records
+        if not _RawParser._first_done:
+            limit = 4096
+        if backend is not None and hasattr(backend, "record_offsets"):
+            ref = backend.record_offsets(addr, valid, limit)
+            ours: List[int] = []
+            for k, off, count in runs:
+                size = self.groups[k][1].itemsize
+                ours.extend(range(off, off + min(count, limit - len(ours)) * size, size))
+                if len(ours) >= limit:
+                    break
+            if ref != ours[:len(ref)] or (len(ref) < limit and len(ref) != len(ours)):
+                raise _LayoutMismatch("record offsets differ from cuptiActivityGetNextRecord")
+        if not _RawParser._first_done:  # field by field against cupti-python, once per process
+            classes = self.objects
+            for (k, off, count), view in zip(runs, views):
+                cls = classes.get(k)
+                if cls is None:
+                    continue
+                code, dt = self.groups[k]
+                rows = sorted({0, count - 1})
+                objs = [cls.from_ptr(addr + off + j * dt.itemsize, True) for j in rows]
+                self._check(code, view, rows, objs, range(len(objs)))
+                _KEEP_ALIVE.extend(objs)
+        _RawParser._first_done = True
+
+    def stash_raw(self, addr: int, valid: int) -> List[Tuple[int, Any]]:
+        """Compact columns ``[(code, array)]`` (one per kind, kinds in fixed order) of a raw buffer."""
+        np = self.np
+        if valid > self.span_limit:
+            raise _LayoutMismatch(f"valid size {valid} larger than the buffer")
+        mem = np.frombuffer((ctypes.c_char * valid).from_address(addr), dtype=np.uint8)
+        runs = self._walk(mem, valid)
+        views = []
+        for k, off, count in runs:
+            dt = self.groups[k][1]
+            views.append(mem[off:off + count * dt.itemsize].view(dt))
+        self._verify(addr, valid, runs, views)
+        by_code: Dict[int, List[Any]] = {}
+        for (k, _, _), view in zip(runs, views):
+            code = self.groups[k][0]
+            by_code.setdefault(code, []).append(self._take(code, view)[1])
+        return [(code, arrs[0] if len(arrs) == 1 else np.concatenate(arrs)) for code, arrs in sorted(by_code.items())]
+
+
 def _current_context() -> int:
     if "cuda.bindings" not in sys.modules and "cuda.bindings.driver" not in sys.modules:
         return 0  # do not import cuda-python just for this
@@ -723,11 +1010,17 @@ def _current_context() -> int:
         return 0
 
 
-def _step(errors: List[str], what: str, fn: Callable[[], Any]) -> None:
+def _step(errors: List[str], what: str, fn: Callable[[], Any], timings: Optional[Dict[str, float]] = None,
+          key: Optional[str] = None) -> None:
+    t0 = time.perf_counter()
     try:
         fn()
     except Exception as e:  # keep tearing down: never leave CUPTI subscribed
         errors.append(f"{what}: {type(e).__name__}: {e}")
+    finally:
+        if timings is not None:
+            k = key or what
+            timings[k] = timings.get(k, 0.0) + 1e3 * (time.perf_counter() - t0)
 
 
 def _graph_data(cupti: Any, cbdata: Any) -> Any:

@@ -161,6 +161,10 @@ def build(path: Optional[str] = None) -> Dict[str, Any]:
     saved = {k: sys.modules.get(k) for k in ("cupti", "cupti.cupti")}
     sys.modules["cupti"] = fake_cupti
     sys.modules["cupti.cupti"] = cupti
+    from graphtree.profile import _rawbuf
+
+    saved_factory = _rawbuf.BACKEND_FACTORY
+    _rawbuf.BACKEND_FACTORY = lambda _cupti: cupti.LIBCUPTI  # never a real libcupti here
     try:
         import graphtree
         from graphtree.profile import _record_fixture
@@ -191,6 +195,7 @@ def build(path: Optional[str] = None) -> Dict[str, Any]:
                 f.write("\n")
         return doc
     finally:
+        _rawbuf.BACKEND_FACTORY = saved_factory
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)

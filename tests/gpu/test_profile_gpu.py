@@ -117,6 +117,9 @@ def test_one_million_kernel_records_bounded_memory() -> None:
         assert r["kernels_per_graph_launch"] == [1000], r  # every replay got all its kernels
     assert r["records_kept"] == 0, r
     assert r["rss_growth_mb"] < 512, r
+    # raw activity buffers straight from cupti-python's libcupti, and their layout checks passed
+    assert r["buffer_path"].startswith("libcupti"), r
+    assert not any("record parsing disabled" in n for n in r["notes"]), r
     assert r["capped"]["records_kept"] == 100_000, r
     assert r["capped"]["records_kept"] + r["capped"]["records_not_kept"] + r["capped"]["dropped"] == r["capped"]["expected"], r
 
@@ -347,6 +350,9 @@ def scenario_million_records() -> Dict[str, Any]:
         "max_buffers_in_flight": s["max_buffers_in_flight"],
         "buffers_completed": s["buffers_completed"],
         "notes": prof.data.notes,
+        "buffer_path": prof.data.buffer_path,
+        "buffer_path_reason": prof.data.buffer_path_reason,
+        "stop_timings_ms": prof.data.stop_timings,
         "result_correct": result_correct,
         "capped": {"records_kept": c["records_kept"], "records_not_kept": c["records_not_kept"],
                    "dropped": c["dropped_records"], "expected": n_nodes * capped_replays},

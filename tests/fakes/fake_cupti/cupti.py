@@ -210,6 +210,7 @@ class cuptiError(Exception):
 
 # ----------------------------------------------------------------------------- data objects
 _POINTERS: Dict[int, Any] = {}
+_RECORDS_AT: Dict[int, Any] = {}  # address -> record object, for the raw buffer in delivery
 _ptr_counter = itertools.count(0x10000, 0x40)
 
 
@@ -266,6 +267,15 @@ class GraphData:
 
 
 class ActivityKernel10:
+    @classmethod
+    def from_ptr(cls, ptr: int, readonly: bool = False, owner: Any = None) -> Any:
+        """The record at ``ptr`` (as cupti-python builds it from memory; the fake returns the
+        values it meant to write, so a corrupted layout shows)."""
+        obj = _RECORDS_AT.get(int(ptr))
+        if not isinstance(obj, cls):
+            raise cuptiError(Result.ERROR_INVALID_PARAMETER)
+        return obj
+
     def __init__(self, **kw: Any) -> None:
         self.kind = int(ActivityKind.CONCURRENT_KERNEL)
         self.context_id = 1
@@ -273,6 +283,15 @@ class ActivityKernel10:
 
 
 class ActivityMemcpy6:
+    @classmethod
+    def from_ptr(cls, ptr: int, readonly: bool = False, owner: Any = None) -> Any:
+        """The record at ``ptr`` (as cupti-python builds it from memory; the fake returns the
+        values it meant to write, so a corrupted layout shows)."""
+        obj = _RECORDS_AT.get(int(ptr))
+        if not isinstance(obj, cls):
+            raise cuptiError(Result.ERROR_INVALID_PARAMETER)
+        return obj
+
     def __init__(self, **kw: Any) -> None:
         self.kind = int(ActivityKind.MEMCPY)
         self.context_id = 1
@@ -281,6 +300,15 @@ class ActivityMemcpy6:
 
 
 class ActivityMemset4:
+    @classmethod
+    def from_ptr(cls, ptr: int, readonly: bool = False, owner: Any = None) -> Any:
+        """The record at ``ptr`` (as cupti-python builds it from memory; the fake returns the
+        values it meant to write, so a corrupted layout shows)."""
+        obj = _RECORDS_AT.get(int(ptr))
+        if not isinstance(obj, cls):
+            raise cuptiError(Result.ERROR_INVALID_PARAMETER)
+        return obj
+
     def __init__(self, **kw: Any) -> None:
         self.kind = int(ActivityKind.MEMSET)
         self.context_id = 1
@@ -426,6 +454,13 @@ class Sim:
         self.record_node_ids = "clone"
         self.record_graph_ids = "exec"
         self.corrupt_layout = False  # write wrong bytes: the profiler must notice and fall back
+        # raw mode (libcupti's callbacks through ctypes, see FakeLibcupti): request() -> (address,
+        # size); complete(address, size, valid_size)
+        self.raw_request: Optional[Callable[[], Tuple[int, int]]] = None
+        self.raw_complete: Optional[Callable[[int, int, int], None]] = None
+        self.raw_offsets: Dict[int, List[int]] = {}  # address of a delivered buffer -> record offsets
+        self.raw_records: List[Any] = []  # records of the current raw buffer
+        self.raw_buffers_outstanding: Set[int] = set()
         self._memory: List[Any] = []  # activity buffers (kept alive while records point into them)
         self._buffer_address = 0
         self._corr = itertools.count(1)
@@ -496,6 +531,17 @@ class Sim:
         size = _RECORD_BYTES[type(rec)]
         if self.buffer is not None and self.buffer_used + size > self.buffer_size:
             self._complete()
+        if self.buffer is None and self.raw_request is not None:
+            addr, got_size = self.raw_request()
+            self.buffers_requested += 1
+            if not addr or int(got_size) < size:
+                self.dropped += 1
+                return
+            self.buffer = []
+            self.buffer_used = 0
+            self.buffer_size = int(got_size)
+            self._buffer_address = int(addr)
+            self.raw_buffers_outstanding.add(int(addr))
         if self.buffer is None:
             if self.buffer_requested is None:
                 self.dropped += 1
@@ -520,7 +566,21 @@ class Sim:
 
     def _complete(self) -> None:
         buf, self.buffer = self.buffer, None
-        self.buffer_used = 0
+        used, self.buffer_used = self.buffer_used, 0
+        if buf is not None and self.raw_complete is not None:
+            addr = self._buffer_address
+            self.raw_offsets[addr] = [r.ptr - addr for r in buf]
+            for r in buf:
+                _RECORDS_AT[r.ptr] = r
+            self.buffers_delivered += 1
+            self.raw_buffers_outstanding.discard(addr)
+            try:
+                self.raw_complete(addr, self.buffer_size, used)
+            finally:
+                for r in buf:
+                    _RECORDS_AT.pop(r.ptr, None)
+                self.raw_offsets.pop(addr, None)
+            return
         if buf is not None and self.buffer_completed is not None:
             self.buffers_delivered += 1
             self.buffer_completed(buf)
@@ -726,11 +786,52 @@ def activity_register_callbacks(func_buffer_requested: Callable[..., Any], func_
     _log("activity_register_callbacks")
     SIM.buffer_requested = func_buffer_requested
     SIM.buffer_completed = func_buffer_completed
+    SIM.raw_request = SIM.raw_complete = None
+
+
+class FakeLibcupti:
+    """libcupti's activity-buffer API as graphtree.profile's ``_rawbuf.LibcuptiBuffers`` wraps
+    it (the raw path): the same process-wide CUPTI state as the cupti-python functions above, so
+    registering here replaces cupti-python's buffer callbacks and vice versa. Records are written
+    into the caller's buffers with the real layouts; ``record_offsets`` answers like
+    ``cuptiActivityGetNextRecord`` from what was written (independently of any parsing)."""
+
+    path = "<fake libcupti>"
+    mapped: List[str] = []
+
+    def register(self, request: Callable[[], Tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
+        _log("activity_register_callbacks")
+        SIM.raw_request, SIM.raw_complete = request, complete
+        SIM.buffer_requested = SIM.buffer_completed = None
+
+    def release(self) -> None:
+        pass
+
+    has_flush_period = True
+
+    def enable(self, kind: int) -> None:
+        activity_enable(kind)
+
+    def disable(self, kind: int) -> None:
+        activity_disable(kind)
+
+    def flush_all(self, flag: int) -> None:
+        activity_flush_all(flag)
+
+    def flush_period(self, ms: int) -> None:
+        activity_flush_period(ms)
+
+    def record_offsets(self, addr: int, valid: int, limit: Optional[int] = None) -> List[int]:
+        offs = [o for o in SIM.raw_offsets.get(int(addr), []) if o < valid]
+        return offs if limit is None else offs[:limit]
+
+
+LIBCUPTI = FakeLibcupti()
 
 
 def activity_flush_all(flag: int) -> None:
     _log("activity_flush_all", int(flag))
-    if SIM.buffer:
+    if SIM.buffer is not None and (SIM.buffer or int(flag)):
         SIM._complete()
 
 
