@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 from gt_profile_testkit import fake_cupti  # noqa: E402,F401
 
 import graphtree  # noqa: E402
-from graphtree.profile.exporters import to_chrome, to_pprof  # noqa: E402
+from graphtree.profile.exporters import check_chrome_trace, to_chrome, to_pprof  # noqa: E402
 
 
 # ------------------------------------------------------------------------- a small protobuf decoder
@@ -121,6 +121,11 @@ def test_chrome_trace_structure(prof, tmp_path):
         doc = json.load(f)
     events = doc["traceEvents"]
     assert events
+    assert check_chrome_trace(doc) == []
+    broken = json.loads(json.dumps(doc))
+    broken["traceEvents"][-1]["dur"] = -1.0
+    broken["traceEvents"][0]["pid"] = "gpu"
+    assert len(check_chrome_trace(broken)) == 2 and check_chrome_trace({}) == ["no traceEvents list"]
     for e in events:
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e), e
         assert isinstance(e["name"], str) and e["ph"] in ("X", "M")

@@ -235,6 +235,44 @@ def _jsonable(d: Dict[str, Any]) -> Dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
+def check_chrome_trace(doc: Any) -> List[str]:
+    """Problems that would stop Perfetto or ``chrome://tracing`` from loading ``doc`` (none: ``[]``).
+
+    Checks the Trace Event Format as :func:`to_chrome` writes it: a ``traceEvents`` list of
+    complete (``"X"``) and metadata (``"M"``) events with a string name, integer pid and tid,
+    a timestamp and duration in microseconds that are finite and not negative, and dict args.
+
+    Example::
+
+        assert check_chrome_trace(json.load(open("trace.json"))) == []
+    """
+    problems: List[str] = []
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    if not isinstance(events, list):
+        return ["no traceEvents list"]
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            problems.append(f"event {i} is not an object")
+            continue
+        where = f"event {i} ({e.get('name')!r})"
+        if not isinstance(e.get("name"), str):
+            problems.append(f"{where}: name is not a string")
+        if e.get("ph") not in ("X", "M"):
+            problems.append(f"{where}: phase {e.get('ph')!r} is not X or M")
+        if not isinstance(e.get("pid"), int) or not isinstance(e.get("tid"), int):
+            problems.append(f"{where}: pid/tid are not integers")
+        if "args" in e and not isinstance(e["args"], dict):
+            problems.append(f"{where}: args is not an object")
+        if e.get("ph") == "X":
+            for key in ("ts", "dur"):
+                v = e.get(key)
+                if not isinstance(v, (int, float)) or v != v or v < 0 or v == float("inf"):
+                    problems.append(f"{where}: {key} {v!r} is not a finite non-negative number")
+        elif e.get("ph") == "M" and not isinstance(e.get("args", {}).get("name"), str):
+            problems.append(f"{where}: metadata without args.name")
+    return problems
+
+
 def export_chrome(prof: Any, path: str) -> str:
     """Write :func:`to_chrome` as JSON to ``path``; returns ``path``.
 
