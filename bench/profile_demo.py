@@ -31,11 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         rc = cli_main(["demo", "--steps", str(a.steps)])
     print(prof.table(limit=12))
     s = prof.summary()
+    # A graph kernel is attributed when its stack is the captured code's, not the replay's.
+    replay_stack = {launch.correlation_id: launch.stack_id for launch in prof.launches()}
     graph_kernels = [r for r in prof.records if r.kind == "kernel" and r.graph_id]
     attributed = [
         r for r in graph_kernels
-        if not r.captured_before_profiling and any(filename.endswith(".py") for filename, _line, _fn in prof.stack(r.stack_id))
+        if not r.captured_before_profiling and prof.stack(r.stack_id)
+        and r.stack_id != replay_stack.get(r.correlation_id)
     ]
+    lines = sorted({f"{f[0].rsplit('/', 1)[-1]}:{f[1]}" for r in attributed for f in prof.stack(r.stack_id)[-1:]})
     trace = prof.export_chrome(os.path.join(a.out, "trace.json"))
     prof.export_pprof(os.path.join(a.out, "gpu.pb.gz"))
     with open(trace) as f:
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
           f"records kept {s['records_kept']}, dropped {s['dropped_records']})")
     print(f"graph kernels {len(graph_kernels)}, attributed to a captured source line {len(attributed)} "
           f"({share:.1%})")
+    print(f"captured lines the graph kernels point at: {', '.join(lines[:12])}{' ...' if len(lines) > 12 else ''}")
     print(f"chrome trace {trace}: {'passes the format checks' if not problems else problems[:5]}")
     return 0 if rc == 0 and not problems else 1
 

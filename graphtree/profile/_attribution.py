@@ -139,9 +139,18 @@ def _stdlib_dirs() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
 
 _STD, _SITE = _stdlib_dirs()
 
+# graphtree's own machinery is never a call site; the demo model (``_gpt.py``) and the command
+# line that drives it are code like the user's, so their lines show.
+_GT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GRAPHTREE_MACHINERY = tuple(
+    os.path.join(_GT_DIR, part) for part in ("tree" + os.sep, "profile" + os.sep, "bench" + os.sep,
+                                              "debug" + os.sep, "_torch.py", "_events.py", "__init__.py")
+)
+
 
 def is_user_file(filename: str) -> bool:
-    """Whether frames of ``filename`` belong to the user (not torch/graphtree/cupti/stdlib).
+    """Whether frames of ``filename`` belong to the user (not torch, graphtree's machinery,
+    cupti or the standard library).
 
     Example::
 
@@ -155,7 +164,9 @@ def is_user_file(filename: str) -> bool:
     if filename.startswith("<"):  # <string>, <stdin>: code the user typed
         return True
     path = os.path.abspath(filename)
-    for name in ("graphtree", "torch", "cupti", "cuda.bindings", "cuda.core", "triton"):
+    if path.startswith(_GRAPHTREE_MACHINERY):
+        return False
+    for name in ("torch", "cupti", "cuda.bindings", "cuda.core", "triton"):
         d = _package_dir(name)
         if d is not None and path.startswith(d):
             return False

@@ -52,11 +52,16 @@ _STATE_LOCK = threading.Lock()
 _RAW_LAYOUT_BAD = False  # a raw buffer failed its layout check: later sessions use cupti-python's
 _ACTIVE: Optional["Session"] = None
 
-# cupti-python's record objects made with ``from_ptr`` on buffers graphtree owns must never be
-# freed: their destructor looks the buffer up in cupti-python's own buffer manager, which does
-# not know it, and prints a KeyError. They are few (layout checks once per process, and the rare
-# per-record fallback), so they are kept.
-_KEEP_ALIVE: List[Any] = []
+def _pin(objs: List[Any]) -> None:
+    """Never free these cupti-python record objects, not even at interpreter exit.
+
+    Objects made with ``from_ptr`` on a buffer graphtree owns look that buffer up in
+    cupti-python's own buffer manager when they are destroyed, which prints errors (a KeyError;
+    at exit, an ImportError). They are few (the layout check of the process's first buffer, and
+    the rare record-by-record fallback), so they are leaked on purpose.
+    """
+    for o in objs:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
 def active_session() -> Optional["Session"]:
@@ -526,7 +531,7 @@ class Session:
                 lost += 1
                 continue
             objs.append(cls.from_ptr(addr + off, True))
-        _KEEP_ALIVE.extend(objs)
+        _pin(objs)
         if lost:
             self.data.record_errors += lost
         self._buffer_completed_slow(objs)
@@ -976,7 +981,7 @@ class _RawParser(_FastParser):
                 rows = sorted({0, count - 1})
                 objs = [cls.from_ptr(addr + off + j * dt.itemsize, True) for j in rows]
                 self._check(code, view, rows, objs, range(len(objs)))
-                _KEEP_ALIVE.extend(objs)
+                _pin(objs)
         _RawParser._first_done = True
 
     def stash_raw(self, addr: int, valid: int) -> List[Tuple[int, Any]]:
