@@ -72,3 +72,15 @@ def test_format_frame():
     assert format_frame(("/a/b/c.py", 3, "f"), base="/a") == "b/c.py:3 f"
     assert format_frame(("<string>", 1, "<module>")) == "<string>:1 <module>"
     assert format_frame(None) == "<no Python frames>"
+
+
+def test_graphtree_machinery_is_internal_but_its_demo_model_is_user_code():
+    import graphtree._gpt
+    import graphtree.cli
+    import graphtree.tree.node
+    from graphtree.profile import _attribution
+
+    assert _attribution.is_user_file(graphtree._gpt.__file__)  # the demo's captured lines show
+    assert _attribution.is_user_file(graphtree.cli.__file__)
+    assert not _attribution.is_user_file(graphtree.tree.node.__file__)
+    assert not _attribution.is_user_file(_attribution.__file__)
