@@ -158,7 +158,9 @@ class TreeManager:
             if not self.warming:
                 kids = self.current.children.get((gc.id, info.key))
                 if kids:
-                    node = self._replayable(gc, kids, leaves)
+                    node = kids[0]
+                    if not node.unconditional:  # something to check first (see Node.can_replay)
+                        node = self._replayable(gc, kids, leaves)
                     if node is not None:  # the hot path: a recording that fits
                         out = node.replay(leaves, info.n, self.torch_device)
                         self.path.append(node)

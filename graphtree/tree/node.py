@@ -46,7 +46,9 @@ class Node:
         self.static_ptrs: list[int] = []
         self.static_idx: list[int] = []
         self.epoch = -1
-        self.unconditional = False  # nothing to check before a replay (no in-place inputs, ...)
+        # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
+        # ancestor output that had to be dead. Such a node is always replayable under its parent.
+        self.unconditional = False
         self.replays = 0
         self.capture_seconds = 0.0
         self.output_bytes = 0
