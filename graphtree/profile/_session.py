@@ -110,7 +110,7 @@ def guess_other_cupti_users(old_subscriber_name: str = "") -> List[str]:
         True
     """
     who: List[str] = []
-    if old_subscriber_name:
+    if old_subscriber_name and old_subscriber_name.strip("<>") != "not provided":
         who.append(f"the subscriber named {old_subscriber_name!r}")
     if "torch" in sys.modules:
         from graphtree import _torch
@@ -128,7 +128,7 @@ def guess_other_cupti_users(old_subscriber_name: str = "") -> List[str]:
         who.append("Nsight Compute (ncu)")
     if inj and not any(w for w in who if "Nsight" in w or "sanitizer" in w):
         who.append(f"the CUDA injection library {inj!r} (CUDA_INJECTION64_PATH)")
-    if "torch.profiler" in sys.modules and not any("torch.profiler" in w for w in who):
+    if not who and "torch.profiler" in sys.modules:  # only a guess when nothing else explains it
         who.append("torch.profiler/Kineto from an earlier session (Kineto may keep its CUPTI subscription)")
     if "dcgm" in keys.lower():
         who.append("DCGM profiling")

@@ -373,3 +373,35 @@ if __name__ == "__main__":
     result = SCENARIOS[name]()
     print("RESULT " + json.dumps(result, default=str))
     sys.stdout.flush()
+
+
+_UNDER_SANITIZER = """
+import torch, graphtree
+from graphtree.profile import ProfilerBusyError
+x = torch.randn(1000, device="cuda")
+try:
+    with graphtree.profile():
+        (x * 2).sum()
+    print("RESULT started")
+except ProfilerBusyError as e:
+    print("RESULT busy:", e)
+"""
+
+
+@pytest.mark.skipif(
+    not any(os.path.exists(os.path.join(d, "compute-sanitizer")) for d in os.environ.get("PATH", "").split(os.pathsep)),
+    reason="needs compute-sanitizer on PATH",
+)
+def test_under_compute_sanitizer_a_clear_error_and_no_crash():
+    proc = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", sys.executable, "-c", _UNDER_SANITIZER],
+        capture_output=True, text=True, timeout=180, cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    result = [line for line in out.splitlines() if line.startswith("RESULT")]
+    assert result, out[-3000:]
+    if result[0].startswith("RESULT busy"):  # CUPTI is taken by the tool: say so, name it
+        assert "compute-sanitizer" in result[0] and "Kineto" not in result[0], result[0]
+    assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]
