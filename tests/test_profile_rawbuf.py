@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
+from gt_profile_workloads import digest, mixed_workload  # noqa: E402
 
 import graphtree  # noqa: E402
 from graphtree.profile import Profile, ProfileOptions, _rawbuf, _session  # noqa: E402
@@ -171,38 +172,15 @@ def test_raw_path_is_used_and_creates_no_object_per_record(fake_cupti, monkeypat
     assert s["max_buffers_in_flight"] == 1
 
 
-def _mixed(sim, **opts):
-    old = sim.capture(lambda: (sim.launch_kernel("o1"), sim.memcpy(64)))
-    with Profile(ProfileOptions(buffer_size=2048, **opts)) as prof:
-        exe = sim.capture(lambda: (sim.launch_kernel("a"), sim.memcpy(128), sim.launch_kernel("b")))
-        for i in range(30):
-            sim.graph_launch(exe, api="cudaGraphLaunch_v10000" if i % 2 else "cuGraphLaunch")
-            sim.launch_kernel("eager", api="cudaLaunchKernel_v7000")
-            sim.memset(32)
-            if i % 10 == 0:
-                sim.graph_launch(old)
-    return prof
-
-
-def _digest(prof):
-    stats = sorted((st.kind, st.name, st.count, st.total_ns, st.min_ns, st.max_ns, prof.stack(st.stack_id)[-1:],
-                    st.graph_key, st.captured_before_profiling, st.label) for st in prof.kernel_stats())
-    graphs = sorted((g.graph_key, g.replays, g.kernels, g.total_ns, g.captured_before_profiling) for g in prof.graph_stats())
-    summary = {k: v for k, v in prof.summary().items() if k not in ("buffers_completed", "max_buffers_in_flight")}
-    launches = [(lz.api, lz.kernels, lz.gpu_ns) for lz in prof.launches()]
-    recs = [r._replace(stack_id=0, correlation_id=0) for r in sorted(prof.records, key=lambda r: (r.start, r.name))]
-    return stats, graphs, summary, launches, recs
-
-
 @pytest.mark.parametrize("other", [{"raw_buffers": False}, {"vectorized": False}])
 def test_raw_path_agrees_with_cupti_python_paths(fake_cupti, other):
     sim = fake_cupti.SIM
-    raw = _mixed(sim)
+    raw = mixed_workload(sim)
     assert raw.data.buffer_path.startswith("libcupti") and raw.data.notes == []
     sim.reset()
-    ref = _mixed(sim, **other)
+    ref = mixed_workload(sim, **other)
     assert ref.data.buffer_path == "cupti-python"
-    assert _digest(raw) == _digest(ref)
+    assert digest(raw, strip_ids=True) == digest(ref, strip_ids=True)
 
 
 def test_offsets_that_disagree_with_cuptis_iterator_fall_back(fake_cupti, monkeypatch):

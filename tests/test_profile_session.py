@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
+from gt_profile_workloads import digest, mixed_workload  # noqa: E402
 
 import graphtree  # noqa: E402
 from graphtree.profile import ProfilerBusyError, ProfilerUnavailableError, _cbids, _session  # noqa: E402
@@ -359,42 +360,13 @@ def test_record_cap_keeps_the_first_records_and_aggregates_the_rest(fake_cupti):
     assert "not kept individually" in prof.table()
 
 
-def _mixed_workload(sim):
-    old = sim.capture(lambda: (sim.launch_kernel("o1"), sim.memcpy(64)))
-    return old
-
-
-def _run_mixed(sim, vectorized=True):
-    from graphtree.profile import Profile, ProfileOptions
-
-    old = _mixed_workload(sim)
-    with Profile(ProfileOptions(buffer_size=2048, vectorized=vectorized)) as prof:
-        exe = sim.capture(lambda: (sim.launch_kernel("a"), sim.memcpy(128), sim.launch_kernel("b")))
-        for i in range(30):
-            sim.graph_launch(exe, api="cudaGraphLaunch_v10000" if i % 2 else "cuGraphLaunch")
-            sim.launch_kernel("eager", api="cudaLaunchKernel_v7000")
-            sim.memset(32)
-            if i % 10 == 0:
-                sim.graph_launch(old)
-    return prof
-
-
-def _digest(prof):
-    stats = sorted((st.kind, st.name, st.count, st.total_ns, st.min_ns, st.max_ns, prof.stack(st.stack_id)[-1:],
-                    st.graph_key, st.captured_before_profiling, st.label) for st in prof.kernel_stats())
-    graphs = sorted((g.graph_key, g.replays, g.kernels, g.total_ns, g.captured_before_profiling) for g in prof.graph_stats())
-    summary = {k: v for k, v in prof.summary().items() if k not in ("buffers_completed", "max_buffers_in_flight")}
-    launches = [(lz.api, lz.kernels, lz.gpu_ns) for lz in prof.launches()]
-    return stats, graphs, summary, launches, sorted(prof.records, key=lambda r: (r.start, r.name))
-
-
 def test_vectorized_and_per_record_paths_agree(fake_cupti):
     sim = fake_cupti.SIM
-    fast = _run_mixed(sim)
+    fast = mixed_workload(sim)
     assert fast.data.notes == []
     sim.reset()
-    slow = _run_mixed(sim, vectorized=False)
-    a, b = _digest(fast), _digest(slow)
+    slow = mixed_workload(sim, vectorized=False)
+    a, b = digest(fast), digest(slow)
     for x, y in zip(a[:4], b[:4]):
         assert x == y
     strip = lambda recs: [r._replace(stack_id=0, correlation_id=0) for r in recs]  # noqa: E731
@@ -404,7 +376,7 @@ def test_vectorized_and_per_record_paths_agree(fake_cupti):
 def test_layout_mismatch_falls_back_to_per_record_path(fake_cupti):
     sim = fake_cupti.SIM
     sim.corrupt_layout = True
-    prof = _run_mixed(sim)
+    prof = mixed_workload(sim)
     assert any("vectorized record parsing disabled" in n for n in prof.data.notes)
     s = prof.summary()
     assert s["kernels"] == 30 * 2 + 30 + 3 * 1 and s["record_errors"] == 0

@@ -33,6 +33,20 @@ def _noop() -> None:
     return None
 
 
+def _timed_calls(fn: Callable[[], Any], calls: int, sync: Callable[[], None], sync_after: bool) -> float:
+    """Seconds per call of ``calls`` calls, after one ``sync``; with ``sync_after``, the clock
+    also waits for the device at the end."""
+    if calls < 1:
+        raise ValueError("calls must be >= 1")
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if sync_after:
+        sync()
+    return (time.perf_counter() - t0) / calls
+
+
 def cpu_per_call(fn: Callable[[], Any], calls: int = 100,
                  sync: Callable[[], None] = _noop) -> float:
     """Seconds of CPU time per call: ``perf_counter`` around ``calls`` calls, no sync inside.
@@ -44,13 +58,7 @@ def cpu_per_call(fn: Callable[[], Any], calls: int = 100,
 
         cpu_per_call(lambda: step(x), calls=200, sync=torch.cuda.synchronize)
     """
-    if calls < 1:
-        raise ValueError("calls must be >= 1")
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls
+    return _timed_calls(fn, calls, sync, sync_after=False)
 
 
 def wall_per_call(fn: Callable[[], Any], calls: int = 100,
@@ -61,14 +69,7 @@ def wall_per_call(fn: Callable[[], Any], calls: int = 100,
 
         wall_per_call(lambda: step(x), calls=200, sync=torch.cuda.synchronize)
     """
-    if calls < 1:
-        raise ValueError("calls must be >= 1")
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / calls
+    return _timed_calls(fn, calls, sync, sync_after=True)
 
 
 def per_unit(timer: Callable[[Callable[[], Any]], float], units: int

@@ -67,3 +67,4 @@ def load_fixture(path: os.PathLike) -> Dict[str, Any]:
     """The JSON document of a fixture."""
     with open(path) as f:
         return json.load(f)
+

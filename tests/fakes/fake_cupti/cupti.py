@@ -266,7 +266,9 @@ class GraphData:
         return obj
 
 
-class ActivityKernel10:
+class _FakeRecord:
+    """Base of the fake activity record classes."""
+
     @classmethod
     def from_ptr(cls, ptr: int, readonly: bool = False, owner: Any = None) -> Any:
         """The record at ``ptr`` (as cupti-python builds it from memory; the fake returns the
@@ -276,22 +278,15 @@ class ActivityKernel10:
             raise cuptiError(Result.ERROR_INVALID_PARAMETER)
         return obj
 
+
+class ActivityKernel10(_FakeRecord):
     def __init__(self, **kw: Any) -> None:
         self.kind = int(ActivityKind.CONCURRENT_KERNEL)
         self.context_id = 1
         self.__dict__.update(kw)
 
 
-class ActivityMemcpy6:
-    @classmethod
-    def from_ptr(cls, ptr: int, readonly: bool = False, owner: Any = None) -> Any:
-        """The record at ``ptr`` (as cupti-python builds it from memory; the fake returns the
-        values it meant to write, so a corrupted layout shows)."""
-        obj = _RECORDS_AT.get(int(ptr))
-        if not isinstance(obj, cls):
-            raise cuptiError(Result.ERROR_INVALID_PARAMETER)
-        return obj
-
+class ActivityMemcpy6(_FakeRecord):
     def __init__(self, **kw: Any) -> None:
         self.kind = int(ActivityKind.MEMCPY)
         self.context_id = 1
@@ -299,16 +294,7 @@ class ActivityMemcpy6:
         self.__dict__.update(kw)
 
 
-class ActivityMemset4:
-    @classmethod
-    def from_ptr(cls, ptr: int, readonly: bool = False, owner: Any = None) -> Any:
-        """The record at ``ptr`` (as cupti-python builds it from memory; the fake returns the
-        values it meant to write, so a corrupted layout shows)."""
-        obj = _RECORDS_AT.get(int(ptr))
-        if not isinstance(obj, cls):
-            raise cuptiError(Result.ERROR_INVALID_PARAMETER)
-        return obj
-
+class ActivityMemset4(_FakeRecord):
     def __init__(self, **kw: Any) -> None:
         self.kind = int(ActivityKind.MEMSET)
         self.context_id = 1
