@@ -395,25 +395,28 @@ class TreeManager:
         _events.publish("record_begin", name=gc.name, node=node.id)
         t0 = time.perf_counter()
         err: Exception | None = None
+        began = False
         try:
             with _Inside(), torch.cuda.device(self.device), torch.cuda.stream(stream):
-                graph.capture_begin(pool=self.pool.id, capture_error_mode="thread_local")
                 try:
+                    graph.capture_begin(pool=self.pool.id, capture_error_mode="thread_local")
+                    began = True
                     with tracker, watch:
                         out = gc.fn(*args, **kwargs)
                 except Exception as e:  # the function's own error comes first
                     err = e
-                try:
-                    graph.capture_end()
-                except Exception as e:
-                    err = err or e
+                if began:
+                    try:
+                        graph.capture_end()
+                    except Exception as e:
+                        err = err or e
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         if err is not None:
             msg = explain_capture_error(err, tracker, gc.name)
             clear_traceback(err)
             del err, args, kwargs, graph_leaves, owning, graph
-            _torch.end_failed_capture(self.device, self.pool.id)
+            _torch.end_failed_capture(self.device, self.pool.id, began)
             raise CaptureFailed(msg, pool_tainted=True)
         node.capture_seconds = time.perf_counter() - t0
         node.unconditional = not (plan.inplace_idx or node.static_idx or node.dead_before)

@@ -338,6 +338,10 @@ def test_a_capture_that_fails_after_warm_up_leaves_the_tree_usable():
             y.sum().item()
         return y
 
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved()
     gs = graphtree.graphed(sneaky, name="sneaky")
     gr = graphtree.graphed(lambda x: x + torch.rand_like(x), name="noisy")
     x = torch.randn(4096, device=DEV)
@@ -361,6 +365,11 @@ def test_a_capture_that_fails_after_warm_up_leaves_the_tree_usable():
     print(f"reserved after recovery {reserved/2**20:.1f} MiB, 10 steps later {torch.cuda.memory_reserved()/2**20:.1f} MiB")
     assert torch.cuda.memory_reserved() <= reserved
     assert graphtree.stats().replays >= 8
+    del r, prev, x
+    graphtree.reset()  # every pool, the one the failed capture was in too, gives its memory back
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= baseline, (torch.cuda.memory_reserved() - baseline) / 2**20
 
 
 # 8. random numbers -------------------------------------------------------------------------------
