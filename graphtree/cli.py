@@ -107,11 +107,17 @@ def _passthrough(name: str, rest: list[str]) -> int:
         rc = entry(rest)
     except SystemExit as e:  # an argparse error or --help inside the subcommand
         rc = e.code
-    if rc is None:
+    return exit_status(rc)
+
+
+def exit_status(code: object) -> int:
+    """A process exit status from what ``sys.exit`` was given (None: 0; an int as is; any other
+    value is printed to stderr, as Python does, and gives 1)."""
+    if code is None:
         return 0
-    if isinstance(rc, int):
-        return rc
-    print(rc, file=sys.stderr)
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
     return 1
 
 

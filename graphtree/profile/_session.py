@@ -452,12 +452,16 @@ class Session:
                 items = self._fast.stash(activities)
             except Exception as e:  # layout not as expected: per-record path from now on
                 self._fast = None
-                data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
-                self.drain()  # what was stashed before keeps its order
+                self._vectorized_failed(e)
             else:
                 self._add_pending(items)
                 return
         self._buffer_completed_slow(activities)
+
+    def _vectorized_failed(self, e: BaseException) -> None:
+        """Note why bulk parsing stopped, and aggregate what it stashed (records keep their order)."""
+        self.data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
+        self.drain()
 
     def _add_pending(self, items: List[Tuple[int, Any]]) -> None:
         data = self.data
@@ -502,8 +506,7 @@ class Session:
                     global _RAW_LAYOUT_BAD
                     _RAW_LAYOUT_BAD = True  # later sessions use cupti-python's buffers
                     self._raw = None
-                    data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
-                    self.drain()  # what was stashed before keeps its order
+                    self._vectorized_failed(e)
                 else:
                     self._add_pending(items)
                     return

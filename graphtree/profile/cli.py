@@ -94,13 +94,9 @@ def _run(mode: str, target: str, args: List[str]) -> int:
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
         return 0
     except SystemExit as e:
-        code = e.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
+        from graphtree.cli import exit_status
+
+        return exit_status(e.code)
     except KeyboardInterrupt:
         return 130
     except BaseException:
