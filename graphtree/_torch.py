@@ -11,6 +11,7 @@ are looked up lazily, at first use, never at import.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any, Callable, Sequence
@@ -202,12 +203,11 @@ def begin_allocate_to_pool(device: int, pool_id: tuple[int, int]) -> None:
     _private("_cuda_beginAllocateCurrentThreadToPool")(device, pool_id)
 
 
-def end_allocate_to_pool(device: int, pool_id: tuple[int, int], release: bool = True) -> None:
+def end_allocate_to_pool(device: int, pool_id: tuple[int, int]) -> None:
     """Stop routing allocations into ``pool_id`` (``_cuda_endAllocateToPool``) and drop the
     reference :func:`begin_allocate_to_pool` took (``_cuda_releasePool``)."""
     _private("_cuda_endAllocateToPool")(device, pool_id)
-    if release:
-        _private("_cuda_releasePool")(device, pool_id)
+    _private("_cuda_releasePool")(device, pool_id)
 
 
 def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True) -> int:
@@ -271,13 +271,15 @@ class MutationWatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def raw_copier() -> Callable[[int, int, int, int], None] | None:
     """``copy(dst_ptr, src_ptr, nbytes, device)``: a device-to-device ``cudaMemcpyAsync`` on the
     device's current stream, or ``None`` where ``cuda.bindings`` is missing.
 
     For a contiguous input of the recorded shape this does what ``Tensor.copy_`` does, minus
     the dispatcher and TensorIterator set-up: on the replay path that is most of the cost of
-    the copy. Stream order is the same as ``copy_``'s (the current stream).
+    the copy. Stream order is the same as ``copy_``'s (the current stream). Resolved once, at
+    the first recording that can use it, not at import.
     """
     try:
         from cuda.bindings import runtime as cudart

@@ -13,7 +13,7 @@ itself, with its type. Each tensor input then reaches the graph one of two ways:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -174,7 +174,8 @@ class InputPlan:
     pad_dim: int = 0
     bucket: int = -1
     single: tuple[torch.Tensor, int] | None = None  # (placeholder, leaf) when one unpadded copy is all
-    raw: tuple[int, int, int] | None = None  # (leaf, placeholder address, bytes): a plain memcpy does
+    # (leaf, placeholder address, bytes, copy): one contiguous input, copied by cudaMemcpyAsync
+    raw: tuple[int, int, int, Callable[[int, int, int, int], None]] | None = None
     device: int = 0
 
     def freeze(self, device: int) -> None:
@@ -182,8 +183,9 @@ class InputPlan:
         if len(self.copy_idx) == 1 and not self.padded:
             ph, i = self.placeholders[0], self.copy_idx[0]
             self.single = (ph, i)
-            if ph.is_contiguous() and ph.numel() and _raw_copy is not None:
-                self.raw = (i, ph.data_ptr(), ph.numel() * ph.element_size())
+            copy = _torch.raw_copier() if ph.is_contiguous() and ph.numel() else None
+            if copy is not None:
+                self.raw = (i, ph.data_ptr(), ph.numel() * ph.element_size(), copy)
         self.device = device
 
     def addresses_match(self, leaves: list[Any], check: Any) -> bool:
@@ -210,9 +212,6 @@ class InputPlan:
             dsts.append(ph)
             srcs.append(leaves[i])
         _torch.foreach_copy(dsts, srcs)
-
-
-_raw_copy = _torch.raw_copier() if torch.cuda.is_available() else None
 
 
 def mutation_watch(leaves: Sequence[Any], idx: Sequence[int]) -> "_torch.MutationWatch":

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 from graphtree import _torch
-from graphtree.tree.inputs import InputPlan, _raw_copy
+from graphtree.tree.inputs import InputPlan
 from graphtree.tree.outputs import OutputPlan
 
 _ids = itertools.count(1)
@@ -76,7 +76,7 @@ class Node:
         plan = self.inputs
         raw = plan.raw
         if raw is not None:  # the key fixes shape, dtype and strides: the input is contiguous too
-            _raw_copy(raw[1], leaves[raw[0]].data_ptr(), raw[2], plan.device)  # type: ignore[misc]
+            raw[3](raw[1], leaves[raw[0]].data_ptr(), raw[2], plan.device)
         elif plan.single is not None:
             plan.single[0].copy_(leaves[plan.single[1]])
         elif plan.copy_idx:
