@@ -73,17 +73,15 @@ def main() -> None:
     ptr, nbytes, dev = out.data_ptr(), out.untyped_storage().nbytes(), out.device
     meta = {"size": tuple(out.shape), "stride": out.stride(), "dtype": out.dtype, "device": out.device, "storage_offset": 0}
     st = _torch.storage_at(ptr, dev, nbytes)
-    leaves = [x]
     rows = {
         "x.copy_(y)": lambda: sx.copy_(x),
         "graph.replay()": g.replay,
         "storage_at": lambda: _torch.storage_at(ptr, dev, nbytes),
         "tensor_on": lambda: _torch.tensor_on(meta, st),
         "weak_ref + free": lambda: _torch.weak_free(_torch.weak_ref(st)),
-        "flatten": lambda: _inputs.flatten((x,), {}),
-        "inspect_call": lambda: _inputs.inspect_call(leaves, None),
+        "read_call": lambda: _inputs.read_call((x,), {}, None),
         "is_grad_enabled": torch.is_grad_enabled,
-        "manager_for": lambda: _manager.manager_for(0),
+        "tree_for": lambda: _manager.tree_for(0),
         "raw cudaMemcpyAsync": (lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0))(),
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),

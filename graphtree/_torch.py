@@ -97,11 +97,6 @@ def raw_delete(ptr: int) -> None:
     _private("_cuda_cudaCachingAllocator_raw_delete")(ptr)
 
 
-def pool_live_allocations_are(device: int, pool_id: tuple[int, int], ptrs: Sequence[int]) -> bool:
-    """Whether the pool's allocated blocks are exactly ``ptrs`` (a debugging invariant)."""
-    return bool(_private("_cuda_checkPoolLiveAllocations")(device, pool_id, set(ptrs)))
-
-
 # --- storages at recorded addresses: hand out replay outputs without copying -------------------
 storage_at: Callable[[int, torch.device, int], torch.UntypedStorage] = getattr(
     torch._C, "_construct_storage_from_data_pointer", None
@@ -109,6 +104,17 @@ storage_at: Callable[[int, torch.device, int], torch.UntypedStorage] = getattr(
 """``storage_at(ptr, device, nbytes)``: a storage viewing ``nbytes`` at ``ptr`` that owns
 nothing (``_construct_storage_from_data_pointer``). Replay outputs are built on these: the
 memory belongs to the pool, not to the tensor."""
+
+
+def meta_of(t: torch.Tensor) -> dict[str, Any]:
+    """``t``'s layout in the form :data:`tensor_on` takes (size, stride, dtype, device, offset)."""
+    return {
+        "size": tuple(t.shape),
+        "stride": t.stride(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "storage_offset": t.storage_offset(),
+    }
 
 
 def _tensor_on_slow(meta: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import graphtree
-from graphtree.tree.inputs import Bucketing, Unsupported, flatten, inspect_call, unflatten
-from graphtree.tree.outputs import OutputPlan, stale_message
+from graphtree.tree.inputs import Bucketing, Unsupported, flatten, read_call, unflatten
+from graphtree.tree.outputs import Constant, FromInput, FromPool, OutputPlan, Repeat, stale_message
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
 
@@ -71,13 +71,52 @@ def test_bad_arguments_say_what_is_wrong():
     with pytest.raises(ValueError, match="warmup"):
         graphtree.graphed(lambda x: x, warmup=-1)
     with pytest.raises(ValueError, match="max_rerecords"):
-        graphtree.graphed(lambda x: x, max_rerecords=0)
+        graphtree.graphed(lambda x: x, max_rerecords=-1)
     with pytest.raises(TypeError, match="tensor"):
         graphtree.mark_static([1, 2])
     with pytest.raises(ValueError, match="format"):
         graphtree.describe(format="svg")
     with pytest.raises(ValueError, match="buckets"):
         graphtree.graphed(lambda x: x).warm_up(torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"buckets": 4}, "buckets"),
+        ({"buckets": []}, "buckets"),
+        ({"buckets": [True]}, "buckets"),
+        ({"buckets": [2, 0]}, "buckets"),
+        ({"buckets": [1.5]}, "buckets"),
+        ({"buckets": "124"}, "buckets"),
+        ({"buckets": [1, 2], "bucket_dim": "x"}, "bucket_dim"),
+        ({"buckets": [1, 2], "bucket_dim": -1}, "bucket_dim"),
+        ({"bucket_dim": True}, "bucket_dim"),
+        ({"bucket_dim": 1.0}, "bucket_dim"),
+        ({"max_rerecords": "x"}, "max_rerecords"),
+        ({"max_rerecords": -1}, "max_rerecords"),
+        ({"max_rerecords": False}, "max_rerecords"),
+        ({"warmup": 1.0}, "warmup"),
+        ({"warmup": None}, "warmup"),
+        ({"name": ""}, "name"),
+        ({"name": 3}, "name"),
+    ],
+)
+def test_each_option_is_checked_where_it_is_given(options, named):
+    with pytest.raises(ValueError) as e:
+        graphtree.graphed(lambda x: x, **options)
+    msg = str(e.value)
+    value = next(iter(v for k, v in options.items() if k == named))
+    assert msg.startswith(named) and repr(value) in msg and "must be" in msg, msg
+    with pytest.raises(ValueError, match=named):  # the decorator form checks at once too
+        graphtree.graphed(**options)
+
+
+def test_good_options_are_taken_as_given():
+    g = graphtree.graphed(lambda x: x, buckets=(4, 1, 2), bucket_dim=1, warmup=0, max_rerecords=0, name="f")
+    assert g.bucketing.sizes == [1, 2, 4] and g.bucketing.dim == 1 and g.warmup == 0 and g.max_rerecords == 0
+    with pytest.raises(ValueError, match=r"warm_up\(sizes"):
+        g.warm_up(torch.ones(2, 2), sizes=[3])
 
 
 def test_mark_static_tags_the_tensor():
@@ -97,13 +136,14 @@ def test_flatten_round_trips_and_keeps_the_fast_path():
 def test_signature_rules():
     # CPU tensors never reach a tree: they are the CPU fallback's reason
     with pytest.raises(Unsupported, match="CPU tensor"):
-        inspect_call([torch.ones(2)], None)
+        read_call((torch.ones(2),), {}, None)
     with pytest.raises(Unsupported, match="argument of type object"):
-        inspect_call([object()], None)
-    a = inspect_call([1, 2.0, True, "s", None], None).key
-    b = inspect_call([1.0, 2.0, True, "s", None], None).key
+        read_call((object(),), {}, None)
+    a = read_call((1, 2.0, True, "s", None), {}, None).key
+    b = read_call((1.0, 2.0, True, "s", None), {}, None).key
     assert a != b  # 1 and 1.0 are different recordings
-    assert inspect_call([1], None).key != inspect_call([2], None).key
+    assert read_call((1,), {}, None).key != read_call((2,), {}, None).key
+    assert read_call((1,), {"k": 2}, None).key != read_call((1,), {"k": 3}, None).key
 
 
 def test_buckets_pick_the_next_size():
@@ -120,11 +160,12 @@ def test_output_plan_classifies_outputs():
     out = {"y": y, "row": y[1], "x": x, "n": 7, "again": y}
     pool = {y.untyped_storage().data_ptr()}
     plan, leaves = OutputPlan.from_recording(out, [x], lambda p: p in pool, "fn", bucket=4, pad_dim=0)
-    kinds = [k[0] for k in plan.kinds]
-    # leaves in key order: again, n, row, x, y (dicts flatten by insertion order)
-    assert len(plan.groups) == 1  # y and its row share one storage
-    assert kinds.count(0) == 2 and kinds.count(1) == 1 and kinds.count(2) == 1 and kinds.count(3) == 1
-    assert "fn" in plan.group_messages[0] and ".clone()" in plan.group_messages[0]
+    kinds = [type(k) for k in plan.kinds]
+    # leaves in insertion order: y, row, x, n, again
+    assert kinds == [FromPool, FromPool, FromInput, Constant, Repeat]
+    assert len(plan.groups) == 1 and plan.groups[0].ptr == y.untyped_storage().data_ptr()  # y and its row: one storage
+    assert plan.nbytes == y.untyped_storage().nbytes()
+    assert "fn" in plan.groups[0].message and ".clone()" in plan.groups[0].message
     restored = plan.finish(list(leaves), n=2)  # bucketed: leaves with 4 rows are cut to 2
     assert restored["y"].shape == (2, 3) and restored["row"].shape == (3,) and restored["n"] == 7
     assert restored["again"] is restored["y"]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from graphtree.tree.manager import TreeManager
-    from graphtree.tree.node import Node
+    from graphtree.tree.node import Node, Root
 
 
-def _sig(node: "Node") -> str:
+def _sig(node: Node) -> str:
     parts = []
     for p in node.key[1]:
         if len(p) == 3:  # tensor: (shape, dtype, stride)
@@ -19,18 +20,18 @@ def _sig(node: "Node") -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _label(node: "Node") -> str:
+def _label(node: Node) -> str:
     return (
         f"{node.name}{_sig(node)} [{node.id}] replays={node.replays} "
-        f"outputs={node.output_bytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
+        f"outputs={node.outputs.nbytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
     )
 
 
-def _children(node: "Node") -> list["Node"]:
+def _children(node: Node | Root) -> list[Node]:
     return [k for kids in node.children.values() for k in kids]
 
 
-def render(managers: Iterable["TreeManager"], format: str) -> str:
+def render(managers: Iterable[TreeManager], format: str) -> str:
     managers = sorted(managers, key=lambda m: (m.thread, m.device))
     if format == "dot":
         lines = ["digraph graphtree {", "  node [shape=box, fontname=monospace];"]
@@ -51,10 +52,10 @@ def render(managers: Iterable["TreeManager"], format: str) -> str:
         return "graphtree: no trees yet (no graphed call has reached a GPU)"
     out = []
     for m in managers:
-        pool = m._pool.reserved_bytes() / 2**20 if m._pool is not None else 0.0
+        pool = m.pool_bytes() / 2**20
         out.append(f"tree cuda:{m.device} (thread {m.thread}): pool {pool:.1f} MiB, step {m.generation}")
 
-        def walk(node: "Node", prefix: str) -> None:
+        def walk(node: Node | Root, prefix: str) -> None:
             kids = _children(node)
             for j, k in enumerate(kids):
                 last = j == len(kids) - 1

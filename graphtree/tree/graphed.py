@@ -5,16 +5,16 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from graphtree.tree import manager as _manager
-from graphtree.tree.inputs import Bucketing, Unsupported, flatten, inspect_call, unflatten
-from graphtree.tree.stats import log_fallback
+from graphtree.tree.inputs import Bucketing, Call, Unsupported, flatten, read_call, unflatten
+from graphtree.tree.recorder import user_code
 
 _ids = itertools.count(1)
-_tls = _manager._tls
 _cuda_ok: bool | None = None
 
 
@@ -23,6 +23,19 @@ def _has_cuda() -> bool:
     if _cuda_ok is None:
         _cuda_ok = torch.cuda.is_available()
     return _cuda_ok
+
+
+def _check_options(
+    buckets: Sequence[int] | None, bucket_dim: int, warmup: int, max_rerecords: int, name: str | None
+) -> None:
+    """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
+    if buckets is not None:
+        Bucketing(buckets, bucket_dim)  # checks both
+    for option, value in (("bucket_dim", bucket_dim), ("warmup", warmup), ("max_rerecords", max_rerecords)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{option} must be a non-negative int, got {value!r}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
 
 
 def mark_static(t: torch.Tensor) -> torch.Tensor:
@@ -57,19 +70,18 @@ class GraphedCallable:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
-        if warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {warmup}")
-        if max_rerecords < 1:
-            raise ValueError(f"max_rerecords must be >= 1, got {max_rerecords}")
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name)
         self.fn = fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
-        self.bucketing = Bucketing(list(buckets), bucket_dim) if buckets is not None else None
+        self.bucketing = Bucketing(buckets, bucket_dim) if buckets is not None else None
         self.warmup = warmup
         self.max_rerecords = max_rerecords
         self.disabled_reason: str | None = None
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)
+        if self._module is not None:
+            _manager.watch_parameter_changes()
         functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -82,40 +94,34 @@ class GraphedCallable:
         return functools.partial(self.__call__, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_tls, "inside", False):  # called from another graphed function's recording
+        if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
         if self.disabled_reason is not None:
             return self._eager(args, kwargs, self.disabled_reason)
         if not (_cuda_ok or _has_cuda()):
             return self._eager(args, kwargs, "no CUDA")
-        leaves, spec = flatten(args, kwargs)
         try:
-            info = inspect_call(leaves, self.bucketing)
+            call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
-        if (info.needs_grad or self._has_state) and torch.is_grad_enabled():
-            if info.needs_grad or self._params_need_grad():
+        if (call.needs_grad or self._has_state) and torch.is_grad_enabled():
+            if call.needs_grad or self._params_need_grad():
                 return self._eager(args, kwargs, "autograd")
-        device = info.device
+        device = call.device
         if device < 0:
             device = self._state_device()
             if device < 0:
                 return self._eager(args, kwargs, "no CUDA tensors in the call")
-        managers = getattr(_tls, "managers", None)
-        m = managers.get(device) if managers else None
-        if m is None:
-            m = _manager.manager_for(device)
-        return m.call(self, leaves, spec, info)
+        return _manager.run(self, call, device)
 
     # --- eager paths ------------------------------------------------------------------------
     def _eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
-        _manager.untreed.eager[reason] += 1
-        log_fallback(self.name, reason)
+        _manager.count_eager(self.name, reason)
         return self.fn(*args, **kwargs)
 
-    def run_eager(self, leaves: list[Any], spec: Any, reason: str) -> Any:
-        """Run the function as plain PyTorch on flattened arguments, counting ``reason``."""
-        args, kwargs = unflatten(leaves, spec)
+    def run_eager(self, call: Call, reason: str) -> Any:
+        """Run the function as plain PyTorch on a call's arguments, counting ``reason``."""
+        args, kwargs = call.arguments()
         return self._eager(args, kwargs, reason)
 
     def disable(self, reason: str) -> None:
@@ -156,6 +162,10 @@ class GraphedCallable:
         """
         if self.bucketing is None:
             raise ValueError("warm_up(sizes) needs graphed(..., buckets=[...])")
+        if sizes is not None:
+            bad = [s for s in sizes if s not in self.bucketing.sizes] if isinstance(sizes, (list, tuple)) else sizes
+            if bad or not sizes:
+                raise ValueError(f"warm_up(sizes=...) takes a non-empty list of bucket sizes {self.bucketing.sizes}, got {sizes!r}")
         sizes = sorted(set(sizes or self.bucketing.sizes), reverse=True)
         dim = self.bucketing.dim
         leaves, spec = flatten(example_args, example_kwargs)
@@ -171,14 +181,9 @@ class GraphedCallable:
             ]
             args, kwargs = unflatten(resized, spec)
             for _ in range(self.warmup + 1):
-                _begin_internal_step()
+                _manager.begin_internal_step()
                 self(*args, **kwargs)
-        _begin_internal_step()
-
-
-def _begin_internal_step() -> None:
-    for m in getattr(_manager._tls, "managers", {}).values():
-        m.step_requested = True
+        _manager.begin_internal_step()
 
 
 def _find_state(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[torch.Tensor]]:
@@ -225,9 +230,14 @@ def graphed(
         buckets: pad dimension ``bucket_dim`` of the inputs up to the next of these sizes and
             cut the outputs back, so that many batch sizes share a few recordings. Rows of that
             dimension must be independent.
+        bucket_dim: the dimension ``buckets`` pad (a non-negative int).
         warmup: eager runs (inside the tree's memory pool) before recording a new signature.
-        max_rerecords: recordings of one call site before the function runs eagerly for good.
+        max_rerecords: new recordings of one call site, after its first, before the function
+            runs eagerly for good (in-place inputs or parameters that keep moving).
         name: a name for logs, ``stats()`` and error messages (default: the function's).
+
+    Raises ``TypeError`` for a ``fn`` that is not callable and ``ValueError`` for an option
+    out of range, naming the option, the value and what is allowed.
 
     Constraints: tensors read from globals are baked in by address; pass them as arguments,
     keep them in a module, or update them in place. Under autograd (grad mode on and an input
@@ -242,6 +252,7 @@ def graphed(
         model = graphtree.graphed(model, buckets=[1, 2, 4, 8])
     """
     if fn is None:
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name)
         return lambda f: GraphedCallable(
             f, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
         )

@@ -10,112 +10,173 @@ memory. It may therefore be replayed after its parent whenever every ancestor ou
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
+
 from graphtree import _torch
 from graphtree.tree.inputs import InputPlan
 from graphtree.tree.outputs import OutputPlan
 
 _ids = itertools.count(1)
+
+
+def next_node_id() -> str:
+    """A fresh node id ("n1", "n2", ...), taken before a capture so that events can name it."""
+    return f"n{next(_ids)}"
 _storage_at, _tensor_on = _torch.storage_at, _torch.tensor_on
-_weak_ref, _weak_free = _torch.weak_ref, _torch.weak_free
+_weak_ref, _weak_free, _weak_expired = _torch.weak_ref, _torch.weak_free, _torch.weak_expired
+
+
+class OutputRef(NamedTuple):
+    """Output group ``group`` of the node at ``depth`` on the path."""
+
+    depth: int
+    group: int
+
+
+class Root:
+    """The top of a tree: no graph, only children."""
+
+    id = "root"
+    depth = -1
+
+    def __init__(self) -> None:
+        self.children: dict[Any, list[Node]] = {}
 
 
 class Node:
-    """A recording in the tree (the root is a node with no graph)."""
+    """A recording in the tree, built whole from what its capture produced.
 
-    def __init__(self, parent: "Node | None", name: str, key: Any, depth: int) -> None:
-        self.id = f"n{next(_ids)}" if parent is not None else "root"
+    Args:
+        id: from :func:`next_node_id`.
+        parent: the node (or root) it was recorded under.
+        key: ``(graphed id, signature)``, its place among its parent's children.
+        name: the graphed function's name.
+        depth: its index on the path from the root.
+        graph: the captured graph.
+        inputs, outputs: how inputs get in and outputs come out.
+        refs: weak references to the output storages of the call that recorded it.
+        checkpoint: the allocator's state of the pool right after the recording.
+        alive_at_checkpoint: path outputs held when the checkpoint was taken (its own included).
+        dead_before: ancestor outputs that were dead while recording: must be dead to replay.
+        statics: parameters and buffers read in place (their addresses are checked).
+        epoch: the parameter-registration epoch in which ``statics`` were read.
+        capture_seconds: how long the capture took.
+    """
+
+    def __init__(
+        self,
+        *,
+        id: str,
+        parent: Node | Root,
+        key: Any,
+        name: str,
+        depth: int,
+        graph: torch.cuda.CUDAGraph,
+        inputs: InputPlan,
+        outputs: OutputPlan,
+        refs: list[int],
+        checkpoint: Any,
+        alive_at_checkpoint: list[OutputRef],
+        dead_before: list[OutputRef],
+        statics: list[torch.Tensor],
+        epoch: int,
+        capture_seconds: float,
+    ) -> None:
+        self.id = id
         self.parent = parent
-        self.name = name  # the graphed function's name
-        self.key = key  # (graphed id, signature)
-        self.depth = depth  # index of this node on the path (root: -1)
+        self.key = key
+        self.name = name
+        self.depth = depth
         self.children: dict[Any, list[Node]] = {}
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.launch: Callable[[], None] = _no_graph
-        self.inputs = InputPlan()
-        self.outputs: OutputPlan | None = None
-        self.checkpoint: Any = None
-        # (depth, group) of path outputs held when the checkpoint was taken (own ones included)
-        self.alive_at_checkpoint: list[tuple[int, int]] = []
-        # (depth, group) of ancestor outputs that were dead while recording: must be dead to replay
-        self.dead_before: list[tuple[int, int]] = []
-        self.refs: list[int] = []  # weak refs (ints) to this step's output storages, per group; 0: none
-        self.statics: list[torch.Tensor] = []  # module parameters/buffers read in place
-        self.static_ptrs: list[int] = []
-        self.static_idx: list[int] = []
-        self.epoch = -1
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+        self.refs = refs  # weak refs (ints) to this step's output storages, per group; 0: none
+        self.checkpoint = checkpoint
+        self.alive_at_checkpoint = alive_at_checkpoint
+        self.dead_before = dead_before
+        self.statics = statics
+        self.static_ptrs = [t.data_ptr() for t in statics]
+        self.static_idx = list(range(len(statics)))
+        self.epoch = epoch
+        self.capture_seconds = capture_seconds
+        self.replays = 0
         # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
         # ancestor output that had to be dead. Such a node is always replayable under its parent.
-        self.unconditional = False
-        self.replays = 0
-        self.capture_seconds = 0.0
-        self.output_bytes = 0
+        self.unconditional = not (inputs.inplace_idx or statics or dead_before)
+        self._device = torch.device("cuda", inputs.device)
+        self._launch = _torch.graph_launcher(graph)
+        self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
+        self._single = outputs.single
 
-    def can_replay(self, leaves: list[Any], path: list["Node"], check: Callable[..., bool]) -> bool:
+    def can_replay(self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool]) -> bool:
         """Whether replaying here keeps every held output intact and reads the right inputs."""
         plan = self.inputs
         if plan.inplace_idx and not check(list(leaves), plan.inplace_ptrs, plan.inplace_idx):
             return False
         if self.static_idx and not check(self.statics, self.static_ptrs, self.static_idx):
             return False
-        if self.dead_before:
-            expired = _torch.weak_expired
-            for d, g in self.dead_before:
-                ref = path[d].refs[g]
-                if ref and not expired(ref):
-                    return False
+        for d, g in self.dead_before:
+            ref = path[d].refs[g]
+            if ref and not _weak_expired(ref):
+                return False
         return True
 
-    def replay(self, leaves: list[Any], n: int, device: torch.device) -> Any:
+    def replay(self, leaves: Sequence[Any], n: int) -> Any:
         """Copy inputs in, launch the graph, hand out fresh output tensors.
 
         The hot path of graphtree: keep it free of anything that is not needed on every call.
         """
-        plan = self.inputs
-        raw = plan.raw
-        if raw is not None:  # the key fixes shape, dtype and strides: the input is contiguous too
-            raw[3](raw[1], leaves[raw[0]].data_ptr(), raw[2], plan.device)
-        elif plan.single is not None:
-            plan.single[0].copy_(leaves[plan.single[1]])
-        elif plan.copy_idx:
-            plan.copy_in(leaves, n)
-        self.launch()
-        outs = self.outputs
-        old = self.refs
-        fast = outs.single  # type: ignore[union-attr]
-        if fast is not None and n == plan.bucket:  # one output on a storage of its own
-            st = _storage_at(fast[0], device, fast[1])
-            self.refs = [_weak_ref(st)]
-            result = _tensor_on(fast[2], st)
+        raw = self._raw
+        if raw is not None:
+            raw.copy(raw.dst, leaves[raw.leaf].data_ptr(), raw.nbytes, raw.device)
         else:
-            out, self.refs = outs.rebuild(leaves, device)  # type: ignore[union-attr]
-            result = outs.finish(out, n if n != plan.bucket else -1)  # type: ignore[union-attr]
-        for r in old:
+            self.inputs.copy_in(leaves, n)
+        self._launch()
+        one = self._single
+        if one is not None:
+            storage = _storage_at(one.ptr, self._device, one.nbytes)
+            result, refs = _tensor_on(one.meta, storage), [_weak_ref(storage)]
+        else:
+            result, refs = self.outputs.emit(leaves, n, self._device)
+        for r in self.refs:
             if r:
                 _weak_free(r)
+        self.refs = refs
         self.replays += 1
         return result
 
     def is_held(self, g: int) -> bool:
         """Whether the caller still holds output group ``g`` of this step."""
         r = self.refs[g] if g < len(self.refs) else 0
-        return bool(r) and not _torch.weak_expired(r)
+        return bool(r) and not _weak_expired(r)
 
-    def drop_refs(self) -> None:
-        """Forget this step's outputs (releasing the weak references)."""
-        for r in self.refs:
+    def held_outputs(self) -> list[tuple[int, str]]:
+        """(weak ref, stale message) of each output group of this step the caller still holds."""
+        groups = self.outputs.groups
+        return [(r, groups[g].message) for g, r in enumerate(self.refs) if r and not _weak_expired(r)]
+
+    def release_outputs(self, held: list[tuple[int, str]]) -> None:
+        """Forget this step's outputs, adding (weak ref, message) of those still held to ``held``.
+
+        The weak references of dead outputs are freed here; the caller owns those it was given.
+        """
+        refs = self.refs
+        for g, r in enumerate(refs):
             if r:
-                _torch.weak_free(r)
-        self.refs = [0] * len(self.refs)
+                if _weak_expired(r):
+                    _weak_free(r)
+                else:
+                    held.append((r, self.outputs.groups[g].message))
+                refs[g] = 0
 
     def __del__(self) -> None:
         try:
-            self.drop_refs()
+            for r in self.refs:
+                if r:
+                    _weak_free(r)
         except Exception:  # interpreter shutdown
             pass
-
-
-def _no_graph() -> None:
-    raise RuntimeError("graphtree: the root of a tree has no graph to replay")

@@ -11,24 +11,12 @@ the fix, instead of returning values a later replay overwrote.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from graphtree import _torch
-
-_POOL, _INPUT, _CONST, _DUP, _EMPTY = range(5)
-
-
-def _meta(t: torch.Tensor) -> dict[str, Any]:
-    return {
-        "size": tuple(t.shape),
-        "stride": t.stride(),
-        "dtype": t.dtype,
-        "device": t.device,
-        "storage_offset": t.storage_offset(),
-    }
 
 
 def stale_message(fn_name: str, outputs: Sequence[int], where: str) -> str:
@@ -43,33 +31,116 @@ def stale_message(fn_name: str, outputs: Sequence[int], where: str) -> str:
     )
 
 
-@dataclass
+# --- what each output leaf is, and how a replay rebuilds it ----------------------------------------
+# ``make(storages, in_leaves, done)``: the leaf for this replay, given the group storages, the
+# caller's leaves and the leaves built so far.
+class FromPool(NamedTuple):
+    """A tensor on pool memory: output group ``group`` (one storage), with ``meta``'s layout."""
+
+    group: int
+    meta: dict[str, Any]
+
+    def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
+        return _torch.tensor_on(self.meta, storages[self.group])
+
+
+class FromInput(NamedTuple):
+    """A view of input ``leaf`` (the function returned its input, or a view of it)."""
+
+    leaf: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
+        return in_leaves[self.leaf].as_strided(self.size, self.stride, self.offset)
+
+
+class Constant(NamedTuple):
+    """A value that is the same object on every call: a plain value, or a tensor the function
+    holds elsewhere (a parameter, a global)."""
+
+    value: Any
+
+    def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
+        return self.value
+
+
+class Repeat(NamedTuple):
+    """The same object as output leaf ``index`` (returned twice)."""
+
+    index: int
+
+    def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
+        return done[self.index]
+
+
+class Empty(NamedTuple):
+    """A tensor with no bytes: made anew, it has no memory to share."""
+
+    meta: dict[str, Any]
+
+    def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
+        m = self.meta
+        return torch.empty_strided(m["size"], m["stride"], dtype=m["dtype"], device=m["device"])
+
+
+Kind = FromPool | FromInput | Constant | Repeat | Empty
+
+
+class Group(NamedTuple):
+    """One storage of pool memory that outputs live on."""
+
+    ptr: int
+    nbytes: int
+    message: str  # what reading an invalidated output of this group says
+
+
+class SingleOutput(NamedTuple):
+    """The replay fast path: the output is one tensor with ``meta``'s layout on a storage of its own."""
+
+    ptr: int
+    nbytes: int
+    meta: dict[str, Any]
+
+
 class OutputPlan:
-    """How to rebuild a recording's outputs from its memory on every replay."""
+    """How to rebuild a recording's outputs from its memory on every replay.
 
-    spec: Any  # None: a single leaf; "tuple": a flat tuple; else a pytree spec
-    kinds: list[tuple] = field(default_factory=list)
-    groups: list[tuple[int, int]] = field(default_factory=list)  # (data_ptr, nbytes) per storage
-    group_messages: list[str] = field(default_factory=list)
-    slice_idx: list[int] = field(default_factory=list)  # leaves to cut back to the real batch
-    pad_dim: int = 0
-    single: tuple[int, int, dict[str, Any]] | None = None  # (ptr, nbytes, meta): one pool output
+    Built by :meth:`from_recording`. ``single`` is set when the outputs are one tensor on a
+    storage of its own, which a replay builds inline; :meth:`emit` builds any outputs.
+    """
 
-    def freeze(self) -> None:
-        """Precompute the replay fast path: a single output tensor on a storage of its own."""
-        if self.spec is None and len(self.kinds) == 1 and self.kinds[0][0] == _POOL:
-            self.single = (self.groups[0][0], self.groups[0][1], self.kinds[0][2])
+    def __init__(
+        self,
+        spec: Any,
+        kinds: list[Kind],
+        groups: list[Group],
+        slice_idx: list[int],
+        pad_dim: int,
+        bucket: int,
+    ) -> None:
+        self.spec = spec  # None: a single leaf; "tuple": a flat tuple; else a pytree spec
+        self.kinds = kinds
+        self.groups = groups
+        self.slice_idx = slice_idx  # leaves to cut back to the real batch
+        self.pad_dim = pad_dim
+        self.bucket = bucket
+        self.nbytes = sum(g.nbytes for g in groups)
+        self.single: SingleOutput | None = None
+        if spec is None and len(kinds) == 1 and isinstance(kinds[0], FromPool) and not slice_idx:
+            self.single = SingleOutput(groups[0].ptr, groups[0].nbytes, kinds[0].meta)
 
     @classmethod
     def from_recording(
         cls,
         out: Any,
         in_leaves: Sequence[Any],
-        in_pool: Any,
+        in_pool: Callable[[int], bool],
         fn_name: str,
         bucket: int,
         pad_dim: int,
-    ) -> tuple["OutputPlan", list[Any]]:
+    ) -> tuple[OutputPlan, list[Any]]:
         """Describe ``out`` (the outputs of a capture) and return it flattened.
 
         ``in_leaves`` are the tensors the graph read (placeholders in place of copied inputs,
@@ -81,96 +152,79 @@ class OutputPlan:
             leaves, spec = list(out), "tuple"
         else:
             leaves, spec = _torch.tree_flatten(out)
-        plan = cls(spec=spec, pad_dim=pad_dim)
-        input_storage = {}
+        input_storage: dict[int, int] = {}
         for i, x in enumerate(in_leaves):
             if isinstance(x, torch.Tensor) and x.numel():
                 input_storage.setdefault(x.untyped_storage().data_ptr(), i)
-        group_of: dict[int, int] = {}
+        kinds: list[Kind] = []
+        slice_idx: list[int] = []
+        group_of: dict[int, int] = {}  # storage address -> group
         group_outputs: list[list[int]] = []
         seen: dict[int, int] = {}
         for j, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):
-                plan.kinds.append((_CONST, t))
+                kinds.append(Constant(t))
                 continue
             if id(t) in seen:
-                plan.kinds.append((_DUP, seen[id(t)]))
+                kinds.append(Repeat(seen[id(t)]))
                 continue
             seen[id(t)] = j
             if bucket >= 0 and t.dim() > pad_dim and t.shape[pad_dim] == bucket:
-                plan.slice_idx.append(j)
-            ptr = t.untyped_storage().data_ptr()
-            if t.untyped_storage().nbytes() == 0:
-                plan.kinds.append((_EMPTY, _meta(t)))
+                slice_idx.append(j)
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if storage.nbytes() == 0:
+                kinds.append(Empty(_torch.meta_of(t)))
             elif ptr in input_storage:
-                plan.kinds.append((_INPUT, input_storage[ptr], tuple(t.shape), t.stride(), t.storage_offset()))
+                kinds.append(FromInput(input_storage[ptr], tuple(t.shape), t.stride(), t.storage_offset()))
             elif in_pool(ptr):
-                if ptr not in group_of:
-                    group_of[ptr] = len(plan.groups)
-                    plan.groups.append((ptr, t.untyped_storage().nbytes()))
+                g = group_of.setdefault(ptr, len(group_outputs))
+                if g == len(group_outputs):
                     group_outputs.append([])
-                g = group_of[ptr]
                 group_outputs[g].append(j)
-                plan.kinds.append((_POOL, g, _meta(t)))
+                kinds.append(FromPool(g, _torch.meta_of(t)))
             else:  # memory the function holds elsewhere (a parameter, a global): same object
-                plan.kinds.append((_CONST, t))
-        for g, outs in enumerate(group_outputs):
-            t = leaves[outs[0]]
+                kinds.append(Constant(t))
+        groups = []
+        for ptr, g in group_of.items():
+            t = leaves[group_outputs[g][0]]
             where = f"{t.dtype} {list(t.shape)}".replace("torch.", "")
-            plan.group_messages.append(stale_message(fn_name, outs, where))
-        return plan, leaves
+            groups.append(Group(ptr, t.untyped_storage().nbytes(), stale_message(fn_name, group_outputs[g], where)))
+        return cls(spec, kinds, groups, slice_idx, pad_dim, bucket), leaves
 
     def adopt(self, leaves: list[Any], caller_leaves: Sequence[Any]) -> list[Any]:
         """Point outputs that alias an input at the caller's tensor, not at its placeholder."""
         leaves = list(leaves)
         for j, k in enumerate(self.kinds):
-            if k[0] == _INPUT:
-                leaves[j] = caller_leaves[k[1]].as_strided(k[2], k[3], k[4])
-            elif k[0] == _DUP:
-                leaves[j] = leaves[k[1]]
+            if isinstance(k, (FromInput, Repeat)):
+                leaves[j] = k.make([], caller_leaves, leaves)
         return leaves
 
     def refs_of(self, leaves: Sequence[Any]) -> list[int]:
         """Weak references (see :func:`graphtree._torch.weak_ref`) to the pool outputs' storages."""
         refs: list[int] = [0] * len(self.groups)
         for j, k in enumerate(self.kinds):
-            if k[0] == _POOL and not refs[k[1]]:
-                refs[k[1]] = _torch.weak_ref(leaves[j].untyped_storage())
+            if isinstance(k, FromPool) and not refs[k.group]:
+                refs[k.group] = _torch.weak_ref(leaves[j].untyped_storage())
         return refs
 
-    def rebuild(self, in_leaves: list[Any], device: torch.device) -> tuple[list[Any], list[int]]:
-        """New output tensors on the recording's memory, and weak references to their storages."""
-        storage_at, weak_ref = _torch.storage_at, _torch.weak_ref
-        if self.single is not None:
-            ptr, nbytes, meta = self.single
-            st = storage_at(ptr, device, nbytes)
-            return [_torch.tensor_on(meta, st)], [weak_ref(st)]
-        storages = [storage_at(ptr, device, nbytes) for ptr, nbytes in self.groups]
-        refs = [weak_ref(s) for s in storages]
-        out: list[Any] = []
+    def emit(self, caller_leaves: Sequence[Any], n: int, device: torch.device) -> tuple[Any, list[int]]:
+        """This replay's outputs (cut back to ``n`` rows where bucketed) and weak references
+        to their group storages."""
+        storages = [_torch.storage_at(g.ptr, device, g.nbytes) for g in self.groups]
+        done: list[Any] = []
         for k in self.kinds:
-            tag = k[0]
-            if tag == _POOL:
-                out.append(_torch.tensor_on(k[2], storages[k[1]]))
-            elif tag == _INPUT:
-                out.append(in_leaves[k[1]].as_strided(k[2], k[3], k[4]))
-            elif tag == _CONST:
-                out.append(k[1])
-            elif tag == _DUP:
-                out.append(out[k[1]])
-            else:
-                m = k[1]
-                out.append(torch.empty_strided(m["size"], m["stride"], dtype=m["dtype"], device=m["device"]))
-        return out, refs
+            done.append(k.make(storages, caller_leaves, done))
+        return self.finish(done, n), [_torch.weak_ref(s) for s in storages]
 
     def finish(self, leaves: list[Any], n: int) -> Any:
         """Cut bucketed outputs back to the real batch ``n`` and rebuild the output structure."""
-        if self.slice_idx and n >= 0:
+        if self.slice_idx and 0 <= n != self.bucket:
             for j in self.slice_idx:
                 leaves[j] = leaves[j].narrow(self.pad_dim, 0, n)
             for j, k in enumerate(self.kinds):
-                if k[0] == _DUP:
-                    leaves[j] = leaves[k[1]]
+                if isinstance(k, Repeat):
+                    leaves[j] = leaves[k.index]
         if self.spec is None:
             return leaves[0]
         if self.spec == "tuple":

@@ -14,7 +14,7 @@ DEV = "cuda"
 
 
 def _mgr():
-    return _manager.manager_for(torch.cuda.current_device())
+    return _manager.tree_for(torch.cuda.current_device())
 
 
 def _pool_bytes():
