@@ -3,7 +3,7 @@
 One process, one GPU, under 8 minutes: five scenarios (per-call overhead, decode, memory,
 capture time, branching), each running every contender interleaved, with warm-up and medians
 over repeats, and checking every contender's output against eager's. Writes ``bench.json``
-(schema in ``bench/README.md``), ``table.txt`` and ``bench.png`` into a results folder and
+(schema in ``benchmarks/README.md``), ``table.txt`` and ``bench.png`` into a results folder and
 prints the table. A contender that fails is reported with its error and the run goes on.
 
 Options:

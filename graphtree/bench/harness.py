@@ -381,7 +381,7 @@ class Progress:
 
 
 def to_json(results: Sequence[Result], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The benchmark document: ``{"schema_version", "meta", "results"}`` (see ``bench/README.md``).
+    """The benchmark document: ``{"schema_version", "meta", "results"}`` (see ``benchmarks/README.md``).
 
     ``meta`` must hold the keys of ``REQUIRED_META``; it may hold more (``scenarios`` and
     ``contenders``, when present, make :func:`validate_json` check that every pair has a row).

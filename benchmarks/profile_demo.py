@@ -2,7 +2,7 @@
 
 Run on a GPU with cupti-python installed:
 
-    python bench/profile_demo.py --out DIR [--steps 32]
+    python benchmarks/profile_demo.py --out DIR [--steps 32]
 
 Prints the profile table, the kernel count, the share of graph kernels attributed to a source
 line of the captured code, and whether the Chrome trace passes the format checks; writes

@@ -1,6 +1,6 @@
 """Where the microseconds of one graphtree replay go: each piece of the fast path timed alone.
 
-Run on a GPU: ``python bench/fastpath_breakdown.py``. Prints median microseconds per call of
+Run on a GPU: ``python benchmarks/fastpath_breakdown.py``. Prints median microseconds per call of
 each piece, then a cProfile of the whole call (sorted by own time).
 """
 
