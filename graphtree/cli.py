@@ -6,7 +6,7 @@ Subcommands:
   :func:`graphtree.debug.doctor`).
 - ``graphtree demo [--steps N] [--layers L] [--d-model D] [--heads H] [--batch B]``: a GPT-style
   decode loop, run eagerly and then graphed, with timings, a token-for-token comparison and
-  graphtree's statistics.
+  graphtree's statistics (:func:`graphtree.demo.run`).
 - ``graphtree bench ...``: the benchmarks (:mod:`graphtree.bench`); arguments pass through.
 - ``graphtree profile -o trace.json -- python script.py args...``: profile a script
   (:mod:`graphtree.profile.cli`); arguments pass through.
@@ -23,24 +23,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 import sys
 import types
 from typing import Optional, Sequence
 
 __all__ = ["main"]
-
-_NO_GPU = "No CUDA GPU found: running eagerly on the CPU (graphs need a GPU; see `graphtree doctor`)"
-_SKIP = 3  # first steps left out of the medians: warm-up and recording
-
-# Defaults of `demo`: (GPU, CPU). The CPU config is tiny so that the demo ends in seconds.
-_DEMO_DEFAULTS = {
-    "steps": (64, 8),
-    "layers": (12, 2),
-    "d_model": (768, 64),
-    "heads": (12, 4),
-    "max_seq": (256, 64),
-}
 
 # Subcommands whose arguments are handed on untouched: name -> (module, extra to install).
 _PASSTHROUGH = {
@@ -135,114 +122,20 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _median_ms(times: list[float], skip: int) -> float:
-    kept = times[skip:] if len(times) > skip else times
-    return statistics.median(kept) * 1e3 if kept else float("nan")
-
-
-def _stats_summary(stats: object) -> list[str]:
-    eager = getattr(stats, "eager", {}) or {}
-    n_eager = sum(eager.values())
-    reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(eager.items()))
-    lines = [
-        f"  recordings: {getattr(stats, 'recordings', '?')}",
-        f"  replays:    {getattr(stats, 'replays', '?')}",
-        f"  warm-ups:   {getattr(stats, 'warmups', '?')}",
-        f"  eager runs: {n_eager}" + (f" ({reasons})" if reasons else ""),
-    ]
-    pool = getattr(stats, "pool_bytes", None)
-    if pool:
-        lines.append(f"  pool:       {pool / 2**20:.1f} MiB")
-    note = getattr(stats, "note", "")
-    if note:
-        lines.append(f"  note:       {note}")
-    return lines
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch
+    from graphtree.demo import run
 
-    import graphtree
-    from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
-
-    cuda = torch.cuda.is_available()
-    pick = 0 if cuda else 1
-    steps = args.steps if args.steps is not None else _DEMO_DEFAULTS["steps"][pick]
-    layers = args.layers if args.layers is not None else _DEMO_DEFAULTS["layers"][pick]
-    d_model = args.d_model if args.d_model is not None else _DEMO_DEFAULTS["d_model"][pick]
-    heads = args.heads if args.heads is not None else _DEMO_DEFAULTS["heads"][pick]
-    problems = [
-        f"--{flag} must be at least 1 (got {value})"
-        for flag, value in (("steps", steps), ("layers", layers), ("d-model", d_model), ("heads", heads),
-                            ("batch", args.batch), ("vocab", args.vocab))
-        if value < 1
-    ]
-    if not problems and d_model % heads:
-        problems.append(f"--d-model ({d_model}) must be divisible by --heads ({heads})")
-    if problems:
-        for msg in problems:
-            print(f"graphtree demo: error: {msg}", file=sys.stderr)
-        return 2
-
-    if not cuda:
-        print(_NO_GPU)
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    dtype = getattr(torch, args.dtype)
-    cfg = GPTConfig(
-        n_layer=layers, n_head=heads, d_model=d_model, vocab=args.vocab,
-        max_seq=max(steps, _DEMO_DEFAULTS["max_seq"][pick]),
+    return run(
+        steps=args.steps,
+        layers=args.layers,
+        d_model=args.d_model,
+        heads=args.heads,
+        batch=args.batch,
+        vocab=args.vocab,
+        dtype=args.dtype,
+        seed=args.seed,
+        describe=args.describe,
     )
-    model = TinyGPT(cfg, batch=args.batch, device=device, dtype=dtype, seed=args.seed)
-    first = (torch.arange(args.batch, dtype=torch.long, device=device) % cfg.vocab).view(-1, 1)
-
-    dev_name = torch.cuda.get_device_name(device) if cuda else "CPU"
-    print(f"device:  {device} ({dev_name})")
-    print(f"torch:   {torch.__version__}")
-    print(
-        f"model:   TinyGPT, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, vocab "
-        f"{cfg.vocab}, KV cache {cfg.max_seq} positions, batch {args.batch}, {args.dtype}, random weights"
-    )
-    print(f"decode:  {steps} greedy steps")
-
-    with torch.inference_mode():
-        eager_tokens, eager_times = greedy_decode(model.decode_step, model, first, steps)
-        model.reset_cache()
-        graphtree.reset()
-        step = graphtree.graphed(model.decode_step)
-        graphed_tokens, graphed_times = greedy_decode(
-            step, model, first, steps, before_step=graphtree.mark_step
-        )
-
-    eager_ms = _median_ms(eager_times, _SKIP)
-    graphed_ms = _median_ms(graphed_times, _SKIP)
-    skipped = (
-        f"medians leave out the first {_SKIP} steps (warm-up and recording)"
-        if steps > _SKIP
-        else f"only {steps} steps, so medians include the warm-up and recording steps"
-    )
-    graphed_note = "" if cuda else "; no CUDA, so this run was eager too"
-    print()
-    print(f"eager:   {eager_ms:.3f} ms/step (median)")
-    print(f"graphed: {graphed_ms:.3f} ms/step (median{graphed_note})")
-    print(f"         {skipped}")
-    speedup = eager_ms / graphed_ms if graphed_ms > 0 else float("nan")
-    note = "" if cuda else " (without CUDA both runs are eager, so expect about 1x)"
-    print(f"speedup: {speedup:.2f}x{note}")
-
-    match = torch.equal(eager_tokens.cpu(), graphed_tokens.cpu())
-    print(f"tokens match: {'yes' if match else 'no'}")
-    if not match:
-        differ = (eager_tokens.cpu() != graphed_tokens.cpu()).any(dim=0).nonzero()
-        print(f"         first differing step: {int(differ[0])}")
-
-    print()
-    print("graphtree stats:")
-    for line in _stats_summary(graphtree.stats()):
-        print(line)
-    if args.describe:
-        print()
-        print(graphtree.describe())
-    return 0 if match else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from graphtree._gpt import GPTConfig
+from graphtree.demo.gpt import GPTConfig
 from graphtree.bench import contenders, scenarios, timing
 from graphtree.bench.harness import Progress, render_table, to_json, validate_json
 

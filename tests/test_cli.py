@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtree import cli
 from graphtree.cli import main
+from graphtree.demo import NO_GPU
 
 REPO = Path(__file__).resolve().parents[1]
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
@@ -40,7 +40,7 @@ def test_demo_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0] == cli._NO_GPU  # said plainly, first
+    assert lines[0] == NO_GPU  # said plainly, first
     assert "tokens match: yes" in out
     assert "device:  cpu" in out
     assert str(torch.__version__) in out

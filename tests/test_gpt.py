@@ -1,4 +1,4 @@
-"""CPU tests of the demo/benchmark model in :mod:`graphtree._gpt`."""
+"""CPU tests of the demo/benchmark model in :mod:`graphtree.demo.gpt`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
+from graphtree.demo.gpt import GPTConfig, TinyGPT, greedy_decode
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, vocab=97, max_seq=16)
 

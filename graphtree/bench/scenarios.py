@@ -8,7 +8,7 @@ error and the scenario goes on with the others. Timings are interleaved across c
 
 - ``overhead`` -- :class:`~graphtree.bench.workloads.MMChain` of 1, 16 and 64 small matmul
   kernels: CPU time per call (no sync), wall time per call (synced), GPU-only time (CUDA events).
-- ``decode`` -- :class:`graphtree._gpt.TinyGPT` (12 layers, d=768, random weights, static KV
+- ``decode`` -- :class:`graphtree.demo.gpt.TinyGPT` (12 layers, d=768, random weights, static KV
   cache), one token per step at batch 1, 8 and 32: time per token and speedup over eager.
 - ``memory`` -- an MLP recorded for batch buckets 1, 8 and 32: graphtree (one tree, one pool),
   hand-written graphs (a private pool each), compile contenders (dynamic batch, one compile):
@@ -34,7 +34,7 @@ import torch
 
 from graphtree import _torch
 
-from graphtree._gpt import GPTConfig
+from graphtree.demo.gpt import GPTConfig
 from graphtree.bench import timing
 from graphtree.bench.contenders import (
     ALL_CONTENDERS,
@@ -366,7 +366,7 @@ def run_decode(ctx: _Ctx) -> list[Result]:
 
         rows = run_decode(ctx)
     """
-    from graphtree._gpt import TinyGPT
+    from graphtree.demo.gpt import TinyGPT
 
     cfg = ctx.cfg
     results: list[Result] = []

@@ -1,4 +1,4 @@
-"""The small models the benchmark scenarios run (the decode model is :class:`graphtree._gpt.TinyGPT`).
+"""The small models the benchmark scenarios run (the decode model is :class:`graphtree.demo.gpt.TinyGPT`).
 
 - :class:`MMChain` -- ``k`` back-to-back small matrix products: exactly ``k`` small kernels in
   eager mode, and still ``k`` under ``torch.compile`` (inductor calls cuBLAS for each ``mm`` and

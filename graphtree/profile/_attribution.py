@@ -139,8 +139,9 @@ def _stdlib_dirs() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
 
 _STD, _SITE = _stdlib_dirs()
 
-# graphtree's own machinery is never a call site; the demo model (``_gpt.py``) and the command
-# line that drives it are code like the user's, so their lines show.
+# graphtree's own machinery is never a call site; the demo (``demo/``: its model ``demo/gpt.py``
+# and the decode loop that drives it) and the command line are code like the user's, so their
+# lines show.
 _GT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GRAPHTREE_MACHINERY = tuple(
     os.path.join(_GT_DIR, part) for part in ("tree" + os.sep, "profile" + os.sep, "bench" + os.sep,

@@ -114,7 +114,7 @@ def _loop_gpt(batch: int, steps: int) -> Callable[[], None]:
     import torch
 
     import graphtree
-    from graphtree._gpt import GPTConfig, TinyGPT
+    from graphtree.demo.gpt import GPTConfig, TinyGPT
 
     cfg = GPTConfig()
     model = TinyGPT(cfg, batch, device="cuda", seed=0)

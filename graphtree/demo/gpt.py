@@ -12,7 +12,7 @@ are identical on any device; nothing is downloaded.
 Example::
 
     import torch
-    from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
+    from graphtree.demo.gpt import GPTConfig, TinyGPT, greedy_decode
 
     cfg = GPTConfig(n_layer=2, n_head=4, d_model=64, vocab=512, max_seq=32)
     model = TinyGPT(cfg, batch=1)
