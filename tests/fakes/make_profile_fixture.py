@@ -1,11 +1,11 @@
 """Write the HAND-MADE stand-in of tests/fixtures/profile_graph_replay.json (no GPU needed).
 
-It runs the very scenario of ``graphtree.profile._record_fixture`` (same source, same line
+It runs the very scenario of ``graphtree._dev.record_profile_fixture`` (same source, same line
 numbers) against the fake CUPTI and a tiny fake ``torch`` whose ops launch fake kernels, records
-the profiler's events with the same :class:`~graphtree.profile._fixture.Recorder`, and marks the
+the profiler's events with the same :class:`~graphtree._dev.profile_fixture.Recorder`, and marks the
 file ``"hand_made": true``. Replace it with a real recording::
 
-    python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json   # on a GPU
+    python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json   # on a GPU
 
 Usage (here)::
 
@@ -167,24 +167,24 @@ def build(path: Optional[str] = None) -> Dict[str, Any]:
     _rawbuf.BACKEND_FACTORY = lambda _cupti: cupti.LIBCUPTI  # never a real libcupti here
     try:
         import graphtree
-        from graphtree.profile import _record_fixture
-        from graphtree.profile._fixture import Recorder
+        from graphtree._dev import record_profile_fixture
+        from graphtree._dev.profile_fixture import Recorder
 
         cupti.SIM.reset()
         torch = _FakeTorch(cupti.SIM)
         ns: Dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
-        exec(compile(_record_fixture.SCENARIO, _record_fixture.SCENARIO_FILE, "exec"), ns)
+        exec(compile(record_profile_fixture.SCENARIO, record_profile_fixture.SCENARIO_FILE, "exec"), ns)
         rec = Recorder()
         prof = graphtree.profile(tap=rec.attach)
         outcome = ns["run"](prof, _FakeDriver(torch), _FakeRuntime(torch))
-        expect = _record_fixture.scenario_expectations(outcome["driver_launches"], outcome["memsets"])
+        expect = record_profile_fixture.scenario_expectations(outcome["driver_launches"], outcome["memsets"])
         doc = rec.to_json(
             hand_made=True,
             meta={"generator": "tests/fakes/make_profile_fixture.py (fake CUPTI, fake torch)"},
             expect=expect,
             note=(
                 "HAND-MADE from the fake CUPTI, not a GPU recording. Replace it by running on a GPU: "
-                "python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json"
+                "python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json"
             ),
         )
         if path:

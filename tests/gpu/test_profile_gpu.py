@@ -134,11 +134,11 @@ def scenario_launch_paths() -> Dict[str, Any]:
     import tempfile
 
     import graphtree
-    from graphtree.profile import _record_fixture
+    from graphtree._dev import record_profile_fixture
 
     prof = graphtree.profile()
-    outcome, expect = _record_fixture.run_scenario(prof)
-    problems = _record_fixture.check_expectations(prof, expect)
+    outcome, expect = record_profile_fixture.run_scenario(prof)
+    problems = record_profile_fixture.check_expectations(prof, expect)
     with tempfile.TemporaryDirectory() as tmp:
         trace = prof.export_chrome(os.path.join(tmp, "t.json"))
         with open(trace) as f:

@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU, torch and cupti-python::
 
-    python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json
+    python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json
 
 The scenario (``SCENARIO`` below, compiled under the file name ``<profile-scenario>`` so that its
 frames count as user code and the fixture does not depend on install paths):
@@ -269,7 +269,7 @@ def _meta() -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     """Record the fixture to ``argv[0]`` (default tests/fixtures/profile_graph_replay.json)."""
     import graphtree
-    from graphtree.profile._fixture import Recorder
+    from graphtree._dev.profile_fixture import Recorder
 
     args = list(sys.argv[1:] if argv is None else argv)
     path = args[0] if args else os.path.join("tests", "fixtures", "profile_graph_replay.json")
@@ -287,7 +287,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         hand_made=False,
         meta=_meta(),
         expect=expect,
-        note="recorded on a GPU by `python -m graphtree.profile._record_fixture`",
+        note="recorded on a GPU by `python -m graphtree._dev.record_profile_fixture`",
     )
     print(json.dumps({"fixture": path, "events": len(recorder.events), "problems": problems}, indent=1))
     return 1 if problems else 0

@@ -6,7 +6,7 @@ methods (``api_enter``, ``api_exit``, ``node_created``, ``node_cloned``, ``graph
 plain numbers and strings. :class:`Recorder` sits in between during a real GPU run (``tap=``
 option) and logs every call; :func:`replay` feeds a log into a fresh profile. So the CPU tests
 build profiles from records that a real GPU produced (``tests/fixtures/*.json``, written by
-``python -m graphtree.profile._record_fixture``).
+``python -m graphtree._dev.record_profile_fixture``).
 
 File format (``"format": "graphtree.profile.fixture/1"``)::
 

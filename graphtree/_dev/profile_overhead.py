@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m graphtree.profile._overhead                  # synthetic step, torch + graphtree loops
-    python -m graphtree.profile._overhead --mode torch --steps 400 --rounds 9
-    python -m graphtree.profile._overhead --workload gpt   # the decode benchmark's TinyGPT, batch 1 and 32
+    python -m graphtree._dev.profile_overhead                  # synthetic step, torch + graphtree loops
+    python -m graphtree._dev.profile_overhead --mode torch --steps 400 --rounds 9
+    python -m graphtree._dev.profile_overhead --workload gpt   # the decode benchmark's TinyGPT, batch 1 and 32
 
 ``--workload decode``: a decode-like step (``layers`` x [matmul, GELU, residual add, layer norm],
 then an argmax "token") captured once, before profiling; the loop replays it ``steps`` times and
@@ -35,7 +35,7 @@ within ``--threshold`` (default 0.05).
 
 Example::
 
-    >>> from graphtree.profile._overhead import measure_overhead
+    >>> from graphtree._dev.profile_overhead import measure_overhead
     >>> r = measure_overhead(mode="torch")                       # doctest: +SKIP
     >>> r["overhead"] <= 0.05                                     # doctest: +SKIP
     True
@@ -366,7 +366,7 @@ def measure_overhead(
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Measure and print JSON; exit status 0 when every overhead is within the threshold."""
-    p = argparse.ArgumentParser(prog="python -m graphtree.profile._overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m graphtree._dev.profile_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("decode", "gpt"), default="decode",
                    help="decode: the synthetic graphed step (--mode, --layers, --width, --batch); "
                         "gpt: TinyGPT decode_step (12 layers, d=768) graphed with graphtree.graphed, "
