@@ -11,8 +11,11 @@ Subcommands:
 - ``graphtree profile -o trace.json -- python script.py args...``: profile a script
   (:mod:`graphtree.profile.cli`); arguments pass through.
 
+``graphtree --version`` prints graphtree's, torch's and Python's versions.
+
 Example::
 
+    $ graphtree --version
     $ graphtree doctor
     $ graphtree demo --steps 128
     $ python -m graphtree profile -o trace.json -- python train.py --epochs 1
@@ -41,6 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="graphtree",
         description="Safe, fast and observable CUDA graphs for ordinary PyTorch code.",
     )
+    parser.add_argument("--version", action="store_true", help="print graphtree's and torch's versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench,profile}")
 
     p = sub.add_parser("doctor", help="say whether CUDA graphs can run here, and why not")
@@ -108,6 +112,26 @@ def exit_status(code: object) -> int:
     return 1
 
 
+def version_line() -> str:
+    """``graphtree X.Y.Z (torch A.B.C, Python D.E.F)``: the installed distribution's version
+    (``graphtree.__version__`` when graphtree runs from a source tree without being installed)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("graphtree")
+    except metadata.PackageNotFoundError:
+        import graphtree
+
+        version = graphtree.__version__
+    try:
+        import torch
+
+        torch_version = f"torch {torch.__version__}"
+    except Exception as e:  # noqa: BLE001 - a broken torch must not hide graphtree's version
+        torch_version = f"torch not importable: {type(e).__name__}"
+    return f"graphtree {version} ({torch_version}, Python {sys.version.split()[0]})"
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     try:
         from graphtree.debug import doctor
@@ -161,6 +185,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help or a usage error
         return e.code if isinstance(e.code, int) else 2
+    if args.version:
+        print(version_line())
+        return 0
     if args.command == "doctor":
         return _cmd_doctor(args)
     if args.command == "demo":

@@ -73,6 +73,44 @@ def test_demo_rejects_bad_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "0"]) == 2
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    import graphtree
+
+    try:
+        expected = metadata.version("graphtree")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        expected = graphtree.__version__
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"graphtree {expected} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+def test_version_without_installed_metadata(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    import graphtree
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"graphtree {graphtree.__version__} (torch {torch.__version__}")
+
+
+def test_version_matches_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    import graphtree
+
+    pyproject = REPO / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("no pyproject.toml beside the tests")
+    with pyproject.open("rb") as f:
+        assert tomllib.load(f)["project"]["version"] == graphtree.__version__
+
+
 def test_no_command_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main(["no-such-command"]) == 2
