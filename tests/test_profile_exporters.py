@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401
 
 import graphtree  # noqa: E402
 from graphtree.profile.exporters import check_chrome_trace, to_chrome, to_pprof  # noqa: E402

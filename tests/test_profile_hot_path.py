@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
 
 import graphtree  # noqa: E402
 from graphtree.profile import _attribution, _session  # noqa: E402

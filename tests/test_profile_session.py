@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
 from gt_profile_workloads import digest, mixed_workload  # noqa: E402
 
 import graphtree  # noqa: E402

@@ -1,12 +1,11 @@
 """Shared pieces of the graphtree.profile CPU tests: the fake-CUPTI fixture and helpers.
 
-Test modules put ``tests/fakes`` on ``sys.path`` and import from here.
+``tests/conftest.py`` puts ``tests/fakes`` on ``sys.path`` and registers the ``fake_cupti``
+fixture; test modules import the helpers from here.
 
 Example::
 
-    from gt_profile_testkit import fake_cupti  # noqa: F401  (a pytest fixture)
-
-    def test_x(fake_cupti):
+    def test_x(fake_cupti):  # the fixture, by name: no import
         fake_cupti.SIM.launch_kernel("k")
 """
 
