@@ -84,7 +84,7 @@ def main() -> None:
         "inspect_call": lambda: _inputs.inspect_call(leaves, None),
         "is_grad_enabled": torch.is_grad_enabled,
         "manager_for": lambda: _manager.manager_for(0),
-        "raw cudaMemcpyAsync": (lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0))(),
+        "raw cudaMemcpyAsync": (lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0))(),  # noqa: B008 - look up once
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
     }

@@ -28,7 +28,7 @@ import importlib
 import json
 import sys
 import types
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 __all__ = ["main"]
 
@@ -162,7 +162,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``graphtree`` command line and return its exit status.
 
     ``bench`` and ``profile`` hand every argument after their name, untouched, to

@@ -12,6 +12,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 
-from gt_profile_testkit import fake_cupti  # noqa: E402
+from gt_profile_testkit import fake_cupti
 
 __all__ = ["fake_cupti"]

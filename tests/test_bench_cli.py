@@ -75,7 +75,7 @@ def test_scenario_and_contender_names_agree():
 
 def test_split_keeps_canonical_order():
     assert bench._split("memory, overhead", bench._SCENARIOS, "scenario") == ["overhead", "memory"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown scenario"):
         bench._split("", bench._SCENARIOS, "scenario")
 
 

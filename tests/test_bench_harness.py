@@ -63,7 +63,7 @@ def test_summarize_single_sample():
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
 def test_summarize_rejects_empty_and_non_finite(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"summarize\(\) (needs at least one|got a non-finite) sample"):
         summarize(bad)
 
 
@@ -136,7 +136,7 @@ def test_interleaved_stop_waits_for_min_repeats():
 
 
 def test_interleaved_rejects_zero_repeats():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
         interleaved({"a": lambda: None}, repeats=0)
 
 
@@ -429,7 +429,7 @@ def test_per_unit_and_spin_cycles():
     timer = timing.per_unit(lambda fn: 8.0, 4)
     assert timer(lambda: None) == 2.0
     assert timing.spin_cycles_for(1e-3, 1.5e9) == 1_500_000
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="units must be >= 1"):
         timing.per_unit(lambda fn: 1.0, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="calls must be >= 1"):
         timing.cpu_per_call(lambda: None, calls=0)

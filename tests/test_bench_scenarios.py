@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from graphtree.demo.gpt import GPTConfig
 from graphtree.bench import contenders, scenarios, timing
 from graphtree.bench.harness import Progress, render_table, to_json, validate_json
+from graphtree.demo.gpt import GPTConfig
 
 
 class _FakeHandGraph:

@@ -140,7 +140,7 @@ def test_cupti_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(sys.modules, "cupti", types.ModuleType("cupti"))
     monkeypatch.setattr(doctor_mod.importlib.metadata, "version", lambda name: "13.0.1")
-    [(label, value)] = doctor_mod._probe_cupti()
+    [(_label, value)] = doctor_mod._probe_cupti()
     assert value == "importable (cupti-python 13.0.1)"
 
 

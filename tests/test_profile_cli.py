@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 
-from graphtree.profile.cli import _split_command, main  # noqa: E402
+from graphtree.profile.cli import _split_command, main
 
 SCRIPT = textwrap.dedent(
     """

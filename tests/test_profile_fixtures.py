@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fixture_files, load_fixture  # noqa: E402
+from gt_profile_testkit import fixture_files, load_fixture
 
-from graphtree._dev.profile_fixture import FORMAT, load, replay  # noqa: E402
-from graphtree.profile._model import ProfileData  # noqa: E402
-from graphtree._dev.record_profile_fixture import check_expectations  # noqa: E402
+from graphtree._dev.profile_fixture import FORMAT, load, replay
+from graphtree._dev.record_profile_fixture import check_expectations
+from graphtree.profile._model import ProfileData
 
 FILES = fixture_files()
 
@@ -33,7 +33,7 @@ def test_fixture_rebuilds_the_expected_profile(path):
     doc = load_fixture(path)
     assert doc["format"] == FORMAT
     if doc.get("hand_made"):
-        warnings.warn(f"{path.name} is hand-made; record a real one on a GPU ({doc.get('note', '')})")
+        warnings.warn(f"{path.name} is hand-made; record a real one on a GPU ({doc.get('note', '')})", stacklevel=1)
     prof = load(str(path))
     assert check_expectations(prof, doc["expect"]) == []
 

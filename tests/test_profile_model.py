@@ -152,7 +152,7 @@ def _feed_common(d, calls, nodes):
 def test_batch_ingest_equals_record_by_record(seed):
     np = pytest.importorskip("numpy")
     calls, nodes, recs = _random_workload(seed)
-    a, b = ProfileData(max_records=300), ProfileData(max_records=300)  # noqa: E501
+    a, b = ProfileData(max_records=300), ProfileData(max_records=300)
     _feed_common(a, calls, nodes)
     _feed_common(b, calls, nodes)
     for r in recs:

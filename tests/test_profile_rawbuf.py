@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_workloads import digest, mixed_workload  # noqa: E402
+from gt_profile_workloads import digest, mixed_workload
 
-import graphtree  # noqa: E402
-from graphtree.profile import Profile, ProfileOptions, _rawbuf, _session  # noqa: E402
-from graphtree.profile._model import KERNEL, MEMCPY  # noqa: E402
+import graphtree
+from graphtree.profile import ProfileOptions, _rawbuf, _session
+from graphtree.profile._model import KERNEL, MEMCPY
 
 STUB = Path(__file__).resolve().parent / "fakes" / "libcupti_stub.c"
 _NAMES: dict = {}
@@ -82,7 +82,7 @@ def test_ctypes_buffers_pool_and_iterator_against_a_libcupti_stand_in(stub_lib):
     lib.stub_set_size(10, kdt.itemsize)
     lib.stub_set_size(1, mdt.itemsize)
     # the library is found where the process mapped it
-    path, mapped = _rawbuf.find_libcupti()
+    _path, mapped = _rawbuf.find_libcupti()
     assert stub_lib in mapped
 
     parser = _session._RawParser.create(cupti, ProfileOptions(buffer_size=4096))

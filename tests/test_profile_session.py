@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_workloads import digest, mixed_workload  # noqa: E402
+from gt_profile_workloads import digest, mixed_workload
 
-import graphtree  # noqa: E402
-from graphtree.profile import ProfilerBusyError, ProfilerUnavailableError, _cbids, _session  # noqa: E402
+import graphtree
+from graphtree.profile import ProfilerBusyError, ProfilerUnavailableError, _cbids, _session
 
 RT, DRV, RES = 2, 1, 3
 
@@ -230,9 +230,8 @@ def test_busy_error_names_a_running_torch_profiler(fake_cupti):
     import torch
 
     fake_cupti.SIM.other_subscriber = ""  # Kineto subscribes without a name
-    with torch.profiler.profile():
-        with pytest.raises(ProfilerBusyError, match="torch.profiler"):
-            graphtree.profile().start()
+    with torch.profiler.profile(), pytest.raises(ProfilerBusyError, match=r"torch\.profiler"):
+        graphtree.profile().start()
 
 
 @pytest.mark.parametrize(
@@ -251,9 +250,8 @@ def test_busy_error_names_injected_tools(fake_cupti, monkeypatch, path, who):
 
 
 def test_second_graphtree_profile_is_busy(fake_cupti):
-    with graphtree.profile():
-        with pytest.raises(ProfilerBusyError, match="already running"):
-            graphtree.profile().start()
+    with graphtree.profile(), pytest.raises(ProfilerBusyError, match="already running"):
+        graphtree.profile().start()
 
 
 def test_other_cupti_errors_are_unavailable(fake_cupti, monkeypatch):
@@ -301,9 +299,8 @@ def test_start_stop_start_accumulates_and_nothing_is_seen_in_between(fake_cupti)
 
 
 def test_exception_inside_the_block_stops_the_profiler(fake_cupti):
-    with pytest.raises(ValueError):
-        with graphtree.profile():
-            raise ValueError("user error")
+    with pytest.raises(ValueError, match="user error"), graphtree.profile():
+        raise ValueError("user error")
     assert _session.active_session() is None and fake_cupti.SIM.subscriber is None
 
 
@@ -351,7 +348,7 @@ def test_buffers_are_recycled_dropped_records_reported(fake_cupti):
 def test_record_cap_keeps_the_first_records_and_aggregates_the_rest(fake_cupti):
     sim = fake_cupti.SIM
     with graphtree.profile(max_records=100) as prof:
-        for i in range(250):
+        for _i in range(250):
             sim.launch_kernel("k")
     s = prof.summary()
     assert s["records_kept"] == 100 and len(prof.records) == 100 and s["records_not_kept"] == 150

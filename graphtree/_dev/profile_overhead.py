@@ -48,7 +48,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["main", "measure_overhead"]
 
@@ -217,12 +218,12 @@ def measure_overhead(
     steps: int = 300,
     rounds: int = 7,
     keep_records: bool = True,
-    defer_records: Optional[int] = None,
+    defer_records: int | None = None,
     workload: str = "decode",
     floor: bool = True,
     raw_buffers: bool = True,
-    flush_period_ms: Optional[int] = None,
-) -> Dict[str, Any]:
+    flush_period_ms: int | None = None,
+) -> dict[str, Any]:
     """Time the replay loop plain, under CUPTI alone (the floors) and profiled, interleaved.
 
     Variants of one round, in an order that rotates every round: ``plain``; ``activity_floor``
@@ -251,10 +252,10 @@ def measure_overhead(
         loop()
         return time.perf_counter() - t0
 
-    last: Dict[str, Any] = {}
+    last: dict[str, Any] = {}
 
     def profiled() -> float:
-        opts: Dict[str, Any] = {"keep_records": keep_records, "raw_buffers": raw_buffers}
+        opts: dict[str, Any] = {"keep_records": keep_records, "raw_buffers": raw_buffers}
         if defer_records is not None:
             opts["defer_records"] = defer_records
         if flush_period_ms is not None:
@@ -287,8 +288,8 @@ def measure_overhead(
         return run
 
     fp = 1000 if flush_period_ms is None else flush_period_ms
-    variants: Dict[str, Callable[[], float]] = {"plain": plain, "profiled": profiled}
-    floor_errors: Dict[str, str] = {}
+    variants: dict[str, Callable[[], float]] = {"plain": plain, "profiled": profiled}
+    floor_errors: dict[str, str] = {}
     if floor:
         for key, make in (("activity_floor", lambda: _ActivityFloor(flush_period_ms=fp)),
                           ("callback_floor", _CallbackFloor)):
@@ -296,14 +297,14 @@ def measure_overhead(
             try:
                 fn()  # warm-up, and does it work here at all
                 variants[key] = fn
-            except Exception as e:  # report, keep measuring the rest
+            except Exception as e:  # noqa: BLE001 - report, keep measuring the rest
                 floor_errors[key] = f"{type(e).__name__}: {e}"
     plain()
     profiled()  # warm-up: first CUPTI initialisation is not what a loop pays
     names = list(variants)
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    starts: List[float] = []
-    stops: List[float] = []
+    times: dict[str, list[float]] = {n: [] for n in names}
+    starts: list[float] = []
+    stops: list[float] = []
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         if r % 2:
@@ -318,7 +319,7 @@ def measure_overhead(
     mp, mq = med["plain"], med["profiled"]
     s = last["summary"]
     stop_s = statistics.median(stops)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "workload": workload,
         "mode": mode,
         "steps": steps,
@@ -364,7 +365,7 @@ def measure_overhead(
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Measure and print JSON; exit status 0 when every overhead is within the threshold."""
     p = argparse.ArgumentParser(prog="python -m graphtree._dev.profile_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("decode", "gpt"), default="decode",
@@ -413,7 +414,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, buffers via {r['buffer_path']}",
                 file=sys.stderr,
             )
-        except Exception as e:  # report, do not hide the other cases
+        except Exception as e:  # noqa: BLE001 - report, do not hide the other cases
             results.append({"workload": a.workload, "mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"})
     ok = all("overhead" in r and r["overhead"] <= a.threshold for r in results)
     print(json.dumps({"threshold": a.threshold, "ok": ok, "results": results}, indent=1))

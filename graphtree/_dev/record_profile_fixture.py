@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 __all__ = ["SCENARIO", "SCENARIO_FILE", "check_expectations", "main", "run_scenario"]
 
@@ -114,7 +114,7 @@ def _line_of(text: str) -> int:
     raise ValueError(text)
 
 
-def scenario_expectations(driver_launches: int, memsets: int) -> Dict[str, Any]:
+def scenario_expectations(driver_launches: int, memsets: int) -> dict[str, Any]:
     """What the scenario must produce (derived from the scenario, not from CUPTI)."""
     return {
         "scenario_file": SCENARIO_FILE,
@@ -139,7 +139,7 @@ def scenario_expectations(driver_launches: int, memsets: int) -> Dict[str, Any]:
     }
 
 
-def run_scenario(profile: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def run_scenario(profile: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``SCENARIO`` under ``profile`` (a not yet started Profile); returns (outcome, expect)."""
     import torch
 
@@ -147,24 +147,24 @@ def run_scenario(profile: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         from cuda.bindings import driver, runtime
     except ImportError:
         driver = runtime = None
-    ns: Dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
+    ns: dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
     exec(compile(SCENARIO, SCENARIO_FILE, "exec"), ns)
     outcome = ns["run"](profile, driver, runtime)
     return outcome, scenario_expectations(outcome["driver_launches"], outcome["memsets"])
 
 
-def check_expectations(prof: Any, expect: Dict[str, Any]) -> List[str]:
+def check_expectations(prof: Any, expect: dict[str, Any]) -> list[str]:
     """Problems found in ``prof`` against ``expect`` (empty: all good).
 
     Example::
 
         assert check_expectations(load("fixture.json"), doc["expect"]) == []
     """
-    problems: List[str] = []
+    problems: list[str] = []
     s = prof.summary()
     fname = expect["scenario_file"]
 
-    def where(sid: int) -> Optional[Tuple[str, int, str]]:
+    def where(sid: int) -> tuple[str, int, str] | None:
         frames = prof.stack(sid)
         return frames[-1] if frames else None
 
@@ -236,15 +236,15 @@ def check_expectations(prof: Any, expect: Dict[str, Any]) -> List[str]:
     return problems
 
 
-def _meta() -> Dict[str, Any]:
-    meta: Dict[str, Any] = {"python": sys.version.split()[0]}
+def _meta() -> dict[str, Any]:
+    meta: dict[str, Any] = {"python": sys.version.split()[0]}
     try:
         import torch
 
         meta["torch"] = torch.__version__
         meta["cuda"] = torch.version.cuda
         meta["device"] = torch.cuda.get_device_name()
-    except Exception:
+    except Exception:  # noqa: BLE001 - metadata is best effort
         pass
     try:
         from importlib import metadata
@@ -254,19 +254,19 @@ def _meta() -> Dict[str, Any]:
                 meta[dist] = metadata.version(dist)
             except metadata.PackageNotFoundError:
                 pass
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
     try:
         from cuda.bindings import driver
 
-        err, version = driver.cuDriverGetVersion()
+        _err, version = driver.cuDriverGetVersion()
         meta["driver_api_version"] = int(version)
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
     return meta
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Record the fixture to ``argv[0]`` (default tests/fixtures/profile_graph_replay.json)."""
     import graphtree
     from graphtree._dev.profile_fixture import Recorder

@@ -32,9 +32,10 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["main"]
 

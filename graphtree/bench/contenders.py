@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

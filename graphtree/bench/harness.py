@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 SCHEMA_VERSION = 1
 """Version of the JSON document written by :func:`to_json`; bumped on incompatible changes."""
@@ -152,7 +153,7 @@ class Result:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Result":
+    def from_dict(cls, d: Mapping[str, Any]) -> Result:
         """Build a row back from its JSON form (missing optional keys take their defaults)."""
         values = {k: d.get(k, RESULT_DEFAULTS.get(k)) for k in RESULT_FIELDS}
         values["extra"] = dict(values["extra"] or {})

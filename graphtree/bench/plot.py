@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 PANELS: tuple[tuple[str, str, str, float, str], ...] = (
     ("overhead", "cpu_per_call", "CPU time per call (no sync)", 1e6, "us"),

@@ -26,15 +26,14 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from graphtree import _torch
-
-from graphtree.demo.gpt import GPTConfig
 from graphtree.bench import timing
 from graphtree.bench.contenders import (
     ALL_CONTENDERS,
@@ -69,6 +68,7 @@ from graphtree.bench.harness import (
     run_contender,
 )
 from graphtree.bench.workloads import MLP, MMChain
+from graphtree.demo.gpt import GPTConfig
 
 SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching")
 """Scenario names, in the order they run."""
@@ -133,7 +133,7 @@ class BenchConfig:
 
     @classmethod
     def make(cls, quick: bool = False, contenders: Sequence[str] | None = None,
-             budget_s: float | None = None) -> "BenchConfig":
+             budget_s: float | None = None) -> BenchConfig:
         """The full configuration, or with ``quick`` a small one for a smoke run (about a minute).
 
         Example::
@@ -324,7 +324,7 @@ def run_overhead(ctx: _Ctx) -> list[Result]:
             continue
         calls, checks = _build_all(
             ctx, "overhead", case, model, (x,),
-            lambda call: compare(call(x), ref, **TOL_MM), results)
+            lambda call: compare(call(x), ref, **TOL_MM), results)  # noqa: B023 - used in this iteration only
         fns = {n: partial(c, x) for n, c in calls.items()}
         common = dict(repeats=cfg.overhead_repeats, warmup=cfg.overhead_warmup,
                       stop=ctx.budget.expired, min_repeats=MIN_REPEATS)
@@ -386,9 +386,10 @@ def run_decode(ctx: _Ctx) -> list[Result]:
             _skip_all(results, ctx, "decode", case, exc)
             continue
 
+        # verify and run are called within this iteration only: the loop variables they read are current
         def verify(call: Callable[..., Any]) -> dict[str, Any]:
-            model.reset_cache()
-            return _merge_checks([compare(call(toks[i], positions[i]), ref[i], **TOL_LOGITS)
+            model.reset_cache()  # noqa: B023
+            return _merge_checks([compare(call(toks[i], positions[i]), ref[i], **TOL_LOGITS)  # noqa: B023
                                   for i in range(n_check)])
 
         calls, checks = _build_all(ctx, "decode", case, model.decode_step,
@@ -398,7 +399,7 @@ def run_decode(ctx: _Ctx) -> list[Result]:
         def run(call: Callable[..., Any]) -> None:
             # positions >= the current one are masked, so no cache reset is needed between runs
             for i in range(steps):
-                call(toks[i], positions[i])
+                call(toks[i], positions[i])  # noqa: B023
 
         fns = {n: partial(run, c) for n, c in calls.items()}
         t = interleaved(fns, repeats=cfg.decode_repeats, warmup=cfg.decode_warmup,
@@ -586,7 +587,7 @@ def run_capture(ctx: _Ctx) -> list[Result]:
     def record(name: str, check: bool) -> None:
         times: dict[int, float] = {}
         call, setup, keep = _bucketed(name, mlp, xs,
-                                      per_bucket=lambda s, secs: times.__setitem__(s, secs))
+                                      per_bucket=times.__setitem__)
         for b, secs in times.items():
             per[name][b].append(secs)
         totals[name].append(sum(times.values()))

@@ -26,7 +26,8 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _noop() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Optional
 
 __all__ = ["DEFAULTS", "NO_GPU", "run"]
 
@@ -58,10 +57,10 @@ def _stats_summary(stats: object) -> list[str]:
 
 def run(
     *,
-    steps: Optional[int] = None,
-    layers: Optional[int] = None,
-    d_model: Optional[int] = None,
-    heads: Optional[int] = None,
+    steps: int | None = None,
+    layers: int | None = None,
+    d_model: int | None = None,
+    heads: int | None = None,
     batch: int = 1,
     vocab: int = 50304,
     dtype: str = "float32",

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ class TinyGPT(nn.Module):
         self,
         cfg: GPTConfig,
         batch: int,
-        device: Optional[Union[str, torch.device]] = None,
+        device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> None:
@@ -215,7 +215,7 @@ def greedy_decode(
     model: TinyGPT,
     first_tokens: torch.Tensor,
     n_steps: int,
-    before_step: Optional[Callable[[], object]] = None,
+    before_step: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Greedily decode ``n_steps`` tokens, timing every step.
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 import pytest
 
@@ -57,12 +58,12 @@ def fake_cupti() -> Iterator[Any]:
                 sys.modules[k] = v
 
 
-def fixture_files() -> List[Path]:
+def fixture_files() -> list[Path]:
     """Every profile fixture committed under tests/fixtures."""
     return sorted(FIXTURES.glob("profile_*.json"))
 
 
-def load_fixture(path: os.PathLike) -> Dict[str, Any]:
+def load_fixture(path: os.PathLike) -> dict[str, Any]:
     """The JSON document of a fixture."""
     with open(path) as f:
         return json.load(f)

@@ -22,8 +22,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,7 @@ def _have_cuda() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means no usable GPU here
         return False
 
 
@@ -46,14 +47,14 @@ pytestmark = [
 ]
 
 
-def _run(scenario: str, timeout: float = 120.0, env: Dict[str, str] | None = None) -> Dict[str, Any]:
+def _run(scenario: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
     full_env.update(env or {})
     try:
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), scenario],
-            capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
+            check=False, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"scenario {scenario} hung (> {timeout:.0f}s); output so far:\n{e.stdout}\n{e.stderr}")
@@ -130,7 +131,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def scenario_launch_paths() -> Dict[str, Any]:
+def scenario_launch_paths() -> dict[str, Any]:
     import tempfile
 
     import graphtree
@@ -159,7 +160,7 @@ def scenario_launch_paths() -> Dict[str, Any]:
     }
 
 
-def scenario_make_graphed_before() -> Dict[str, Any]:
+def scenario_make_graphed_before() -> dict[str, Any]:
     import torch
 
     import graphtree
@@ -182,7 +183,7 @@ def scenario_make_graphed_before() -> Dict[str, Any]:
         results.append(bool(out[0].item() == 1.0) and bool((x.grad == 1).all().item()))
 
     prof = graphtree.profile()
-    for session in range(2):
+    for _session in range(2):
         prof.start()
         step()
         step()
@@ -198,7 +199,7 @@ def scenario_make_graphed_before() -> Dict[str, Any]:
             "before_profiling": before, "errors": errors}
 
 
-def scenario_graphtree_before() -> Dict[str, Any]:
+def scenario_graphtree_before() -> dict[str, Any]:
     import torch
 
     import graphtree
@@ -222,7 +223,7 @@ def scenario_graphtree_before() -> Dict[str, Any]:
     results, errors = [], []
     prof = graphtree.profile()
     f_inside = graphtree.graphed(body_inside)
-    for session in range(2):
+    for _session in range(2):
         prof.start()
         for _ in range(4):
             graphtree.mark_step()
@@ -250,7 +251,7 @@ def scenario_graphtree_before() -> Dict[str, Any]:
             "attributed_functions": sorted(funcs), "labels": sorted(labels), "errors": errors, "summary": s}
 
 
-def scenario_busy_and_handoff() -> Dict[str, Any]:
+def scenario_busy_and_handoff() -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -271,7 +272,7 @@ def scenario_busy_and_handoff() -> Dict[str, Any]:
             graphtree.profile().start()
         except ProfilerBusyError as e:
             busy_error, busy_message = type(e).__name__, str(e)
-        except Exception as e:  # the wrong error is a failure
+        except Exception as e:  # noqa: BLE001 - the wrong error is a failure, reported below
             busy_error, busy_message = type(e).__name__, str(e)
     cuda_events = sum(1 for ev in tp.events() if "CUDA" in str(getattr(ev, "device_type", "")))
     cuda_time = 0.0
@@ -297,7 +298,7 @@ def scenario_busy_and_handoff() -> Dict[str, Any]:
     }
 
 
-def scenario_million_records() -> Dict[str, Any]:
+def scenario_million_records() -> dict[str, Any]:
     import gc
 
     import torch
@@ -359,7 +360,7 @@ def scenario_million_records() -> Dict[str, Any]:
     }
 
 
-SCENARIOS: Dict[str, Callable[[], Dict[str, Any]]] = {
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "launch_paths": scenario_launch_paths,
     "make_graphed_before": scenario_make_graphed_before,
     "graphtree_before": scenario_graphtree_before,
@@ -395,7 +396,7 @@ except ProfilerBusyError as e:
 def test_under_compute_sanitizer_a_clear_error_and_no_crash():
     proc = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", sys.executable, "-c", _UNDER_SANITIZER],
-        capture_output=True, text=True, timeout=180, cwd=str(ROOT),
+        check=False, capture_output=True, text=True, timeout=180, cwd=str(ROOT),
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     out = proc.stdout + proc.stderr

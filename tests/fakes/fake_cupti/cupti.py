@@ -31,7 +31,8 @@ import ctypes
 import enum
 import itertools
 import threading
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import Any
 
 __graphtree_profile_internal__ = True  # stacks skip this module's frames
 
@@ -209,8 +210,8 @@ class cuptiError(Exception):
 
 
 # ----------------------------------------------------------------------------- data objects
-_POINTERS: Dict[int, Any] = {}
-_RECORDS_AT: Dict[int, Any] = {}  # address -> record object, for the raw buffer in delivery
+_POINTERS: dict[int, Any] = {}
+_RECORDS_AT: dict[int, Any] = {}  # address -> record object, for the raw buffer in delivery
 _ptr_counter = itertools.count(0x10000, 0x40)
 
 
@@ -259,7 +260,7 @@ class GraphData:
         self.ptr = _register(self)
 
     @staticmethod
-    def from_ptr(ptr: int, readonly: bool = False) -> "GraphData":
+    def from_ptr(ptr: int, readonly: bool = False) -> GraphData:
         obj = _POINTERS.get(int(ptr))
         if not isinstance(obj, GraphData):
             raise cuptiError(Result.ERROR_INVALID_PARAMETER)
@@ -302,7 +303,7 @@ class ActivityMemset4(_FakeRecord):
         self.__dict__.update(kw)
 
 
-def _dtype(itemsize: int, fields: Dict[str, Tuple[str, int]]) -> Any:
+def _dtype(itemsize: int, fields: dict[str, tuple[str, int]]) -> Any:
     import numpy as np
 
     names = list(fields)
@@ -331,7 +332,7 @@ except ImportError:  # no numpy: the profiler uses its per-record path
 _RECORD_DTYPE_NAMES = {ActivityKernel10: "activity_kernel10_dtype", ActivityMemcpy6: "activity_memcpy6_dtype",
                        ActivityMemset4: "activity_memset4_dtype"}
 _RECORD_BYTES = {ActivityKernel10: 216, ActivityMemcpy6: 96, ActivityMemset4: 88}
-_NAME_BUFFERS: Dict[str, Any] = {}
+_NAME_BUFFERS: dict[str, Any] = {}
 
 
 def _name_ptr(name: str) -> int:
@@ -366,12 +367,12 @@ class _Subscriber:
         self.callback = callback
         self.userdata = userdata
         self.name = name
-        self.enabled: Set[Tuple[int, int]] = set()
-        self.domains: Set[int] = set()
+        self.enabled: set[tuple[int, int]] = set()
+        self.domains: set[int] = set()
 
 
 class FakeNode:
-    def __init__(self, sim: "Sim", kind: str, name: str, duration: int, node_type: int, graph: "FakeGraph") -> None:
+    def __init__(self, sim: Sim, kind: str, name: str, duration: int, node_type: int, graph: FakeGraph) -> None:
         self.id = next(sim._node_ids)
         self.handle = sim._handle(self)
         self.kind = kind
@@ -383,19 +384,19 @@ class FakeNode:
 
 
 class FakeGraph:
-    def __init__(self, sim: "Sim") -> None:
+    def __init__(self, sim: Sim) -> None:
         self.id = next(sim._graph_ids)
         self.handle = sim._handle(self)
-        self.nodes: List[FakeNode] = []
+        self.nodes: list[FakeNode] = []
 
 
 class FakeExec:
-    def __init__(self, sim: "Sim", original: FakeGraph) -> None:
+    def __init__(self, sim: Sim, original: FakeGraph) -> None:
         self.id = next(sim._exec_ids)
         self.handle = sim._handle(self)
         self.original = original
         self.graph = FakeGraph(sim)  # the instantiated copy, with cloned nodes
-        self.clones: List[Tuple[FakeNode, FakeNode]] = []
+        self.clones: list[tuple[FakeNode, FakeNode]] = []
 
 
 class Sim:
@@ -416,12 +417,12 @@ class Sim:
 
     def reset(self) -> None:
         self.lock = threading.RLock()
-        self.subscriber: Optional[_Subscriber] = None
-        self.other_subscriber: Optional[str] = None
-        self.enabled_kinds: Set[int] = set()
-        self.buffer_requested: Optional[Callable[..., Any]] = None
-        self.buffer_completed: Optional[Callable[..., Any]] = None
-        self.buffer: Optional[List[Any]] = None
+        self.subscriber: _Subscriber | None = None
+        self.other_subscriber: str | None = None
+        self.enabled_kinds: set[int] = set()
+        self.buffer_requested: Callable[..., Any] | None = None
+        self.buffer_completed: Callable[..., Any] | None = None
+        self.buffer: list[Any] | None = None
         self.buffer_size = 0
         self.buffer_used = 0
         self.buffers_requested = 0
@@ -429,9 +430,9 @@ class Sim:
         self.dropped = 0
         self.flush_period = 0
         self.finalized = 0
-        self.calls: List[Tuple[str, Tuple[Any, ...]]] = []
-        self.dispatched: List[Tuple[int, int, int]] = []  # (domain, cbid, site) actually delivered
-        self.capturing: Dict[int, FakeGraph] = {}
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.dispatched: list[tuple[int, int, int]] = []  # (domain, cbid, site) actually delivered
+        self.capturing: dict[int, FakeGraph] = {}
         self.cpu_clock = 1_000_000
         self.gpu_clock = 2_000_000
         self.share_correlation = False
@@ -442,19 +443,19 @@ class Sim:
         self.corrupt_layout = False  # write wrong bytes: the profiler must notice and fall back
         # raw mode (libcupti's callbacks through ctypes, see FakeLibcupti): request() -> (address,
         # size); complete(address, size, valid_size)
-        self.raw_request: Optional[Callable[[], Tuple[int, int]]] = None
-        self.raw_complete: Optional[Callable[[int, int, int], None]] = None
-        self.raw_offsets: Dict[int, List[int]] = {}  # address of a delivered buffer -> record offsets
-        self.raw_records: List[Any] = []  # records of the current raw buffer
-        self.raw_buffers_outstanding: Set[int] = set()
-        self._memory: List[Any] = []  # activity buffers (kept alive while records point into them)
+        self.raw_request: Callable[[], tuple[int, int]] | None = None
+        self.raw_complete: Callable[[int, int, int], None] | None = None
+        self.raw_offsets: dict[int, list[int]] = {}  # address of a delivered buffer -> record offsets
+        self.raw_records: list[Any] = []  # records of the current raw buffer
+        self.raw_buffers_outstanding: set[int] = set()
+        self._memory: list[Any] = []  # activity buffers (kept alive while records point into them)
         self._buffer_address = 0
         self._corr = itertools.count(1)
         self._sub_handles = itertools.count(0xA000)
         self._node_ids = itertools.count(100)
         self._graph_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
-        self._handles: Dict[int, Any] = {}
+        self._handles: dict[int, Any] = {}
         self._handle_counter = itertools.count(0x7F0000001000, 0x100)
 
     # -- helpers
@@ -470,7 +471,7 @@ class Sim:
         s = self.subscriber
         return s is not None and ((domain, cbid) in s.enabled or domain in s.domains)
 
-    def enabled_pairs(self) -> Set[Tuple[int, int]]:
+    def enabled_pairs(self) -> set[tuple[int, int]]:
         return set(self.subscriber.enabled) if self.subscriber else set()
 
     def _dispatch(self, domain: int, cbid: int, cbdata: Any, site: int = -1) -> None:
@@ -487,7 +488,7 @@ class Sim:
     def _resource(self, cbid: CallbackIdResource, gd: GraphData) -> None:
         self._dispatch(int(CallbackDomain.RESOURCE), int(cbid), ResourceData(gd.ptr))
 
-    def _call(self, api: str, inner: Callable[[], None], with_runtime: Optional[bool] = None) -> Tuple[int, int]:
+    def _call(self, api: str, inner: Callable[[], None], with_runtime: bool | None = None) -> tuple[int, int]:
         """Run API ``api`` (runtime name, or driver-only name) with its nested driver call."""
         runtime = api in runtime_api_trace_cbid.__members__ if with_runtime is None else with_runtime
         rt_corr = next(self._corr) if runtime else 0
@@ -571,7 +572,7 @@ class Sim:
             self.buffers_delivered += 1
             self.buffer_completed(buf)
 
-    def _run(self, duration: int) -> Tuple[int, int]:
+    def _run(self, duration: int) -> tuple[int, int]:
         start = self.gpu_clock
         end = start + duration
         self.gpu_clock = end + 50
@@ -589,7 +590,7 @@ class Sim:
 
     # -- what tests drive
     def launch_kernel(self, name: str, api: str = "cudaLaunchKernel_v7000", stream: int = 7,
-                      duration: int = 1000) -> Tuple[int, int]:
+                      duration: int = 1000) -> tuple[int, int]:
         """Launch one kernel (or capture it, when ``stream`` is capturing); returns (rt, drv) corr."""
         graph = self.capturing.get(stream)
 
@@ -676,7 +677,7 @@ class Sim:
         fn()
         return self.instantiate(self.end_capture(stream))
 
-    def graph_launch(self, exe: FakeExec, api: str = "cudaGraphLaunch_v10000", stream: int = 7) -> Tuple[int, int]:
+    def graph_launch(self, exe: FakeExec, api: str = "cudaGraphLaunch_v10000", stream: int = 7) -> tuple[int, int]:
         """Launch an executable graph through ``api`` (runtime or driver name)."""
         rt, drv = self._call(api, lambda: None)
         corr = rt if (rt and self.graph_record_corr == "runtime") else drv
@@ -783,9 +784,9 @@ class FakeLibcupti:
     ``cuptiActivityGetNextRecord`` from what was written (independently of any parsing)."""
 
     path = "<fake libcupti>"
-    mapped: List[str] = []
+    mapped: tuple[str, ...] = ()  # what the real backend reports it mapped: nothing here
 
-    def register(self, request: Callable[[], Tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
+    def register(self, request: Callable[[], tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
         _log("activity_register_callbacks")
         SIM.raw_request, SIM.raw_complete = request, complete
         SIM.buffer_requested = SIM.buffer_completed = None
@@ -807,7 +808,7 @@ class FakeLibcupti:
     def flush_period(self, ms: int) -> None:
         activity_flush_period(ms)
 
-    def record_offsets(self, addr: int, valid: int, limit: Optional[int] = None) -> List[int]:
+    def record_offsets(self, addr: int, valid: int, limit: int | None = None) -> list[int]:
         offs = [o for o in SIM.raw_offsets.get(int(addr), []) if o < valid]
         return offs if limit is None else offs[:limit]
 
