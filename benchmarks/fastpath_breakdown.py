@@ -42,7 +42,8 @@ def _memcpy_variants(dst: torch.Tensor, src: torch.Tensor) -> dict:
         from cuda.bindings import driver
 
         out["cuda.bindings driver cuMemcpyDtoDAsync"] = lambda: driver.cuMemcpyDtoDAsync(
-            dst.data_ptr(), src.data_ptr(), n, raw_stream(0))
+            dst.data_ptr(), src.data_ptr(), n, raw_stream(0)
+        )
     except Exception as e:  # noqa: BLE001
         print("no cuda.bindings driver:", e)
     try:
@@ -71,7 +72,13 @@ def main() -> None:
     for _ in range(4):
         step(x)
     ptr, nbytes, dev = out.data_ptr(), out.untyped_storage().nbytes(), out.device
-    meta = {"size": tuple(out.shape), "stride": out.stride(), "dtype": out.dtype, "device": out.device, "storage_offset": 0}
+    meta = {
+        "size": tuple(out.shape),
+        "stride": out.stride(),
+        "dtype": out.dtype,
+        "device": out.device,
+        "storage_offset": 0,
+    }
     st = _torch.storage_at(ptr, dev, nbytes)
     leaves = [x]
     rows = {
@@ -84,7 +91,9 @@ def main() -> None:
         "inspect_call": lambda: _inputs.inspect_call(leaves, None),
         "is_grad_enabled": torch.is_grad_enabled,
         "manager_for": lambda: _manager.manager_for(0),
-        "raw cudaMemcpyAsync": (lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0))(),  # noqa: B008 - look up once
+        "raw cudaMemcpyAsync": (
+            lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0)
+        )(),  # noqa: B008 - look up once
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
     }

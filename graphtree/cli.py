@@ -64,9 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=None, help="attention heads (default: 12 on GPU, 4 on CPU)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default: 50304)")
-    p.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default: float32"
-    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default: float32")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
     p.add_argument("--describe", action="store_true", help="also print graphtree.describe()")
 

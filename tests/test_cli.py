@@ -62,8 +62,12 @@ def test_demo_reports_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
         return step
 
     monkeypatch.setattr(graphtree, "graphed", bad_graphed)
-    assert main(["demo", "--steps", "2", "--layers", "1", "--d-model", "16", "--heads", "2", "--vocab", "64",
-                 "--seed", "3"]) == 1
+    assert (
+        main(
+            ["demo", "--steps", "2", "--layers", "1", "--d-model", "16", "--heads", "2", "--vocab", "64", "--seed", "3"]
+        )
+        == 1
+    )
     assert "tokens match: no" in capsys.readouterr().out
 
 
@@ -87,7 +91,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert out == f"graphtree {expected} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
-def test_version_without_installed_metadata(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_without_installed_metadata(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from importlib import metadata
 
     import graphtree
@@ -162,7 +168,11 @@ def test_real_passthrough_help_does_not_crash(name: str) -> None:
 def test_python_dash_m() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "graphtree", "doctor", "--json"],
-        check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "verdict" in json.loads(proc.stdout)

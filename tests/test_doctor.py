@@ -26,8 +26,17 @@ def test_report_has_core_rows() -> None:
     assert isinstance(r, DoctorReport)
     labels = [label for label, _ in r.lines]
     assert len(labels) == len(set(labels)), labels
-    for label in ("graphtree", "Python", "torch", "torch build", "CUDA available", "driver",
-                  "CUDA runtime", "CUPTI (python)", "compute-sanitizer"):
+    for label in (
+        "graphtree",
+        "Python",
+        "torch",
+        "torch build",
+        "CUDA available",
+        "driver",
+        "CUDA runtime",
+        "CUPTI (python)",
+        "compute-sanitizer",
+    ):
         assert label in labels
     assert r.get("torch") == str(torch.__version__)
     assert r.get("CUDA available") == ("yes" if torch.cuda.is_available() else "no")

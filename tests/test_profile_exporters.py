@@ -38,11 +38,11 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
             v, i = _varint(buf, i)
         elif wire == 2:
             n, i = _varint(buf, i)
-            v, i = buf[i:i + n], i + n
+            v, i = buf[i : i + n], i + n
         elif wire == 1:
-            v, i = int.from_bytes(buf[i:i + 8], "little"), i + 8
+            v, i = int.from_bytes(buf[i : i + 8], "little"), i + 8
         elif wire == 5:
-            v, i = int.from_bytes(buf[i:i + 4], "little"), i + 4
+            v, i = int.from_bytes(buf[i : i + 4], "little"), i + 4
         else:
             raise ValueError(f"wire type {wire}")
         out.append((field, wire, v))
@@ -88,8 +88,12 @@ def decode_profile(data: bytes) -> dict[str, Any]:
                     lab = {a: b for a, _, b in _fields(vv)}
                     labels[strings[lab[1]]] = strings[lab[2]] if 2 in lab else lab.get(3, 0)
             samples.append({"frames": [locations[i] for i in locs], "values": vals, "labels": labels})
-    return {"strings": strings, "sample_types": [(strings[t.get(1, 0)], strings[t.get(2, 0)]) for t in sample_types],
-            "samples": samples, "fields": {f for f, _, _ in msg}}
+    return {
+        "strings": strings,
+        "sample_types": [(strings[t.get(1, 0)], strings[t.get(2, 0)]) for t in sample_types],
+        "samples": samples,
+        "fields": {f for f, _, _ in msg},
+    }
 
 
 # ------------------------------------------------------------------------- a profile to export

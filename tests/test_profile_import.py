@@ -31,7 +31,9 @@ def test_import_needs_no_cupti():
         """
     )
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=str(root))
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=str(root)
+    )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
 
 

@@ -164,7 +164,9 @@ def test_raw_path_is_used_and_creates_no_object_per_record(fake_cupti, monkeypat
     prof = _graph_run(sim, {"buffer_size": 64 * 216}, replays=100, kernels=40)
     s = prof.summary()
     assert prof.data.buffer_path.startswith("libcupti") and prof.data.notes == []
-    assert s["kernels"] == 4000 and s["records_without_launch"] == 0 and {g.replays for g in prof.graph_stats()} == {100}
+    assert (
+        s["kernels"] == 4000 and s["records_without_launch"] == 0 and {g.replays for g in prof.graph_stats()} == {100}
+    )
     assert slow == [] and sim.buffer_completed is None  # cupti-python's buffer callbacks unused
     # per buffer: first and last record checked against cupti-python's class, nothing per record
     assert s["buffers_completed"] >= 4000 // 64 and len(built) <= 2 * s["buffers_completed"]

@@ -39,14 +39,24 @@ def test_subscribes_exactly_the_launch_and_graph_node_callbacks(fake_cupti):
     c = fake_cupti
     R, D = c.runtime_api_trace_cbid, c.driver_api_trace_cbid
     expected = {
-        (RT, R.cudaLaunchKernel_v7000), (RT, R.cudaLaunchKernel_ptsz_v7000),
-        (RT, R.cudaLaunchKernelExC_v11060), (RT, R.cudaLaunchKernelExC_ptsz_v11060),
-        (RT, R.cudaLaunchCooperativeKernel_v9000), (RT, R.cudaLaunchCooperativeKernel_ptsz_v9000),
-        (DRV, D.cuLaunchKernel), (DRV, D.cuLaunchKernel_ptsz), (DRV, D.cuLaunchKernelEx),
-        (DRV, D.cuLaunchKernelEx_ptsz), (DRV, D.cuLaunchCooperativeKernel), (DRV, D.cuLaunchCooperativeKernel_ptsz),
-        (RT, R.cudaGraphLaunch_v10000), (RT, R.cudaGraphLaunch_ptsz_v10000),
-        (DRV, D.cuGraphLaunch), (DRV, D.cuGraphLaunch_ptsz),
-        (RES, c.CallbackIdResource.GRAPHNODE_CREATED), (RES, c.CallbackIdResource.GRAPHNODE_CLONED),
+        (RT, R.cudaLaunchKernel_v7000),
+        (RT, R.cudaLaunchKernel_ptsz_v7000),
+        (RT, R.cudaLaunchKernelExC_v11060),
+        (RT, R.cudaLaunchKernelExC_ptsz_v11060),
+        (RT, R.cudaLaunchCooperativeKernel_v9000),
+        (RT, R.cudaLaunchCooperativeKernel_ptsz_v9000),
+        (DRV, D.cuLaunchKernel),
+        (DRV, D.cuLaunchKernel_ptsz),
+        (DRV, D.cuLaunchKernelEx),
+        (DRV, D.cuLaunchKernelEx_ptsz),
+        (DRV, D.cuLaunchCooperativeKernel),
+        (DRV, D.cuLaunchCooperativeKernel_ptsz),
+        (RT, R.cudaGraphLaunch_v10000),
+        (RT, R.cudaGraphLaunch_ptsz_v10000),
+        (DRV, D.cuGraphLaunch),
+        (DRV, D.cuGraphLaunch_ptsz),
+        (RES, c.CallbackIdResource.GRAPHNODE_CREATED),
+        (RES, c.CallbackIdResource.GRAPHNODE_CLONED),
         (RES, c.CallbackIdResource.GRAPH_CLONED),
     }
     with graphtree.profile():
@@ -54,7 +64,11 @@ def test_subscribes_exactly_the_launch_and_graph_node_callbacks(fake_cupti):
         kinds = set(c.SIM.enabled_kinds)
         domains = set(c.SIM.subscriber.domains)
     assert enabled == {(d, int(x)) for d, x in expected}
-    capture = {(RT, int(R[n])) if d == "runtime" else (DRV, int(D[n])) for d, n in _cbids.CAPTURE_CALLBACKS if n in R.__members__ or n in D.__members__}
+    capture = {
+        (RT, int(R[n])) if d == "runtime" else (DRV, int(D[n]))
+        for d, n in _cbids.CAPTURE_CALLBACKS
+        if n in R.__members__ or n in D.__members__
+    }
     assert not enabled & capture, "stream-capture callbacks must never be enabled"
     assert domains == set(), "no whole domain may be enabled"
     assert kinds == {int(c.ActivityKind.CONCURRENT_KERNEL), int(c.ActivityKind.MEMCPY), int(c.ActivityKind.MEMSET)}
@@ -191,7 +205,10 @@ def test_replayed_kernels_carry_the_captured_python_lines(fake_cupti, node_ids, 
     assert _leaf(prof, rows["Memcpy DtoD"].stack_id)[1:] == (_line(_model_forward, "memcpy"), "_model_forward")
     assert rows["gemm"].count == 2 and not rows["gemm"].captured_before_profiling
     assert rows["old"].captured_before_profiling and rows["old"].count == 1
-    assert _leaf(prof, rows["old"].stack_id)[1:] == (replay_line, "test_replayed_kernels_carry_the_captured_python_lines")
+    assert _leaf(prof, rows["old"].stack_id)[1:] == (
+        replay_line,
+        "test_replayed_kernels_carry_the_captured_python_lines",
+    )
     graphs = {g.captured_before_profiling: g for g in prof.graph_stats()}
     assert graphs[False].replays == 2 and graphs[False].kernels == 6
     assert graphs[True].replays == 1 and graphs[True].kernels == 1

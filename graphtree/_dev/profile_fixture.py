@@ -92,7 +92,9 @@ class _Tap:
         self._data.api_exit(domain, cbid, corr, thread, ts)
         self._log(["api_exit", domain, cbid, corr, thread, ts])
 
-    def node_created(self, graph_id: int, node_id: int, node_type: int, thread: int, capture: Callable[[], int]) -> None:
+    def node_created(
+        self, graph_id: int, node_id: int, node_type: int, thread: int, capture: Callable[[], int]
+    ) -> None:
         got: list[int] = []
 
         def cap() -> int:
@@ -150,8 +152,14 @@ class Recorder:
         """The sink the session should feed (a forwarding, logging proxy of ``data``)."""
         return _Tap(data, self._log)
 
-    def to_json(self, *, hand_made: bool = False, meta: dict[str, Any] | None = None,
-                expect: dict[str, Any] | None = None, note: str = "") -> dict[str, Any]:
+    def to_json(
+        self,
+        *,
+        hand_made: bool = False,
+        meta: dict[str, Any] | None = None,
+        expect: dict[str, Any] | None = None,
+        note: str = "",
+    ) -> dict[str, Any]:
         """The fixture document (see the module docstring)."""
         with self._lock:
             events = list(self.events)

@@ -268,9 +268,15 @@ def measure_overhead(
         t2 = time.perf_counter()
         prof.stop()
         t3 = time.perf_counter()
-        last.update(start=t1 - t0, stop=t3 - t2, summary=prof.summary(), notes=list(prof.data.notes),
-                    stop_timings=dict(prof.data.stop_timings), buffer_path=prof.data.buffer_path,
-                    buffer_path_reason=prof.data.buffer_path_reason)
+        last.update(
+            start=t1 - t0,
+            stop=t3 - t2,
+            summary=prof.summary(),
+            notes=list(prof.data.notes),
+            stop_timings=dict(prof.data.stop_timings),
+            buffer_path=prof.data.buffer_path,
+            buffer_path_reason=prof.data.buffer_path_reason,
+        )
         return t2 - t1
 
     def floored(make: Callable[[], Any], key: str) -> Callable[[], float]:
@@ -291,8 +297,10 @@ def measure_overhead(
     variants: dict[str, Callable[[], float]] = {"plain": plain, "profiled": profiled}
     floor_errors: dict[str, str] = {}
     if floor:
-        for key, make in (("activity_floor", lambda: _ActivityFloor(flush_period_ms=fp)),
-                          ("callback_floor", _CallbackFloor)):
+        for key, make in (
+            ("activity_floor", lambda: _ActivityFloor(flush_period_ms=fp)),
+            ("callback_floor", _CallbackFloor),
+        ):
             fn = floored(make, key)
             try:
                 fn()  # warm-up, and does it work here at all
@@ -306,7 +314,7 @@ def measure_overhead(
     starts: list[float] = []
     stops: list[float] = []
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         if r % 2:
             order.reverse()
         for which in order:
@@ -368,10 +376,14 @@ def measure_overhead(
 def main(argv: list[str] | None = None) -> int:
     """Measure and print JSON; exit status 0 when every overhead is within the threshold."""
     p = argparse.ArgumentParser(prog="python -m graphtree._dev.profile_overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("decode", "gpt"), default="decode",
-                   help="decode: the synthetic graphed step (--mode, --layers, --width, --batch); "
-                        "gpt: TinyGPT decode_step (12 layers, d=768) graphed with graphtree.graphed, "
-                        "at each of --batches")
+    p.add_argument(
+        "--workload",
+        choices=("decode", "gpt"),
+        default="decode",
+        help="decode: the synthetic graphed step (--mode, --layers, --width, --batch); "
+        "gpt: TinyGPT decode_step (12 layers, d=768) graphed with graphtree.graphed, "
+        "at each of --batches",
+    )
     p.add_argument("--mode", choices=("torch", "graphtree", "both"), default="both")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--width", type=int, default=2048)
@@ -380,11 +392,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--aggregate-only", action="store_true", help="profile with keep_records=False")
-    p.add_argument("--defer-records", type=int, default=None,
-                   help="ProfileOptions.defer_records (0: aggregate every buffer as it completes)")
+    p.add_argument(
+        "--defer-records",
+        type=int,
+        default=None,
+        help="ProfileOptions.defer_records (0: aggregate every buffer as it completes)",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the CUPTI floor variants")
-    p.add_argument("--cupti-python-buffers", action="store_true",
-                   help="profile with raw_buffers=False (cupti-python's buffer callbacks)")
+    p.add_argument(
+        "--cupti-python-buffers",
+        action="store_true",
+        help="profile with raw_buffers=False (cupti-python's buffer callbacks)",
+    )
     p.add_argument("--flush-period-ms", type=int, default=None, help="ProfileOptions.flush_period_ms")
     p.add_argument("--threshold", type=float, default=0.05)
     a = p.parse_args(argv)
@@ -397,15 +416,26 @@ def main(argv: list[str] | None = None) -> int:
         label = f"gpt b={batch}" if a.workload == "gpt" else mode
         try:
             results.append(
-                measure_overhead(mode=mode, layers=a.layers, width=a.width, batch=batch, steps=a.steps,
-                                 rounds=a.rounds, keep_records=not a.aggregate_only,
-                                 defer_records=a.defer_records, workload=a.workload, floor=not a.no_floor,
-                                 raw_buffers=not a.cupti_python_buffers, flush_period_ms=a.flush_period_ms)
+                measure_overhead(
+                    mode=mode,
+                    layers=a.layers,
+                    width=a.width,
+                    batch=batch,
+                    steps=a.steps,
+                    rounds=a.rounds,
+                    keep_records=not a.aggregate_only,
+                    defer_records=a.defer_records,
+                    workload=a.workload,
+                    floor=not a.no_floor,
+                    raw_buffers=not a.cupti_python_buffers,
+                    flush_period_ms=a.flush_period_ms,
+                )
             )
             r = results[-1]
             floors = "".join(
                 f", {k}: {r[k + '_step_us']:.1f} us/step ({r[k + '_pct']:+.2f}%)"
-                for k in ("activity_floor", "callback_floor") if k + "_step_us" in r
+                for k in ("activity_floor", "callback_floor")
+                if k + "_step_us" in r
             )
             print(
                 f"[{label}] plain {r['plain_step_us']:.1f} us/step{floors}, profiled {r['profiled_step_us']:.1f} "

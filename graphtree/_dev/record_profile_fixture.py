@@ -37,7 +37,7 @@ __all__ = ["SCENARIO", "SCENARIO_FILE", "check_expectations", "main", "run_scena
 
 SCENARIO_FILE = "<profile-scenario>"
 
-SCENARIO = '''
+SCENARIO = """
 def old_region(a, e, f):
     torch.mul(a, 3.0, out=e)
     torch.add(e, 2.0, out=f)
@@ -104,7 +104,7 @@ def run(profile, driver, runtime):
     ok_d = bool(torch.allclose(d, torch.sin(a * 2.0 + 1.0)))
     ok_f = bool(torch.allclose(f, a * 3.0 + 2.0))
     return {"driver_launches": driver_launches, "memsets": memsets, "results_correct": ok_d and ok_f}
-'''
+"""
 
 
 def _line_of(text: str) -> int:
@@ -220,11 +220,15 @@ def check_expectations(prof: Any, expect: dict[str, Any]) -> list[str]:
     eager = [st for st in prof.kernel_stats() if not st.graph_key and st.kind == "kernel"]
     n_eager = sum(st.count for st in eager if (where(st.stack_id) or ("", 0, ""))[2] == expect["eager_function"])
     if n_eager < expect["eager_kernels_min"]:
-        problems.append(f"eager kernels attributed to {expect['eager_function']}: {n_eager} < {expect['eager_kernels_min']}")
+        problems.append(
+            f"eager kernels attributed to {expect['eager_function']}: {n_eager} < {expect['eager_kernels_min']}"
+        )
     if s["kernel_launches"] < expect["eager_kernels_min"]:
         problems.append(f"eager kernel launches {s['kernel_launches']} < {expect['eager_kernels_min']}")
     if s["capture_calls"] != expect["capture_calls"]:
-        problems.append(f"launch calls during capture {s['capture_calls']} != {expect['capture_calls']} (must not count as launches)")
+        problems.append(
+            f"launch calls during capture {s['capture_calls']} != {expect['capture_calls']} (must not count as launches)"
+        )
     if s["memcpys"] < expect["memcpys_min"]:
         problems.append(f"memcpy records {s['memcpys']} < {expect['memcpys_min']}")
     if s["memsets"] < expect["memsets"]:

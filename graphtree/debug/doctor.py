@@ -337,4 +337,3 @@ def doctor() -> DoctorReport:
     except BaseException as e:  # noqa: BLE001
         ok, verdict = False, f"Could not decide whether CUDA graphs can run here ({type(e).__name__}: {e})."
     return DoctorReport(lines=rows, verdict=verdict, ok=ok)
-

@@ -124,9 +124,7 @@ class TinyGPT(nn.Module):
         cache_shape = (cfg.n_layer, batch, cfg.n_head, cfg.max_seq, cfg.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, device=dev, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(cache_shape, device=dev, dtype=dtype))
-        self.register_buffer(
-            "_positions", torch.arange(cfg.max_seq, device=dev, dtype=torch.long), persistent=False
-        )
+        self.register_buffer("_positions", torch.arange(cfg.max_seq, device=dev, dtype=torch.long), persistent=False)
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
         self.eval()
 

@@ -145,9 +145,17 @@ _STD, _SITE = _stdlib_dirs()
 # are code like the user's, so their lines show.
 _GT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GRAPHTREE_MACHINERY = tuple(
-    os.path.join(_GT_DIR, part) for part in ("tree" + os.sep, "profile" + os.sep, "bench" + os.sep,
-                                              "debug" + os.sep, "_dev" + os.sep, "_torch.py", "_events.py",
-                                              "__init__.py")
+    os.path.join(_GT_DIR, part)
+    for part in (
+        "tree" + os.sep,
+        "profile" + os.sep,
+        "bench" + os.sep,
+        "debug" + os.sep,
+        "_dev" + os.sep,
+        "_torch.py",
+        "_events.py",
+        "__init__.py",
+    )
 )
 
 

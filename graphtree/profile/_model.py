@@ -226,8 +226,22 @@ class _Chunk:
         ni, start, end, dev, stream, corr, gid, nid, sid, gkey, before, nbytes, label = [c.tolist() for c in self.cols]
         names, labels, kind = self.names, self.labels, self.kind
         return [
-            KernelRecord(kind, names[ni[i]], start[i], end[i], dev[i], stream[i], corr[i], gid[i], nid[i], sid[i],
-                         gkey[i], bool(before[i]), nbytes[i], labels[label[i]])
+            KernelRecord(
+                kind,
+                names[ni[i]],
+                start[i],
+                end[i],
+                dev[i],
+                stream[i],
+                corr[i],
+                gid[i],
+                nid[i],
+                sid[i],
+                gkey[i],
+                bool(before[i]),
+                nbytes[i],
+                labels[label[i]],
+            )
             for i in range(len(start))
         ]
 
@@ -459,9 +473,7 @@ class ProfileData:
             if len(self._launch_log) < self.max_records:
                 self._launch_log.append(launch)
 
-    def node_created(
-        self, graph_id: int, node_id: int, node_type: int, thread: int, capture: CaptureFn
-    ) -> None:
+    def node_created(self, graph_id: int, node_id: int, node_type: int, thread: int, capture: CaptureFn) -> None:
         """CUPTI created graph node ``node_id`` (during stream capture or an explicit add)."""
         opened = self._open.get(thread)
         root = opened[0][2] if opened else None
@@ -613,7 +625,22 @@ class ProfileData:
             if not segs or not isinstance(segs[-1], list):
                 segs.append([])
             segs[-1].append(
-                (KIND_NAMES[kind], nm, start, end, device, stream, corr, graph_id, node_id, sid, gkey, before, nbytes, label)
+                (
+                    KIND_NAMES[kind],
+                    nm,
+                    start,
+                    end,
+                    device,
+                    stream,
+                    corr,
+                    graph_id,
+                    node_id,
+                    sid,
+                    gkey,
+                    before,
+                    nbytes,
+                    label,
+                )
             )
             self._kept += 1
         else:
@@ -665,7 +692,9 @@ class ProfileData:
         ucorr, first_idx, corr_inv = _group_runs(np, corr)
         launches = [self._launches.get(c) for c in ucorr.tolist()]
         have = np.fromiter((lz is not None for lz in launches), dtype=bool, count=len(launches))
-        lsid = np.fromiter((lz.stack_id if lz is not None else 0 for lz in launches), dtype=np.int64, count=len(launches))
+        lsid = np.fromiter(
+            (lz.stack_id if lz is not None else 0 for lz in launches), dtype=np.int64, count=len(launches)
+        )
 
         # graph nodes, one lookup per distinct node id
         unode, node_inv = _factorize(np, node_id)
@@ -798,8 +827,24 @@ class ProfileData:
         take = max(0, min(n, room))
         if take:
             # numpy columns, not Python tuples: no per-record objects for the GC to scan
-            cols = [a[:take].copy() for a in (name_idx, start, end, device, stream, corr, graph_id, node_id,
-                                              sid, gkey, before, nbytes, label)]
+            cols = [
+                a[:take].copy()
+                for a in (
+                    name_idx,
+                    start,
+                    end,
+                    device,
+                    stream,
+                    corr,
+                    graph_id,
+                    node_id,
+                    sid,
+                    gkey,
+                    before,
+                    nbytes,
+                    label,
+                )
+            ]
             self._segments.append(_Chunk(kind_name, canon, labels, cols))
             self._kept += take
         self.records_not_kept += n - take

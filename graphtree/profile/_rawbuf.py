@@ -40,10 +40,10 @@ _SUCCESS = 0
 _MAX_LIMIT_REACHED = 12  # CUPTI_ERROR_MAX_LIMIT_REACHED: the end of a buffer's records
 _ALIGN = 8  # ACTIVITY_RECORD_ALIGNMENT
 
-_REQUEST = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
-                            ctypes.POINTER(ctypes.c_size_t))
-_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t,
-                             ctypes.c_size_t)
+_REQUEST = ctypes.CFUNCTYPE(
+    None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)
+)
+_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
 
 # ``Callable[[cupti module], backend]`` used instead of :func:`open_libcupti` (tests: the fake).
 BACKEND_FACTORY: Callable[[Any], Any] | None = None

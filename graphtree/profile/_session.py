@@ -53,6 +53,7 @@ _STATE_LOCK = threading.Lock()
 _RAW_LAYOUT_BAD = False  # a raw buffer failed its layout check: later sessions use cupti-python's
 _ACTIVE: Session | None = None
 
+
 def _pin(objs: list[Any]) -> None:
     """Never free these cupti-python record objects, not even at interpreter exit.
 
@@ -138,7 +139,11 @@ def guess_other_cupti_users(old_subscriber_name: str = "") -> list[str]:
 
 def _busy_message(old_subscriber_name: str = "") -> str:
     who = guess_other_cupti_users(old_subscriber_name)
-    likely = " or ".join(who) if who else "another CUPTI-based tool (torch.profiler, Nsight Systems/Compute, compute-sanitizer)"
+    likely = (
+        " or ".join(who)
+        if who
+        else "another CUPTI-based tool (torch.profiler, Nsight Systems/Compute, compute-sanitizer)"
+    )
     return (
         "graphtree.profile cannot start: CUPTI already has a subscriber in this process "
         f"(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED); likely {likely}. CUPTI allows one "
@@ -574,18 +579,42 @@ class Session:
                         k = a.kind
                         if k in kernel_kinds:
                             record(
-                                KERNEL, a.name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id,
-                                a.graph_id, a.graph_node_id, 0,
+                                KERNEL,
+                                a.name,
+                                a.start,
+                                a.end,
+                                a.device_id,
+                                a.stream_id,
+                                a.correlation_id,
+                                a.graph_id,
+                                a.graph_node_id,
+                                0,
                             )
                         elif k == memcpy_kind:
                             record(
-                                MEMCPY, names.get(a.copy_kind, "Memcpy"), a.start, a.end, a.device_id,
-                                a.stream_id, a.correlation_id, a.graph_id, a.graph_node_id, a.bytes,
+                                MEMCPY,
+                                names.get(a.copy_kind, "Memcpy"),
+                                a.start,
+                                a.end,
+                                a.device_id,
+                                a.stream_id,
+                                a.correlation_id,
+                                a.graph_id,
+                                a.graph_node_id,
+                                a.bytes,
                             )
                         elif k == memset_kind:
                             record(
-                                MEMSET, "Memset", a.start, a.end, a.device_id, a.stream_id, a.correlation_id,
-                                a.graph_id, a.graph_node_id, a.bytes,
+                                MEMSET,
+                                "Memset",
+                                a.start,
+                                a.end,
+                                a.device_id,
+                                a.stream_id,
+                                a.correlation_id,
+                                a.graph_id,
+                                a.graph_node_id,
+                                a.bytes,
                             )
                     except Exception:
                         data.record_errors += 1
@@ -645,7 +674,11 @@ class Session:
 
             def disable_callbacks() -> None:
                 for domain, cbid in self.enabled_callbacks:
-                    _step(errors, f"disable callback {domain}/{cbid}", lambda d=domain, c=cbid: cupti.enable_callback(0, sub, d, c))
+                    _step(
+                        errors,
+                        f"disable callback {domain}/{cbid}",
+                        lambda d=domain, c=cbid: cupti.enable_callback(0, sub, d, c),
+                    )
 
             _step(errors, "disable callbacks", disable_callbacks, timings)
             _step(errors, "unsubscribe", lambda: cupti.unsubscribe(sub), timings)
@@ -701,10 +734,15 @@ class _FastParser:
     """
 
     _FIELDS = ("start", "end", "device_id", "stream_id", "correlation_id", "graph_id", "graph_node_id")
-    _EXTRA: ClassVar[dict[int, tuple[str, ...]]] = {KERNEL: ("name",), MEMCPY: ("copy_kind", "bytes"), MEMSET: ("bytes",)}
+    _EXTRA: ClassVar[dict[int, tuple[str, ...]]] = {
+        KERNEL: ("name",),
+        MEMCPY: ("copy_kind", "bytes"),
+        MEMSET: ("bytes",),
+    }
 
-    def __init__(self, np: Any, groups: dict[int, tuple[int, Any]], span_limit: int,
-                 memcpy_names: dict[int, str]) -> None:
+    def __init__(
+        self, np: Any, groups: dict[int, tuple[int, Any]], span_limit: int, memcpy_names: dict[int, str]
+    ) -> None:
         self.np = np
         self.groups = groups  # activity kind value -> (our KERNEL/MEMCPY/MEMSET, dtype)
         self.span_limit = span_limit
@@ -861,8 +899,19 @@ class _FastParser:
                 names, inv = ["Memset"], np.zeros(arr.shape[0], dtype=np.int64)
                 nbytes = arr["bytes"]
             out.append(
-                (code, names, inv.reshape(-1), arr["start"], arr["end"], arr["device_id"], arr["stream_id"],
-                 arr["correlation_id"], arr["graph_id"], arr["graph_node_id"], nbytes)
+                (
+                    code,
+                    names,
+                    inv.reshape(-1),
+                    arr["start"],
+                    arr["end"],
+                    arr["device_id"],
+                    arr["stream_id"],
+                    arr["correlation_id"],
+                    arr["graph_id"],
+                    arr["graph_node_id"],
+                    nbytes,
+                )
             )
         return out
 
@@ -895,8 +944,12 @@ def _record_classes(cupti: Any) -> dict[int, Any]:
     """Activity kind value -> cupti-python record class with ``from_ptr`` (layout checks, fallback)."""
     ak = cupti.ActivityKind
     out: dict[int, Any] = {}
-    for kind, cls in (("CONCURRENT_KERNEL", "ActivityKernel10"), ("KERNEL", "ActivityKernel10"),
-                      ("MEMCPY", "ActivityMemcpy6"), ("MEMSET", "ActivityMemset4")):
+    for kind, cls in (
+        ("CONCURRENT_KERNEL", "ActivityKernel10"),
+        ("KERNEL", "ActivityKernel10"),
+        ("MEMCPY", "ActivityMemcpy6"),
+        ("MEMSET", "ActivityMemset4"),
+    ):
         c = getattr(cupti, cls, None)
         if c is not None and hasattr(c, "from_ptr") and hasattr(ak, kind):
             out[int(getattr(ak, kind))] = c
@@ -936,7 +989,7 @@ class _RawParser(_FastParser):
         while off < valid:
             if valid - off < 4:
                 raise _LayoutMismatch(f"{valid - off} trailing bytes")
-            k = int(mem[off:off + 4].view("<u4")[0])
+            k = int(mem[off : off + 4].view("<u4")[0])
             g = groups.get(k)
             if g is None:
                 raise _LayoutMismatch(f"record of unknown kind {k} at offset {off}")
@@ -973,7 +1026,7 @@ class _RawParser(_FastParser):
                 ours.extend(range(off, off + min(count, limit - len(ours)) * size, size))
                 if len(ours) >= limit:
                     break
-            if ref != ours[:len(ref)] or (len(ref) < limit and len(ref) != len(ours)):
+            if ref != ours[: len(ref)] or (len(ref) < limit and len(ref) != len(ours)):
                 raise _LayoutMismatch("record offsets differ from cuptiActivityGetNextRecord")
         if not _RawParser._first_done:  # field by field against cupti-python, once per process
             classes = self.objects
@@ -998,7 +1051,7 @@ class _RawParser(_FastParser):
         views = []
         for k, off, count in runs:
             dt = self.groups[k][1]
-            views.append(mem[off:off + count * dt.itemsize].view(dt))
+            views.append(mem[off : off + count * dt.itemsize].view(dt))
         self._verify(addr, valid, runs, views)
         by_code: dict[int, list[Any]] = {}
         for (k, _, _), view in zip(runs, views):
@@ -1019,8 +1072,9 @@ def _current_context() -> int:
         return 0
 
 
-def _step(errors: list[str], what: str, fn: Callable[[], Any], timings: dict[str, float] | None = None,
-          key: str | None = None) -> None:
+def _step(
+    errors: list[str], what: str, fn: Callable[[], Any], timings: dict[str, float] | None = None, key: str | None = None
+) -> None:
     t0 = time.perf_counter()
     try:
         fn()

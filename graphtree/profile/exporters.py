@@ -55,7 +55,7 @@ def _short(name: str, width: int) -> str:
     if len(name) <= width:
         return name
     head = (width - 1) // 2
-    return name[:head] + "…" + name[len(name) - (width - 1 - head):]
+    return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 
 # --------------------------------------------------------------------------------- table
@@ -100,7 +100,11 @@ def format_table(prof: Any, limit: int = 15) -> str:
         lines.append("Top graphs by GPU time")
         lines.append(f"{'GPU ms':>12} {'%':>6} {'replays':>8} {'kernels':>9}  {'graph':<40} replayed from")
         for g in graphs[:limit]:
-            name = f"{g.graph_key}" + (f" {g.label}" if g.label else "") + (f" ({_BEFORE})" if g.captured_before_profiling else "")
+            name = (
+                f"{g.graph_key}"
+                + (f" {g.label}" if g.label else "")
+                + (f" ({_BEFORE})" if g.captured_before_profiling else "")
+            )
             apis = ",".join(f"{a}x{n}" for a, n in sorted(g.apis.items()))
             lines.append(
                 f"{_ms(g.total_ns):>12} {100.0 * g.total_ns / total:>5.1f}% {g.replays:>8,} {g.kernels:>9,}  "
@@ -437,4 +441,3 @@ def export_pprof(prof: Any, path: str) -> str:
         f.write(data)
     os.replace(tmp, path)
     return path
-

@@ -67,4 +67,3 @@ def load_fixture(path: os.PathLike) -> dict[str, Any]:
     """The JSON document of a fixture."""
     with open(path) as f:
         return json.load(f)
-

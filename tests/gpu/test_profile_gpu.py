@@ -49,19 +49,26 @@ pytestmark = [
 
 def _run(scenario: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     full_env.update(env or {})
     try:
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), scenario],
-            check=False, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=str(ROOT),
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"scenario {scenario} hung (> {timeout:.0f}s); output so far:\n{e.stdout}\n{e.stderr}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"scenario {scenario} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ------------------------------------------------------------------------------------ the tests
@@ -99,7 +106,9 @@ def test_graphtree_recordings_before_and_during_profiling() -> None:
 def test_torch_profiler_busy_error_and_handoff() -> None:
     r = _run("busy_and_handoff")
     assert r["graphtree_first"] > 0, r
-    assert r["torch_profiler_after_graphtree_cuda_events"] > 0, "torch.profiler saw no CUDA kernels after graphtree stopped"
+    assert r["torch_profiler_after_graphtree_cuda_events"] > 0, (
+        "torch.profiler saw no CUDA kernels after graphtree stopped"
+    )
     assert r["busy_error"] == "ProfilerBusyError", r
     assert "torch.profiler" in r["busy_message"], r["busy_message"]
     assert r["results_correct"], r
@@ -122,7 +131,10 @@ def test_one_million_kernel_records_bounded_memory() -> None:
     assert r["buffer_path"].startswith("libcupti"), r
     assert not any("record parsing disabled" in n for n in r["notes"]), r
     assert r["capped"]["records_kept"] == 100_000, r
-    assert r["capped"]["records_kept"] + r["capped"]["records_not_kept"] + r["capped"]["dropped"] == r["capped"]["expected"], r
+    assert (
+        r["capped"]["records_kept"] + r["capped"]["records_not_kept"] + r["capped"]["dropped"]
+        == r["capped"]["expected"]
+    ), r
 
 
 # ------------------------------------------------------------------------------------ scenarios
@@ -195,8 +207,13 @@ def scenario_make_graphed_before() -> dict[str, Any]:
         step()  # replay between sessions, unprofiled
     errors += prof.data.notes
     print(prof.table(), file=sys.stderr)
-    return {"results": results, "session_kernels": kernels, "graph_launches": launches,
-            "before_profiling": before, "errors": errors}
+    return {
+        "results": results,
+        "session_kernels": kernels,
+        "graph_launches": launches,
+        "before_profiling": before,
+        "errors": errors,
+    }
 
 
 def scenario_graphtree_before() -> dict[str, Any]:
@@ -247,8 +264,15 @@ def scenario_graphtree_before() -> dict[str, Any]:
                 labels.add(st.label)
     errors += prof.data.notes
     print(prof.table(), file=sys.stderr)
-    return {"results": results, "before_kernels": s["records_before_profiling"], "attributed_lines": sorted(lines),
-            "attributed_functions": sorted(funcs), "labels": sorted(labels), "errors": errors, "summary": s}
+    return {
+        "results": results,
+        "before_kernels": s["records_before_profiling"],
+        "attributed_lines": sorted(lines),
+        "attributed_functions": sorted(funcs),
+        "labels": sorted(labels),
+        "errors": errors,
+        "summary": s,
+    }
 
 
 def scenario_busy_and_handoff() -> dict[str, Any]:
@@ -355,8 +379,12 @@ def scenario_million_records() -> dict[str, Any]:
         "buffer_path_reason": prof.data.buffer_path_reason,
         "stop_timings_ms": prof.data.stop_timings,
         "result_correct": result_correct,
-        "capped": {"records_kept": c["records_kept"], "records_not_kept": c["records_not_kept"],
-                   "dropped": c["dropped_records"], "expected": n_nodes * capped_replays},
+        "capped": {
+            "records_kept": c["records_kept"],
+            "records_not_kept": c["records_not_kept"],
+            "dropped": c["dropped_records"],
+            "expected": n_nodes * capped_replays,
+        },
     }
 
 
@@ -396,7 +424,11 @@ except ProfilerBusyError as e:
 def test_under_compute_sanitizer_a_clear_error_and_no_crash():
     proc = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", sys.executable, "-c", _UNDER_SANITIZER],
-        check=False, capture_output=True, text=True, timeout=180, cwd=str(ROOT),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(ROOT),
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     out = proc.stdout + proc.stderr

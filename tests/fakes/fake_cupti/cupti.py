@@ -248,8 +248,16 @@ class ResourceData:
 
 
 class GraphData:
-    def __init__(self, graph: int = 0, node: int = 0, node_type: int = 0, original_node: int = 0,
-                 original_graph: int = 0, graph_exec: int = 0, dependency: int = 0) -> None:
+    def __init__(
+        self,
+        graph: int = 0,
+        node: int = 0,
+        node_type: int = 0,
+        original_node: int = 0,
+        original_graph: int = 0,
+        graph_exec: int = 0,
+        dependency: int = 0,
+    ) -> None:
         self.graph = graph
         self.node = node
         self.node_type = node_type
@@ -307,30 +315,74 @@ def _dtype(itemsize: int, fields: dict[str, tuple[str, int]]) -> Any:
     import numpy as np
 
     names = list(fields)
-    return np.dtype({"names": names, "formats": [fields[n][0] for n in names],
-                     "offsets": [fields[n][1] for n in names], "itemsize": itemsize})
+    return np.dtype(
+        {
+            "names": names,
+            "formats": [fields[n][0] for n in names],
+            "offsets": [fields[n][1] for n in names],
+            "itemsize": itemsize,
+        }
+    )
 
 
 # The layouts of cupti-python 13.0.1's dtypes (offsets copied from it), reduced to what is used.
 try:
-    activity_kernel10_dtype = _dtype(216, {
-        "kind": ("<i4", 0), "start": ("<u8", 16), "end": ("<u8", 24), "device_id": ("<u4", 40),
-        "context_id": ("<u4", 44), "stream_id": ("<u4", 48), "correlation_id": ("<u4", 92),
-        "name": ("<i8", 104), "graph_node_id": ("<u8", 144), "graph_id": ("<u4", 156)})
-    activity_memcpy6_dtype = _dtype(96, {
-        "kind": ("<i4", 0), "copy_kind": ("u1", 4), "bytes": ("<u8", 8), "start": ("<u8", 16),
-        "end": ("<u8", 24), "device_id": ("<u4", 32), "context_id": ("<u4", 36), "stream_id": ("<u4", 40),
-        "correlation_id": ("<u4", 44), "runtime_correlation_id": ("<u4", 48), "graph_node_id": ("<u8", 64),
-        "graph_id": ("<u4", 72)})
-    activity_memset4_dtype = _dtype(88, {
-        "kind": ("<i4", 0), "value": ("<u4", 4), "bytes": ("<u8", 8), "start": ("<u8", 16), "end": ("<u8", 24),
-        "device_id": ("<u4", 32), "context_id": ("<u4", 36), "stream_id": ("<u4", 40),
-        "correlation_id": ("<u4", 44), "graph_node_id": ("<u8", 64), "graph_id": ("<u4", 72)})
+    activity_kernel10_dtype = _dtype(
+        216,
+        {
+            "kind": ("<i4", 0),
+            "start": ("<u8", 16),
+            "end": ("<u8", 24),
+            "device_id": ("<u4", 40),
+            "context_id": ("<u4", 44),
+            "stream_id": ("<u4", 48),
+            "correlation_id": ("<u4", 92),
+            "name": ("<i8", 104),
+            "graph_node_id": ("<u8", 144),
+            "graph_id": ("<u4", 156),
+        },
+    )
+    activity_memcpy6_dtype = _dtype(
+        96,
+        {
+            "kind": ("<i4", 0),
+            "copy_kind": ("u1", 4),
+            "bytes": ("<u8", 8),
+            "start": ("<u8", 16),
+            "end": ("<u8", 24),
+            "device_id": ("<u4", 32),
+            "context_id": ("<u4", 36),
+            "stream_id": ("<u4", 40),
+            "correlation_id": ("<u4", 44),
+            "runtime_correlation_id": ("<u4", 48),
+            "graph_node_id": ("<u8", 64),
+            "graph_id": ("<u4", 72),
+        },
+    )
+    activity_memset4_dtype = _dtype(
+        88,
+        {
+            "kind": ("<i4", 0),
+            "value": ("<u4", 4),
+            "bytes": ("<u8", 8),
+            "start": ("<u8", 16),
+            "end": ("<u8", 24),
+            "device_id": ("<u4", 32),
+            "context_id": ("<u4", 36),
+            "stream_id": ("<u4", 40),
+            "correlation_id": ("<u4", 44),
+            "graph_node_id": ("<u8", 64),
+            "graph_id": ("<u4", 72),
+        },
+    )
 except ImportError:  # no numpy: the profiler uses its per-record path
     pass
 
-_RECORD_DTYPE_NAMES = {ActivityKernel10: "activity_kernel10_dtype", ActivityMemcpy6: "activity_memcpy6_dtype",
-                       ActivityMemset4: "activity_memset4_dtype"}
+_RECORD_DTYPE_NAMES = {
+    ActivityKernel10: "activity_kernel10_dtype",
+    ActivityMemcpy6: "activity_memcpy6_dtype",
+    ActivityMemset4: "activity_memset4_dtype",
+}
 _RECORD_BYTES = {ActivityKernel10: 216, ActivityMemcpy6: 96, ActivityMemset4: 88}
 _NAME_BUFFERS: dict[str, Any] = {}
 
@@ -580,8 +632,15 @@ class Sim:
 
     def _node_record(self, node: FakeNode, corr: int, stream: int, graph_id: int, node_id: int) -> Any:
         start, end = self._run(node.duration)
-        common = dict(start=start, end=end, device_id=0, stream_id=stream, correlation_id=corr,
-                      graph_id=graph_id, graph_node_id=node_id)
+        common = dict(
+            start=start,
+            end=end,
+            device_id=0,
+            stream_id=stream,
+            correlation_id=corr,
+            graph_id=graph_id,
+            graph_node_id=node_id,
+        )
         if node.kind == "memcpy":
             return ActivityMemcpy6(copy_kind=int(ActivityMemcpyKind.DTOD), bytes=node.nbytes, **common)
         if node.kind == "memset":
@@ -589,8 +648,9 @@ class Sim:
         return ActivityKernel10(name=node.name, **common)
 
     # -- what tests drive
-    def launch_kernel(self, name: str, api: str = "cudaLaunchKernel_v7000", stream: int = 7,
-                      duration: int = 1000) -> tuple[int, int]:
+    def launch_kernel(
+        self, name: str, api: str = "cudaLaunchKernel_v7000", stream: int = 7, duration: int = 1000
+    ) -> tuple[int, int]:
         """Launch one kernel (or capture it, when ``stream`` is capturing); returns (rt, drv) corr."""
         graph = self.capturing.get(stream)
 
@@ -598,14 +658,26 @@ class Sim:
             if graph is not None:
                 node = FakeNode(self, "kernel", name, duration, 0, graph)
                 graph.nodes.append(node)
-                self._resource(CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=0))
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=0)
+                )
 
         rt, drv = self._call(api, inner)
         if graph is None:
             corr = rt if (rt and self.eager_record_corr == "runtime") else drv
             start, end = self._run(duration)
-            self._emit(ActivityKernel10(name=name, start=start, end=end, device_id=0, stream_id=stream,
-                                        correlation_id=corr, graph_id=0, graph_node_id=0))
+            self._emit(
+                ActivityKernel10(
+                    name=name,
+                    start=start,
+                    end=end,
+                    device_id=0,
+                    stream_id=stream,
+                    correlation_id=corr,
+                    graph_id=0,
+                    graph_node_id=0,
+                )
+            )
         return rt, drv
 
     def memcpy(self, nbytes: int = 4096, kind: str = "HTOD", stream: int = 7, duration: int = 500) -> None:
@@ -617,20 +689,44 @@ class Sim:
                 node = FakeNode(self, "memcpy", "memcpy", duration, 1, graph)
                 node.nbytes = nbytes
                 graph.nodes.append(node)
-                self._resource(CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=1))
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=1)
+                )
 
         rt, drv = self._call("cudaMemcpyAsync_v3020", inner)
         if graph is None:
             start, end = self._run(duration)
-            self._emit(ActivityMemcpy6(copy_kind=int(ActivityMemcpyKind[kind]), bytes=nbytes, start=start, end=end,
-                                       device_id=0, stream_id=stream, correlation_id=drv, runtime_correlation_id=rt,
-                                       graph_id=0, graph_node_id=0))
+            self._emit(
+                ActivityMemcpy6(
+                    copy_kind=int(ActivityMemcpyKind[kind]),
+                    bytes=nbytes,
+                    start=start,
+                    end=end,
+                    device_id=0,
+                    stream_id=stream,
+                    correlation_id=drv,
+                    runtime_correlation_id=rt,
+                    graph_id=0,
+                    graph_node_id=0,
+                )
+            )
 
     def memset(self, nbytes: int = 4096, stream: int = 7, duration: int = 300) -> None:
         """An eager memset (no subscribed API)."""
         start, end = self._run(duration)
-        self._emit(ActivityMemset4(bytes=nbytes, start=start, end=end, device_id=0, stream_id=stream,
-                                   correlation_id=next(self._corr), graph_id=0, graph_node_id=0, memory_kind=0))
+        self._emit(
+            ActivityMemset4(
+                bytes=nbytes,
+                start=start,
+                end=end,
+                device_id=0,
+                stream_id=stream,
+                correlation_id=next(self._corr),
+                graph_id=0,
+                graph_node_id=0,
+                memory_kind=0,
+            )
+        )
 
     def begin_capture(self, stream: int = 7) -> None:
         graph = FakeGraph(self)
@@ -654,7 +750,9 @@ class Sim:
         exe = FakeExec(self, graph)
 
         def inner() -> None:
-            self._resource(CallbackIdResource.GRAPH_CLONED, GraphData(graph=exe.graph.handle, original_graph=graph.handle))
+            self._resource(
+                CallbackIdResource.GRAPH_CLONED, GraphData(graph=exe.graph.handle, original_graph=graph.handle)
+            )
             for node in graph.nodes:
                 clone = FakeNode(self, node.kind, node.name, node.duration, node.node_type, exe.graph)
                 clone.nbytes = node.nbytes
@@ -662,10 +760,16 @@ class Sim:
                 exe.clones.append((clone, node))
                 # as recorded on an H200 (CUDA 13.0): the exec graph's node is first reported as
                 # CREATED (outside any launch call, so with the instantiate call's stack), then CLONED
-                self._resource(CallbackIdResource.GRAPHNODE_CREATED,
-                               GraphData(graph=exe.graph.handle, node=clone.handle, node_type=node.node_type))
-                self._resource(CallbackIdResource.GRAPHNODE_CLONED,
-                               GraphData(graph=exe.graph.handle, node=clone.handle, original_node=node.handle, node_type=node.node_type))
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CREATED,
+                    GraphData(graph=exe.graph.handle, node=clone.handle, node_type=node.node_type),
+                )
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CLONED,
+                    GraphData(
+                        graph=exe.graph.handle, node=clone.handle, original_node=node.handle, node_type=node.node_type
+                    ),
+                )
             self._resource(CallbackIdResource.GRAPHEXEC_CREATED, GraphData(graph=graph.handle, graph_exec=exe.handle))
 
         self._call("cudaGraphInstantiate_v10000", inner)
@@ -769,7 +873,9 @@ def activity_disable(kind: int) -> None:
     SIM.enabled_kinds.discard(int(kind))
 
 
-def activity_register_callbacks(func_buffer_requested: Callable[..., Any], func_buffer_completed: Callable[..., Any]) -> None:
+def activity_register_callbacks(
+    func_buffer_requested: Callable[..., Any], func_buffer_completed: Callable[..., Any]
+) -> None:
     _log("activity_register_callbacks")
     SIM.buffer_requested = func_buffer_requested
     SIM.buffer_completed = func_buffer_completed
