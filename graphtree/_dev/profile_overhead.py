@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{label}] plain {r['plain_step_us']:.1f} us/step{floors}, profiled {r['profiled_step_us']:.1f} "
                 f"us/step: +{r['overhead_step_us']:.1f} us/step = {r['overhead_pct']:.2f}% "
                 f"({r['overhead_incl_stop_pct']:.2f}% counting stop: {r['stop_ms']:.1f} ms {r['stop_timings_ms']}); "
-                f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, buffers via {r['buffer_path']}",
+                f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, "
+                f"buffers via {r['buffer_path']}",
                 file=sys.stderr,
             )
         except Exception as e:  # noqa: BLE001 - report, do not hide the other cases

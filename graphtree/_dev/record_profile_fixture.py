@@ -227,7 +227,8 @@ def check_expectations(prof: Any, expect: dict[str, Any]) -> list[str]:
         problems.append(f"eager kernel launches {s['kernel_launches']} < {expect['eager_kernels_min']}")
     if s["capture_calls"] != expect["capture_calls"]:
         problems.append(
-            f"launch calls during capture {s['capture_calls']} != {expect['capture_calls']} (must not count as launches)"
+            f"launch calls during capture {s['capture_calls']} != {expect['capture_calls']} "
+            "(must not count as launches)"
         )
     if s["memcpys"] < expect["memcpys_min"]:
         problems.append(f"memcpy records {s['memcpys']} < {expect['memcpys_min']}")

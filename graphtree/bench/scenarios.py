@@ -359,8 +359,14 @@ def run_overhead(ctx: _Ctx) -> list[Result]:
             _skip_all(results, ctx, "overhead", case, exc)
             continue
         calls, checks = _build_all(
-            ctx, "overhead", case, model, (x,), lambda call: compare(call(x), ref, **TOL_MM), results
-        )  # noqa: B023 - used in this iteration only
+            ctx,
+            "overhead",
+            case,
+            model,
+            (x,),
+            lambda call: compare(call(x), ref, **TOL_MM),  # noqa: B023 - used in this iteration only
+            results,
+        )
         fns = {n: partial(c, x) for n, c in calls.items()}
         common = dict(
             repeats=cfg.overhead_repeats, warmup=cfg.overhead_warmup, stop=ctx.budget.expired, min_repeats=MIN_REPEATS
