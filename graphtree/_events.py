@@ -18,7 +18,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _listeners: dict[str, list[Callable[..., None]]] = {}
 

@@ -6,13 +6,16 @@ Subcommands:
   :func:`graphtree.debug.doctor`).
 - ``graphtree demo [--steps N] [--layers L] [--d-model D] [--heads H] [--batch B]``: a GPT-style
   decode loop, run eagerly and then graphed, with timings, a token-for-token comparison and
-  graphtree's statistics.
+  graphtree's statistics (:func:`graphtree.demo.run`).
 - ``graphtree bench ...``: the benchmarks (:mod:`graphtree.bench`); arguments pass through.
 - ``graphtree profile -o trace.json -- python script.py args...``: profile a script
   (:mod:`graphtree.profile.cli`); arguments pass through.
 
+``graphtree --version`` prints graphtree's, torch's and Python's versions.
+
 Example::
 
+    $ graphtree --version
     $ graphtree doctor
     $ graphtree demo --steps 128
     $ python -m graphtree profile -o trace.json -- python train.py --epochs 1
@@ -23,24 +26,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 import sys
 import types
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 __all__ = ["main"]
-
-_NO_GPU = "No CUDA GPU found: running eagerly on the CPU (graphs need a GPU; see `graphtree doctor`)"
-_SKIP = 3  # first steps left out of the medians: warm-up and recording
-
-# Defaults of `demo`: (GPU, CPU). The CPU config is tiny so that the demo ends in seconds.
-_DEMO_DEFAULTS = {
-    "steps": (64, 8),
-    "layers": (12, 2),
-    "d_model": (768, 64),
-    "heads": (12, 4),
-    "max_seq": (256, 64),
-}
 
 # Subcommands whose arguments are handed on untouched: name -> (module, extra to install).
 _PASSTHROUGH = {
@@ -54,6 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="graphtree",
         description="Safe, fast and observable CUDA graphs for ordinary PyTorch code.",
     )
+    parser.add_argument("--version", action="store_true", help="print graphtree's and torch's versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench,profile}")
 
     p = sub.add_parser("doctor", help="say whether CUDA graphs can run here, and why not")
@@ -73,9 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=None, help="attention heads (default: 12 on GPU, 4 on CPU)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default: 50304)")
-    p.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default: float32"
-    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default: float32")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
     p.add_argument("--describe", action="store_true", help="also print graphtree.describe()")
 
@@ -121,6 +110,26 @@ def exit_status(code: object) -> int:
     return 1
 
 
+def version_line() -> str:
+    """``graphtree X.Y.Z (torch A.B.C, Python D.E.F)``: the installed distribution's version
+    (``graphtree.__version__`` when graphtree runs from a source tree without being installed)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("graphtree")
+    except metadata.PackageNotFoundError:
+        import graphtree
+
+        version = graphtree.__version__
+    try:
+        import torch
+
+        torch_version = f"torch {torch.__version__}"
+    except Exception as e:  # noqa: BLE001 - a broken torch must not hide graphtree's version
+        torch_version = f"torch not importable: {type(e).__name__}"
+    return f"graphtree {version} ({torch_version}, Python {sys.version.split()[0]})"
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     try:
         from graphtree.debug import doctor
@@ -135,117 +144,23 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _median_ms(times: list[float], skip: int) -> float:
-    kept = times[skip:] if len(times) > skip else times
-    return statistics.median(kept) * 1e3 if kept else float("nan")
-
-
-def _stats_summary(stats: object) -> list[str]:
-    eager = getattr(stats, "eager", {}) or {}
-    n_eager = sum(eager.values())
-    reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(eager.items()))
-    lines = [
-        f"  recordings: {getattr(stats, 'recordings', '?')}",
-        f"  replays:    {getattr(stats, 'replays', '?')}",
-        f"  warm-ups:   {getattr(stats, 'warmups', '?')}",
-        f"  eager runs: {n_eager}" + (f" ({reasons})" if reasons else ""),
-    ]
-    pool = getattr(stats, "pool_bytes", None)
-    if pool:
-        lines.append(f"  pool:       {pool / 2**20:.1f} MiB")
-    note = getattr(stats, "note", "")
-    if note:
-        lines.append(f"  note:       {note}")
-    return lines
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch
+    from graphtree.demo import run
 
-    import graphtree
-    from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
-
-    cuda = torch.cuda.is_available()
-    pick = 0 if cuda else 1
-    steps = args.steps if args.steps is not None else _DEMO_DEFAULTS["steps"][pick]
-    layers = args.layers if args.layers is not None else _DEMO_DEFAULTS["layers"][pick]
-    d_model = args.d_model if args.d_model is not None else _DEMO_DEFAULTS["d_model"][pick]
-    heads = args.heads if args.heads is not None else _DEMO_DEFAULTS["heads"][pick]
-    problems = [
-        f"--{flag} must be at least 1 (got {value})"
-        for flag, value in (("steps", steps), ("layers", layers), ("d-model", d_model), ("heads", heads),
-                            ("batch", args.batch), ("vocab", args.vocab))
-        if value < 1
-    ]
-    if not problems and d_model % heads:
-        problems.append(f"--d-model ({d_model}) must be divisible by --heads ({heads})")
-    if problems:
-        for msg in problems:
-            print(f"graphtree demo: error: {msg}", file=sys.stderr)
-        return 2
-
-    if not cuda:
-        print(_NO_GPU)
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    dtype = getattr(torch, args.dtype)
-    cfg = GPTConfig(
-        n_layer=layers, n_head=heads, d_model=d_model, vocab=args.vocab,
-        max_seq=max(steps, _DEMO_DEFAULTS["max_seq"][pick]),
+    return run(
+        steps=args.steps,
+        layers=args.layers,
+        d_model=args.d_model,
+        heads=args.heads,
+        batch=args.batch,
+        vocab=args.vocab,
+        dtype=args.dtype,
+        seed=args.seed,
+        describe=args.describe,
     )
-    model = TinyGPT(cfg, batch=args.batch, device=device, dtype=dtype, seed=args.seed)
-    first = (torch.arange(args.batch, dtype=torch.long, device=device) % cfg.vocab).view(-1, 1)
-
-    dev_name = torch.cuda.get_device_name(device) if cuda else "CPU"
-    print(f"device:  {device} ({dev_name})")
-    print(f"torch:   {torch.__version__}")
-    print(
-        f"model:   TinyGPT, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, vocab "
-        f"{cfg.vocab}, KV cache {cfg.max_seq} positions, batch {args.batch}, {args.dtype}, random weights"
-    )
-    print(f"decode:  {steps} greedy steps")
-
-    with torch.inference_mode():
-        eager_tokens, eager_times = greedy_decode(model.decode_step, model, first, steps)
-        model.reset_cache()
-        graphtree.reset()
-        step = graphtree.graphed(model.decode_step)
-        graphed_tokens, graphed_times = greedy_decode(
-            step, model, first, steps, before_step=graphtree.mark_step
-        )
-
-    eager_ms = _median_ms(eager_times, _SKIP)
-    graphed_ms = _median_ms(graphed_times, _SKIP)
-    skipped = (
-        f"medians leave out the first {_SKIP} steps (warm-up and recording)"
-        if steps > _SKIP
-        else f"only {steps} steps, so medians include the warm-up and recording steps"
-    )
-    graphed_note = "" if cuda else "; no CUDA, so this run was eager too"
-    print()
-    print(f"eager:   {eager_ms:.3f} ms/step (median)")
-    print(f"graphed: {graphed_ms:.3f} ms/step (median{graphed_note})")
-    print(f"         {skipped}")
-    speedup = eager_ms / graphed_ms if graphed_ms > 0 else float("nan")
-    note = "" if cuda else " (without CUDA both runs are eager, so expect about 1x)"
-    print(f"speedup: {speedup:.2f}x{note}")
-
-    match = torch.equal(eager_tokens.cpu(), graphed_tokens.cpu())
-    print(f"tokens match: {'yes' if match else 'no'}")
-    if not match:
-        differ = (eager_tokens.cpu() != graphed_tokens.cpu()).any(dim=0).nonzero()
-        print(f"         first differing step: {int(differ[0])}")
-
-    print()
-    print("graphtree stats:")
-    for line in _stats_summary(graphtree.stats()):
-        print(line)
-    if args.describe:
-        print()
-        print(graphtree.describe())
-    return 0 if match else 1
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``graphtree`` command line and return its exit status.
 
     ``bench`` and ``profile`` hand every argument after their name, untouched, to
@@ -268,6 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help or a usage error
         return e.code if isinstance(e.code, int) else 2
+    if args.version:
+        print(version_line())
+        return 0
     if args.command == "doctor":
         return _cmd_doctor(args)
     if args.command == "demo":

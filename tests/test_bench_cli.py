@@ -17,20 +17,29 @@ def _doc():
     for case, eager, graph in (("1 kernel", 2.7e-5, 9e-6), ("64 kernels", 3.1e-4, 1.2e-5)):
         for name, v in (("eager", eager), ("graphtree", graph)):
             for metric in ("cpu_per_call", "wall_per_call", "gpu_time"):
-                rows.append(Result("overhead", case, name, metric, v, "s", equal_to_eager=True,
-                                   stats=summarize([v, v * 1.1])))
-    rows.append(Result("overhead", "1 kernel", "compile-cudagraphs", "setup", None, "", ok=False,
-                       error="RuntimeError: simulated"))
+                rows.append(
+                    Result("overhead", case, name, metric, v, "s", equal_to_eager=True, stats=summarize([v, v * 1.1]))
+                )
+    rows.append(
+        Result(
+            "overhead", "1 kernel", "compile-cudagraphs", "setup", None, "", ok=False, error="RuntimeError: simulated"
+        )
+    )
     rows.append(Result("decode", "batch 1", "eager", "time_per_token", 4e-3, "s"))
-    rows.append(Result("decode", "batch 1", "graphtree", "time_per_token", 1e-3, "s",
-                       equal_to_eager=True))
-    rows.append(Result("decode", "batch 1", "compile-cudagraphs", "time_per_token", 1.2e-3,
-                       "s", equal_to_eager=True))
-    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "cuda": "13.0",
-            "python": "3.12.3", "date": "2025-06-01T12:00:00+00:00", "graphtree": "0.1.0",
-            "command": "graphtree bench", "duration_s": 300.0,
-            "scenarios": ["overhead", "decode"],
-            "contenders": ["eager", "compile-cudagraphs", "graphtree"]}
+    rows.append(Result("decode", "batch 1", "graphtree", "time_per_token", 1e-3, "s", equal_to_eager=True))
+    rows.append(Result("decode", "batch 1", "compile-cudagraphs", "time_per_token", 1.2e-3, "s", equal_to_eager=True))
+    meta = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0+cu130",
+        "cuda": "13.0",
+        "python": "3.12.3",
+        "date": "2025-06-01T12:00:00+00:00",
+        "graphtree": "0.1.0",
+        "command": "graphtree bench",
+        "duration_s": 300.0,
+        "scenarios": ["overhead", "decode"],
+        "contenders": ["eager", "compile-cudagraphs", "graphtree"],
+    }
     return to_json(rows, meta)
 
 
@@ -75,7 +84,7 @@ def test_scenario_and_contender_names_agree():
 
 def test_split_keeps_canonical_order():
     assert bench._split("memory, overhead", bench._SCENARIOS, "scenario") == ["overhead", "memory"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown scenario"):
         bench._split("", bench._SCENARIOS, "scenario")
 
 

@@ -63,7 +63,7 @@ def test_summarize_single_sample():
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
 def test_summarize_rejects_empty_and_non_finite(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"summarize\(\) (needs at least one|got a non-finite) sample"):
         summarize(bad)
 
 
@@ -77,8 +77,7 @@ def _logging_contenders(names, log):
 
 def test_interleaved_rotates_round_robin_and_drops_warmup():
     log: list[str] = []
-    t = interleaved(_logging_contenders("abc", log), repeats=2, warmup=1,
-                    timer=lambda fn: (fn(), 1.0)[1])
+    t = interleaved(_logging_contenders("abc", log), repeats=2, warmup=1, timer=lambda fn: (fn(), 1.0)[1])
     # warm-up round, then two measured rounds, each rotated left by one more
     assert log == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert t.samples == {"a": [1.0, 1.0], "b": [1.0, 1.0], "c": [1.0, 1.0]}
@@ -117,8 +116,7 @@ def test_interleaved_failure_is_recorded_and_others_continue():
 
 
 def test_interleaved_stop_ends_after_a_measured_round():
-    t = interleaved({"a": lambda: None, "b": lambda: None}, repeats=10, warmup=2,
-                    stop=lambda: True)
+    t = interleaved({"a": lambda: None, "b": lambda: None}, repeats=10, warmup=2, stop=lambda: True)
     assert len(t.samples["a"]) == 1
     assert len(t.samples["b"]) == 1
 
@@ -136,7 +134,7 @@ def test_interleaved_stop_waits_for_min_repeats():
 
 
 def test_interleaved_rejects_zero_repeats():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
         interleaved({"a": lambda: None}, repeats=0)
 
 
@@ -158,13 +156,11 @@ def test_run_contender_records_failure_and_run_continues():
     def boom():
         raise RuntimeError("CUDA error: out of memory\nTried to allocate 2 GiB")
 
-    out = run_contender(rows, "decode", "batch 8", "compile-cudagraphs", boom, metric="setup",
-                        on_error=cleaned.append)
+    out = run_contender(rows, "decode", "batch 8", "compile-cudagraphs", boom, metric="setup", on_error=cleaned.append)
     assert out is None
     assert len(rows) == 1 and len(cleaned) == 1
     r = rows[0]
-    assert (r.scenario, r.case, r.contender, r.metric) == (
-        "decode", "batch 8", "compile-cudagraphs", "setup")
+    assert (r.scenario, r.case, r.contender, r.metric) == ("decode", "batch 8", "compile-cudagraphs", "setup")
     assert r.ok is False
     assert r.value is None
     assert r.error == "RuntimeError: CUDA error: out of memory"
@@ -253,16 +249,39 @@ def _meta(**over):
 def _rows():
     s = summarize([1e-5, 1.1e-5, 1.2e-5])
     return [
-        Result("overhead", "1 kernel", "eager", "wall_per_call", 2e-5, "s", equal_to_eager=True,
-               stats=summarize([2e-5, 2.1e-5])),
-        Result("overhead", "1 kernel", "graphtree", "wall_per_call", s["median"], "s",
-               equal_to_eager=True, stats=s, extra={"bitwise": True, "max_abs_diff": 0.0}),
-        Result("memory", "buckets 1,8,32", "eager", "graph_bytes", 0, "bytes",
-               equal_to_eager=True),
-        Result("memory", "buckets 1,8,32", "graphtree", "*", None, "", ok=False,
-               error="RuntimeError: CUDA error: out of memory"),
-        Result("capture", "32 buckets", "eager", "record_total_s", None, "s",
-               note="eager records nothing"),
+        Result(
+            "overhead",
+            "1 kernel",
+            "eager",
+            "wall_per_call",
+            2e-5,
+            "s",
+            equal_to_eager=True,
+            stats=summarize([2e-5, 2.1e-5]),
+        ),
+        Result(
+            "overhead",
+            "1 kernel",
+            "graphtree",
+            "wall_per_call",
+            s["median"],
+            "s",
+            equal_to_eager=True,
+            stats=s,
+            extra={"bitwise": True, "max_abs_diff": 0.0},
+        ),
+        Result("memory", "buckets 1,8,32", "eager", "graph_bytes", 0, "bytes", equal_to_eager=True),
+        Result(
+            "memory",
+            "buckets 1,8,32",
+            "graphtree",
+            "*",
+            None,
+            "",
+            ok=False,
+            error="RuntimeError: CUDA error: out of memory",
+        ),
+        Result("capture", "32 buckets", "eager", "record_total_s", None, "s", note="eager records nothing"),
     ]
 
 
@@ -282,30 +301,33 @@ def _bad(mutate):
     return doc
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda d: d.pop("results"), "lacks"),
-    (lambda d: d.__setitem__("schema_version", 2), "schema_version"),
-    (lambda d: d["meta"].pop("torch"), "meta lacks 'torch'"),
-    (lambda d: d["meta"].__setitem__("duration_s", "fast"), "meta.duration_s"),
-    (lambda d: d["meta"].__setitem__("duration_s", -1), "duration_s"),
-    (lambda d: d["meta"].__setitem__("date", "yesterday"), "ISO"),
-    (lambda d: d["meta"].__setitem__("device", None), "meta.device"),
-    (lambda d: d.__setitem__("results", {}), "results must be a list"),
-    (lambda d: d["results"][0].pop("unit"), "lacks"),
-    (lambda d: d["results"][0].__setitem__("surprise", 1), "unknown keys"),
-    (lambda d: d["results"][0].__setitem__("value", "fast"), "value"),
-    (lambda d: d["results"][0].__setitem__("value", True), "not bool"),
-    (lambda d: d["results"][0].__setitem__("ok", 1), "ok"),
-    (lambda d: d["results"][0].__setitem__("contender", ""), "must not be empty"),
-    (lambda d: d["results"][0].__setitem__("error", "x"), "ok but has an error"),
-    (lambda d: d["results"][3].__setitem__("error", None), "without an error"),
-    (lambda d: d["results"][3].__setitem__("value", 1.0), "failed but has a value"),
-    (lambda d: d["results"][4].__setitem__("note", ""), "no note"),
-    (lambda d: d["results"][1]["stats"].pop("p90"), "stats lacks"),
-    (lambda d: d["results"][1]["stats"].__setitem__("p10", 1.0), "p10 <= median"),
-    (lambda d: d["results"][1].__setitem__("unit", ""), "no unit"),
-    (lambda d: d["meta"]["contenders"].append("handwritten"), "overhead/handwritten"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d.pop("results"), "lacks"),
+        (lambda d: d.__setitem__("schema_version", 2), "schema_version"),
+        (lambda d: d["meta"].pop("torch"), "meta lacks 'torch'"),
+        (lambda d: d["meta"].__setitem__("duration_s", "fast"), "meta.duration_s"),
+        (lambda d: d["meta"].__setitem__("duration_s", -1), "duration_s"),
+        (lambda d: d["meta"].__setitem__("date", "yesterday"), "ISO"),
+        (lambda d: d["meta"].__setitem__("device", None), "meta.device"),
+        (lambda d: d.__setitem__("results", {}), "results must be a list"),
+        (lambda d: d["results"][0].pop("unit"), "lacks"),
+        (lambda d: d["results"][0].__setitem__("surprise", 1), "unknown keys"),
+        (lambda d: d["results"][0].__setitem__("value", "fast"), "value"),
+        (lambda d: d["results"][0].__setitem__("value", True), "not bool"),
+        (lambda d: d["results"][0].__setitem__("ok", 1), "ok"),
+        (lambda d: d["results"][0].__setitem__("contender", ""), "must not be empty"),
+        (lambda d: d["results"][0].__setitem__("error", "x"), "ok but has an error"),
+        (lambda d: d["results"][3].__setitem__("error", None), "without an error"),
+        (lambda d: d["results"][3].__setitem__("value", 1.0), "failed but has a value"),
+        (lambda d: d["results"][4].__setitem__("note", ""), "no note"),
+        (lambda d: d["results"][1]["stats"].pop("p90"), "stats lacks"),
+        (lambda d: d["results"][1]["stats"].__setitem__("p10", 1.0), "p10 <= median"),
+        (lambda d: d["results"][1].__setitem__("unit", ""), "no unit"),
+        (lambda d: d["meta"]["contenders"].append("handwritten"), "overhead/handwritten"),
+    ],
+)
 def test_bad_documents_are_rejected(mutate, match):
     with pytest.raises(SchemaError, match=match):
         validate_json(_bad(mutate))
@@ -347,8 +369,7 @@ def test_format_value_units():
 
 def test_table_renders_every_row_with_failed_marker_and_speedup():
     rows = _rows()
-    rows.append(Result("overhead", "1 kernel", "compile-cudagraphs", "wall_per_call", 4e-5, "s",
-                       equal_to_eager=False))
+    rows.append(Result("overhead", "1 kernel", "compile-cudagraphs", "wall_per_call", 4e-5, "s", equal_to_eager=False))
     table = render_table(rows)
     lines = table.splitlines()
     header = lines[0]
@@ -374,8 +395,7 @@ def test_table_renders_every_row_with_failed_marker_and_speedup():
 
 
 def test_table_clips_long_errors():
-    rows = [Result("decode", "batch 1", "graphtree", "*", None, "", ok=False,
-                   error="RuntimeError: " + "x" * 500)]
+    rows = [Result("decode", "batch 1", "graphtree", "*", None, "", ok=False, error="RuntimeError: " + "x" * 500)]
     table = render_table(rows, max_error=40)
     assert "..." in table
     assert max(len(ln) for ln in table.splitlines()) < 150
@@ -383,8 +403,7 @@ def test_table_clips_long_errors():
 
 def test_correctness_summary_names_mismatches():
     rows = _rows()
-    rows.append(Result("overhead", "1 kernel", "compile-cudagraphs", "wall_per_call", 4e-5, "s",
-                       equal_to_eager=False))
+    rows.append(Result("overhead", "1 kernel", "compile-cudagraphs", "wall_per_call", 4e-5, "s", equal_to_eager=False))
     text = correctness_summary(rows)
     assert "1/2 checked outputs equal to eager" in text
     assert "overhead/1 kernel/compile-cudagraphs" in text
@@ -405,16 +424,14 @@ def test_result_dict_round_trip_keeps_defaults():
 
 def test_cpu_per_call_syncs_only_before_the_clock():
     events: list[str] = []
-    t = timing.cpu_per_call(lambda: events.append("call"), calls=4,
-                            sync=lambda: events.append("sync"))
+    t = timing.cpu_per_call(lambda: events.append("call"), calls=4, sync=lambda: events.append("sync"))
     assert events == ["sync", "call", "call", "call", "call"]
     assert t >= 0
 
 
 def test_wall_per_call_syncs_before_and_after():
     events: list[str] = []
-    timing.wall_per_call(lambda: events.append("call"), calls=3,
-                         sync=lambda: events.append("sync"))
+    timing.wall_per_call(lambda: events.append("call"), calls=3, sync=lambda: events.append("sync"))
     assert events == ["sync", "call", "call", "call", "sync"]
 
 
@@ -429,7 +446,7 @@ def test_per_unit_and_spin_cycles():
     timer = timing.per_unit(lambda fn: 8.0, 4)
     assert timer(lambda: None) == 2.0
     assert timing.spin_cycles_for(1e-3, 1.5e9) == 1_500_000
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="units must be >= 1"):
         timing.per_unit(lambda fn: 1.0, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="calls must be >= 1"):
         timing.cpu_per_call(lambda: None, calls=0)

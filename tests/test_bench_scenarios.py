@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from graphtree._gpt import GPTConfig
 from graphtree.bench import contenders, scenarios, timing
 from graphtree.bench.harness import Progress, render_table, to_json, validate_json
+from graphtree.demo.gpt import GPTConfig
 
 
 class _FakeHandGraph:
@@ -71,15 +71,32 @@ def fake_gpu(monkeypatch):
 def _tiny(**over):
     cfg = scenarios.BenchConfig.make(quick=True)
     small = dict(
-        kernels=(1, 4), mm_rows=4, mm_dim=8, overhead_calls=2, overhead_repeats=2,
+        kernels=(1, 4),
+        mm_rows=4,
+        mm_dim=8,
+        overhead_calls=2,
+        overhead_repeats=2,
         overhead_warmup=1,
         gpt=GPTConfig(n_layer=1, n_head=2, d_model=16, vocab=32, max_seq=8),
-        decode_batches=(1, 2), decode_steps=3, decode_check_steps=2, decode_repeats=2,
+        decode_batches=(1, 2),
+        decode_steps=3,
+        decode_check_steps=2,
+        decode_repeats=2,
         decode_warmup=1,
-        mem_buckets=(1, 2), mlp_d=8, mlp_hidden=16, mlp_layers=1, mlp_tokens=2,
-        branch_batch=2, branch_iters=2,
-        capture_buckets=3, capture_report=(1, 3), capture_d=8, capture_hidden=16,
-        capture_layers=1, capture_tokens=2, capture_repeats=2,
+        mem_buckets=(1, 2),
+        mlp_d=8,
+        mlp_hidden=16,
+        mlp_layers=1,
+        mlp_tokens=2,
+        branch_batch=2,
+        branch_iters=2,
+        capture_buckets=3,
+        capture_report=(1, 3),
+        capture_d=8,
+        capture_hidden=16,
+        capture_layers=1,
+        capture_tokens=2,
+        capture_repeats=2,
     )
     small.update(over)
     for k, v in small.items():
@@ -90,10 +107,18 @@ def _tiny(**over):
 def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
     cfg = _tiny()
     rows = scenarios.run_scenarios(list(scenarios.SCENARIOS), cfg, Progress(quiet=True))
-    meta = {"device": "fake", "torch": torch.__version__, "cuda": None, "python": "3",
-            "date": "2025-01-01T00:00:00+00:00", "graphtree": "0", "command": "test",
-            "duration_s": 1.0, "scenarios": list(scenarios.SCENARIOS),
-            "contenders": list(cfg.contenders)}
+    meta = {
+        "device": "fake",
+        "torch": torch.__version__,
+        "cuda": None,
+        "python": "3",
+        "date": "2025-01-01T00:00:00+00:00",
+        "graphtree": "0",
+        "command": "test",
+        "duration_s": 1.0,
+        "scenarios": list(scenarios.SCENARIOS),
+        "contenders": list(cfg.contenders),
+    }
     validate_json(to_json(rows, meta))  # includes: every scenario x contender has a row
 
     # the failing compile contender is reported in every scenario, with type and first line
@@ -107,12 +132,19 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
         assert mine and all(r.ok for r in mine), [r.error for r in mine if not r.ok]
         assert all(r.equal_to_eager is not False for r in mine)
     metrics = {(r.scenario, r.metric) for r in rows if r.ok}
-    for expected in [("overhead", "cpu_per_call"), ("overhead", "wall_per_call"),
-                     ("overhead", "gpu_time"), ("overhead", "compile_s"),
-                     ("decode", "time_per_token"), ("decode", "speedup"),
-                     ("memory", "graph_bytes"), ("capture", "record_s"),
-                     ("capture", "record_total_s"), ("branching", "vs_sum"),
-                     ("branching", "bytes_after_AB_ABp")]:
+    for expected in [
+        ("overhead", "cpu_per_call"),
+        ("overhead", "wall_per_call"),
+        ("overhead", "gpu_time"),
+        ("overhead", "compile_s"),
+        ("decode", "time_per_token"),
+        ("decode", "speedup"),
+        ("memory", "graph_bytes"),
+        ("capture", "record_s"),
+        ("capture", "record_total_s"),
+        ("branching", "vs_sum"),
+        ("branching", "bytes_after_AB_ABp"),
+    ]:
         assert expected in metrics, expected
     decode_cases = {r.case for r in rows if r.scenario == "decode" and r.metric == "time_per_token"}
     assert decode_cases == {"batch 1", "batch 2"}
@@ -123,8 +155,7 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
 
 
 def test_spent_budget_skips_only_compiling(fake_gpu):
-    cfg = _tiny(budget_s=0.0, contenders=("eager", "compile-reduce-overhead", "graphtree"),
-                overhead_repeats=6)
+    cfg = _tiny(budget_s=0.0, contenders=("eager", "compile-reduce-overhead", "graphtree"), overhead_repeats=6)
     rows = scenarios.run_scenarios(["overhead", "memory"], cfg, Progress(quiet=True))
     skipped = [r for r in rows if r.contender == "compile-reduce-overhead"]
     assert skipped and all(not r.ok and r.error.startswith("BudgetExceeded") for r in skipped)
@@ -154,8 +185,7 @@ def test_interrupt_keeps_rows_and_marks_the_rest(fake_gpu, monkeypatch):
 
     monkeypatch.setitem(scenarios.RUNNERS, "memory", stop)
     cfg = _tiny(contenders=("eager", "graphtree"))
-    rows = scenarios.run_scenarios(["overhead", "memory", "branching"], cfg,
-                                   Progress(quiet=True))
+    rows = scenarios.run_scenarios(["overhead", "memory", "branching"], cfg, Progress(quiet=True))
     assert any(r.scenario == "overhead" and r.ok for r in rows)
     later = [r for r in rows if r.scenario in ("memory", "branching")]
     assert len(later) == 4

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtree import cli
 from graphtree.cli import main
+from graphtree.demo import NO_GPU
 
 REPO = Path(__file__).resolve().parents[1]
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
@@ -40,7 +40,7 @@ def test_demo_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0] == cli._NO_GPU  # said plainly, first
+    assert lines[0] == NO_GPU  # said plainly, first
     assert "tokens match: yes" in out
     assert "device:  cpu" in out
     assert str(torch.__version__) in out
@@ -62,8 +62,12 @@ def test_demo_reports_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
         return step
 
     monkeypatch.setattr(graphtree, "graphed", bad_graphed)
-    assert main(["demo", "--steps", "2", "--layers", "1", "--d-model", "16", "--heads", "2", "--vocab", "64",
-                 "--seed", "3"]) == 1
+    assert (
+        main(
+            ["demo", "--steps", "2", "--layers", "1", "--d-model", "16", "--heads", "2", "--vocab", "64", "--seed", "3"]
+        )
+        == 1
+    )
     assert "tokens match: no" in capsys.readouterr().out
 
 
@@ -71,6 +75,46 @@ def test_demo_rejects_bad_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--d-model", "30", "--heads", "4", "--steps", "1"]) == 2
     assert "divisible" in capsys.readouterr().err
     assert main(["demo", "--steps", "0"]) == 2
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    import graphtree
+
+    try:
+        expected = metadata.version("graphtree")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        expected = graphtree.__version__
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"graphtree {expected} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+def test_version_without_installed_metadata(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib import metadata
+
+    import graphtree
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"graphtree {graphtree.__version__} (torch {torch.__version__}")
+
+
+def test_version_matches_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    import graphtree
+
+    pyproject = REPO / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("no pyproject.toml beside the tests")
+    with pyproject.open("rb") as f:
+        assert tomllib.load(f)["project"]["version"] == graphtree.__version__
 
 
 def test_no_command_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,7 +168,11 @@ def test_real_passthrough_help_does_not_crash(name: str) -> None:
 def test_python_dash_m() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "graphtree", "doctor", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "verdict" in json.loads(proc.stdout)

@@ -26,8 +26,17 @@ def test_report_has_core_rows() -> None:
     assert isinstance(r, DoctorReport)
     labels = [label for label, _ in r.lines]
     assert len(labels) == len(set(labels)), labels
-    for label in ("graphtree", "Python", "torch", "torch build", "CUDA available", "driver",
-                  "CUDA runtime", "CUPTI (python)", "compute-sanitizer"):
+    for label in (
+        "graphtree",
+        "Python",
+        "torch",
+        "torch build",
+        "CUDA available",
+        "driver",
+        "CUDA runtime",
+        "CUPTI (python)",
+        "compute-sanitizer",
+    ):
         assert label in labels
     assert r.get("torch") == str(torch.__version__)
     assert r.get("CUDA available") == ("yes" if torch.cuda.is_available() else "no")
@@ -140,7 +149,7 @@ def test_cupti_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(sys.modules, "cupti", types.ModuleType("cupti"))
     monkeypatch.setattr(doctor_mod.importlib.metadata, "version", lambda name: "13.0.1")
-    [(label, value)] = doctor_mod._probe_cupti()
+    [(_label, value)] = doctor_mod._probe_cupti()
     assert value == "importable (cupti-python 13.0.1)"
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of the demo/benchmark model in :mod:`graphtree._gpt`."""
+"""CPU tests of the demo/benchmark model in :mod:`graphtree.demo.gpt`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
+from graphtree.demo.gpt import GPTConfig, TinyGPT, greedy_decode
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, vocab=97, max_seq=16)
 
@@ -78,7 +78,7 @@ def test_dtype_argument() -> None:
 
 
 def test_bad_config_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be divisible by n_head"):
         TinyGPT(GPTConfig(n_layer=1, n_head=5, d_model=32, vocab=10, max_seq=4), batch=1)
 
 
@@ -185,7 +185,7 @@ def test_greedy_decode_repeatable_after_reset() -> None:
 
 def test_greedy_decode_rejects_too_many_steps() -> None:
     m = _model()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_steps must be in"):
         greedy_decode(m.decode_step, m, _tokens(2), n_steps=CFG.max_seq + 1)
     tokens, times = greedy_decode(m.decode_step, m, _tokens(2), n_steps=0)
     assert tokens.shape == (2, 0) and times == []

@@ -8,9 +8,8 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401
 
-from graphtree.profile.cli import _split_command, main  # noqa: E402
+from graphtree.profile.cli import _split_command, main
 
 SCRIPT = textwrap.dedent(
     """

@@ -6,19 +6,18 @@ import gzip
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401
 
-import graphtree  # noqa: E402
-from graphtree.profile.exporters import check_chrome_trace, to_chrome, to_pprof  # noqa: E402
+import graphtree
+from graphtree.profile.exporters import check_chrome_trace, to_chrome, to_pprof
 
 
 # ------------------------------------------------------------------------- a small protobuf decoder
-def _varint(buf: bytes, i: int) -> Tuple[int, int]:
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
     shift = value = 0
     while True:
         b = buf[i]
@@ -29,7 +28,7 @@ def _varint(buf: bytes, i: int) -> Tuple[int, int]:
             return value, i
 
 
-def _fields(buf: bytes) -> List[Tuple[int, int, Any]]:
+def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
     """(field number, wire type, value) of one message; length-delimited values stay bytes."""
     out, i = [], 0
     while i < len(buf):
@@ -39,18 +38,18 @@ def _fields(buf: bytes) -> List[Tuple[int, int, Any]]:
             v, i = _varint(buf, i)
         elif wire == 2:
             n, i = _varint(buf, i)
-            v, i = buf[i:i + n], i + n
+            v, i = buf[i : i + n], i + n
         elif wire == 1:
-            v, i = int.from_bytes(buf[i:i + 8], "little"), i + 8
+            v, i = int.from_bytes(buf[i : i + 8], "little"), i + 8
         elif wire == 5:
-            v, i = int.from_bytes(buf[i:i + 4], "little"), i + 4
+            v, i = int.from_bytes(buf[i : i + 4], "little"), i + 4
         else:
             raise ValueError(f"wire type {wire}")
         out.append((field, wire, v))
     return out
 
 
-def _packed(v: Any, wire: int) -> List[int]:
+def _packed(v: Any, wire: int) -> list[int]:
     if wire == 0:
         return [v]
     vals, i = [], 0
@@ -60,24 +59,24 @@ def _packed(v: Any, wire: int) -> List[int]:
     return vals
 
 
-def decode_profile(data: bytes) -> Dict[str, Any]:
+def decode_profile(data: bytes) -> dict[str, Any]:
     msg = _fields(gzip.decompress(data))
     strings = [v.decode() for f, w, v in msg if f == 6]
-    sample_types = [dict((f, v) for f, _, v in _fields(v)) for f, w, v in msg if f == 1]
+    sample_types = [{f: v for f, _, v in _fields(v)} for f, w, v in msg if f == 1]
     functions = {}
-    for f, w, v in msg:
+    for f, _w, v in msg:
         if f == 5:
             d = {ff: vv for ff, _, vv in _fields(v)}
             functions[d[1]] = (strings[d.get(2, 0)], strings[d.get(4, 0)])
     locations = {}
-    for f, w, v in msg:
+    for f, _w, v in msg:
         if f == 4:
             fs = _fields(v)
             lid = next(vv for ff, _, vv in fs if ff == 1)
             line = {ff: vv for ff, _, vv in _fields(next(vv for ff, _, vv in fs if ff == 4))}
             locations[lid] = (functions[line[1]], line.get(2, 0))
     samples = []
-    for f, w, v in msg:
+    for f, _w, v in msg:
         if f == 2:
             locs, vals, labels = [], [], {}
             for ff, ww, vv in _fields(v):
@@ -89,8 +88,12 @@ def decode_profile(data: bytes) -> Dict[str, Any]:
                     lab = {a: b for a, _, b in _fields(vv)}
                     labels[strings[lab[1]]] = strings[lab[2]] if 2 in lab else lab.get(3, 0)
             samples.append({"frames": [locations[i] for i in locs], "values": vals, "labels": labels})
-    return {"strings": strings, "sample_types": [(strings[t.get(1, 0)], strings[t.get(2, 0)]) for t in sample_types],
-            "samples": samples, "fields": {f for f, _, _ in msg}}
+    return {
+        "strings": strings,
+        "sample_types": [(strings[t.get(1, 0)], strings[t.get(2, 0)]) for t in sample_types],
+        "samples": samples,
+        "fields": {f for f, _, _ in msg},
+    }
 
 
 # ------------------------------------------------------------------------- a profile to export
@@ -139,7 +142,7 @@ def test_chrome_trace_structure(prof, tmp_path):
     a = gemm[0]["args"]
     assert a["graph_id"] and a["graph_node_id"] and a["call_site"].endswith("_forward")
     assert "test_profile_exporters.py" in a["call_site"]
-    old = [e for e in gpu if e["name"] == "old_kernel"][0]["args"]
+    old = next(e for e in gpu if e["name"] == "old_kernel")["args"]
     assert old["captured_before_profiling"] is True
     launches = [e for e in x if e["cat"].startswith("launch")]
     assert {e["name"] for e in launches} == {"cudaLaunchKernel", "cudaGraphLaunch", "cuGraphLaunch"}

@@ -1,7 +1,7 @@
 """Profiles rebuilt from recorded CUPTI events (tests/fixtures/profile_*.json).
 
 ``profile_graph_replay.json`` is meant to come from a real GPU run
-(``python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json``); until
+(``python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json``); until
 then it is a hand-made stand-in (``"hand_made": true``) produced by tests/fakes/make_profile_fixture.py.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fixture_files, load_fixture  # noqa: E402
+from gt_profile_testkit import fixture_files, load_fixture
 
-from graphtree.profile._fixture import FORMAT, load, replay  # noqa: E402
-from graphtree.profile._model import ProfileData  # noqa: E402
-from graphtree.profile._record_fixture import check_expectations  # noqa: E402
+from graphtree._dev.profile_fixture import FORMAT, load, replay
+from graphtree._dev.record_profile_fixture import check_expectations
+from graphtree.profile._model import ProfileData
 
 FILES = fixture_files()
 
@@ -33,7 +33,7 @@ def test_fixture_rebuilds_the_expected_profile(path):
     doc = load_fixture(path)
     assert doc["format"] == FORMAT
     if doc.get("hand_made"):
-        warnings.warn(f"{path.name} is hand-made; record a real one on a GPU ({doc.get('note', '')})")
+        warnings.warn(f"{path.name} is hand-made; record a real one on a GPU ({doc.get('note', '')})", stacklevel=1)
     prof = load(str(path))
     assert check_expectations(prof, doc["expect"]) == []
 

@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
 
-import graphtree  # noqa: E402
-from graphtree.profile import _attribution, _session  # noqa: E402
-from graphtree.profile._attribution import StackTable, capture_stack, capture_stack_slow  # noqa: E402
+import graphtree
+from graphtree.profile import _attribution, _session
+from graphtree.profile._attribution import StackTable, capture_stack, capture_stack_slow
 
 
 def test_one_stack_capture_per_launch_none_for_the_nested_driver_call(fake_cupti, monkeypatch):
@@ -84,7 +83,7 @@ def test_completed_buffers_are_stashed_not_parsed_per_record(fake_cupti):
     _Counting.reads = 0
     items = parser.stash([_Counting(r) for r in records])
     assert _Counting.reads < 50  # a handful of objects checked, not 2000 read
-    ((code, cols),) = items
+    ((_code, cols),) = items
     assert cols.shape == (2000,) and cols.dtype.itemsize <= 64
     (batch,) = parser.batches(items)
     assert sorted(batch[1]) == [f"k{i}" for i in range(7)] and len(batch[3]) == 2000

@@ -113,7 +113,20 @@ def _random_workload(seed):
     def rec(kind, corr, g, n):
         start = rng.randrange(1, 10_000) if rng.random() > 0.02 else 0
         end = start + rng.randrange(0, 500) if start else 0
-        recs.append((kind, rng.choice(["a", "b", "c"]), start, end, rng.randrange(2), rng.randrange(3), corr, g, n, rng.randrange(100)))
+        recs.append(
+            (
+                kind,
+                rng.choice(["a", "b", "c"]),
+                start,
+                end,
+                rng.randrange(2),
+                rng.randrange(3),
+                corr,
+                g,
+                n,
+                rng.randrange(100),
+            )
+        )
 
     for c in range(1, 40):
         kind = rng.choice([RUNTIME_GRAPH, RUNTIME_KERNEL, DRIVER_GRAPH])
@@ -152,7 +165,7 @@ def _feed_common(d, calls, nodes):
 def test_batch_ingest_equals_record_by_record(seed):
     np = pytest.importorskip("numpy")
     calls, nodes, recs = _random_workload(seed)
-    a, b = ProfileData(max_records=300), ProfileData(max_records=300)  # noqa: E501
+    a, b = ProfileData(max_records=300), ProfileData(max_records=300)
     _feed_common(a, calls, nodes)
     _feed_common(b, calls, nodes)
     for r in recs:
@@ -160,17 +173,40 @@ def test_batch_ingest_equals_record_by_record(seed):
     for kind in (KERNEL, MEMCPY, MEMSET):  # the session batches per kind and buffer
         part = [r for r in recs if r[0] == kind]
         for lo in range(0, len(part), 64):
-            chunk = part[lo:lo + 64]
+            chunk = part[lo : lo + 64]
             names = sorted({r[1] for r in chunk})
             idx = [names.index(r[1]) for r in chunk]
             cols = [np.array([r[i] for r in chunk], dtype=np.int64) for i in range(2, 10)]
             b.record_batch(kind, names, np.array(idx), *cols)
 
     def digest(d):
-        stats = sorted((st.kind, st.name, st.stack_id, st.graph_key, st.captured_before_profiling, st.label,
-                        st.count, st.total_ns, st.min_ns, st.max_ns) for st in d.kernel_stats())
-        graphs = sorted((g.graph_key, g.label, g.captured_before_profiling, g.replays, g.kernels, g.total_ns,
-                         tuple(sorted(g.apis.items()))) for g in d.graph_stats())
+        stats = sorted(
+            (
+                st.kind,
+                st.name,
+                st.stack_id,
+                st.graph_key,
+                st.captured_before_profiling,
+                st.label,
+                st.count,
+                st.total_ns,
+                st.min_ns,
+                st.max_ns,
+            )
+            for st in d.kernel_stats()
+        )
+        graphs = sorted(
+            (
+                g.graph_key,
+                g.label,
+                g.captured_before_profiling,
+                g.replays,
+                g.kernels,
+                g.total_ns,
+                tuple(sorted(g.apis.items())),
+            )
+            for g in d.graph_stats()
+        )
         launches = [(lz.correlation_id, lz.kernels, lz.gpu_ns, lz.graph_key) for lz in d.launches()]
         s = dict(d.summary())
         return stats, graphs, launches, s

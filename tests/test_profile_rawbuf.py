@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
-from gt_profile_workloads import digest, mixed_workload  # noqa: E402
+from gt_profile_workloads import digest, mixed_workload
 
-import graphtree  # noqa: E402
-from graphtree.profile import Profile, ProfileOptions, _rawbuf, _session  # noqa: E402
-from graphtree.profile._model import KERNEL, MEMCPY  # noqa: E402
+import graphtree
+from graphtree.profile import ProfileOptions, _rawbuf, _session
+from graphtree.profile._model import KERNEL, MEMCPY
 
 STUB = Path(__file__).resolve().parent / "fakes" / "libcupti_stub.c"
 _NAMES: dict = {}
@@ -83,7 +82,7 @@ def test_ctypes_buffers_pool_and_iterator_against_a_libcupti_stand_in(stub_lib):
     lib.stub_set_size(10, kdt.itemsize)
     lib.stub_set_size(1, mdt.itemsize)
     # the library is found where the process mapped it
-    path, mapped = _rawbuf.find_libcupti()
+    _path, mapped = _rawbuf.find_libcupti()
     assert stub_lib in mapped
 
     parser = _session._RawParser.create(cupti, ProfileOptions(buffer_size=4096))
@@ -165,7 +164,9 @@ def test_raw_path_is_used_and_creates_no_object_per_record(fake_cupti, monkeypat
     prof = _graph_run(sim, {"buffer_size": 64 * 216}, replays=100, kernels=40)
     s = prof.summary()
     assert prof.data.buffer_path.startswith("libcupti") and prof.data.notes == []
-    assert s["kernels"] == 4000 and s["records_without_launch"] == 0 and {g.replays for g in prof.graph_stats()} == {100}
+    assert (
+        s["kernels"] == 4000 and s["records_without_launch"] == 0 and {g.replays for g in prof.graph_stats()} == {100}
+    )
     assert slow == [] and sim.buffer_completed is None  # cupti-python's buffer callbacks unused
     # per buffer: first and last record checked against cupti-python's class, nothing per record
     assert s["buffers_completed"] >= 4000 // 64 and len(built) <= 2 * s["buffers_completed"]

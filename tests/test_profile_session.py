@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from gt_profile_testkit import fake_cupti  # noqa: E402,F401  (pytest fixture)
-from gt_profile_workloads import digest, mixed_workload  # noqa: E402
+from gt_profile_workloads import digest, mixed_workload
 
-import graphtree  # noqa: E402
-from graphtree.profile import ProfilerBusyError, ProfilerUnavailableError, _cbids, _session  # noqa: E402
+import graphtree
+from graphtree.profile import ProfilerBusyError, ProfilerUnavailableError, _cbids, _session
 
 RT, DRV, RES = 2, 1, 3
 
@@ -40,14 +39,24 @@ def test_subscribes_exactly_the_launch_and_graph_node_callbacks(fake_cupti):
     c = fake_cupti
     R, D = c.runtime_api_trace_cbid, c.driver_api_trace_cbid
     expected = {
-        (RT, R.cudaLaunchKernel_v7000), (RT, R.cudaLaunchKernel_ptsz_v7000),
-        (RT, R.cudaLaunchKernelExC_v11060), (RT, R.cudaLaunchKernelExC_ptsz_v11060),
-        (RT, R.cudaLaunchCooperativeKernel_v9000), (RT, R.cudaLaunchCooperativeKernel_ptsz_v9000),
-        (DRV, D.cuLaunchKernel), (DRV, D.cuLaunchKernel_ptsz), (DRV, D.cuLaunchKernelEx),
-        (DRV, D.cuLaunchKernelEx_ptsz), (DRV, D.cuLaunchCooperativeKernel), (DRV, D.cuLaunchCooperativeKernel_ptsz),
-        (RT, R.cudaGraphLaunch_v10000), (RT, R.cudaGraphLaunch_ptsz_v10000),
-        (DRV, D.cuGraphLaunch), (DRV, D.cuGraphLaunch_ptsz),
-        (RES, c.CallbackIdResource.GRAPHNODE_CREATED), (RES, c.CallbackIdResource.GRAPHNODE_CLONED),
+        (RT, R.cudaLaunchKernel_v7000),
+        (RT, R.cudaLaunchKernel_ptsz_v7000),
+        (RT, R.cudaLaunchKernelExC_v11060),
+        (RT, R.cudaLaunchKernelExC_ptsz_v11060),
+        (RT, R.cudaLaunchCooperativeKernel_v9000),
+        (RT, R.cudaLaunchCooperativeKernel_ptsz_v9000),
+        (DRV, D.cuLaunchKernel),
+        (DRV, D.cuLaunchKernel_ptsz),
+        (DRV, D.cuLaunchKernelEx),
+        (DRV, D.cuLaunchKernelEx_ptsz),
+        (DRV, D.cuLaunchCooperativeKernel),
+        (DRV, D.cuLaunchCooperativeKernel_ptsz),
+        (RT, R.cudaGraphLaunch_v10000),
+        (RT, R.cudaGraphLaunch_ptsz_v10000),
+        (DRV, D.cuGraphLaunch),
+        (DRV, D.cuGraphLaunch_ptsz),
+        (RES, c.CallbackIdResource.GRAPHNODE_CREATED),
+        (RES, c.CallbackIdResource.GRAPHNODE_CLONED),
         (RES, c.CallbackIdResource.GRAPH_CLONED),
     }
     with graphtree.profile():
@@ -55,7 +64,11 @@ def test_subscribes_exactly_the_launch_and_graph_node_callbacks(fake_cupti):
         kinds = set(c.SIM.enabled_kinds)
         domains = set(c.SIM.subscriber.domains)
     assert enabled == {(d, int(x)) for d, x in expected}
-    capture = {(RT, int(R[n])) if d == "runtime" else (DRV, int(D[n])) for d, n in _cbids.CAPTURE_CALLBACKS if n in R.__members__ or n in D.__members__}
+    capture = {
+        (RT, int(R[n])) if d == "runtime" else (DRV, int(D[n]))
+        for d, n in _cbids.CAPTURE_CALLBACKS
+        if n in R.__members__ or n in D.__members__
+    }
     assert not enabled & capture, "stream-capture callbacks must never be enabled"
     assert domains == set(), "no whole domain may be enabled"
     assert kinds == {int(c.ActivityKind.CONCURRENT_KERNEL), int(c.ActivityKind.MEMCPY), int(c.ActivityKind.MEMSET)}
@@ -192,7 +205,10 @@ def test_replayed_kernels_carry_the_captured_python_lines(fake_cupti, node_ids, 
     assert _leaf(prof, rows["Memcpy DtoD"].stack_id)[1:] == (_line(_model_forward, "memcpy"), "_model_forward")
     assert rows["gemm"].count == 2 and not rows["gemm"].captured_before_profiling
     assert rows["old"].captured_before_profiling and rows["old"].count == 1
-    assert _leaf(prof, rows["old"].stack_id)[1:] == (replay_line, "test_replayed_kernels_carry_the_captured_python_lines")
+    assert _leaf(prof, rows["old"].stack_id)[1:] == (
+        replay_line,
+        "test_replayed_kernels_carry_the_captured_python_lines",
+    )
     graphs = {g.captured_before_profiling: g for g in prof.graph_stats()}
     assert graphs[False].replays == 2 and graphs[False].kernels == 6
     assert graphs[True].replays == 1 and graphs[True].kernels == 1
@@ -231,9 +247,8 @@ def test_busy_error_names_a_running_torch_profiler(fake_cupti):
     import torch
 
     fake_cupti.SIM.other_subscriber = ""  # Kineto subscribes without a name
-    with torch.profiler.profile():
-        with pytest.raises(ProfilerBusyError, match="torch.profiler"):
-            graphtree.profile().start()
+    with torch.profiler.profile(), pytest.raises(ProfilerBusyError, match=r"torch\.profiler"):
+        graphtree.profile().start()
 
 
 @pytest.mark.parametrize(
@@ -252,9 +267,8 @@ def test_busy_error_names_injected_tools(fake_cupti, monkeypatch, path, who):
 
 
 def test_second_graphtree_profile_is_busy(fake_cupti):
-    with graphtree.profile():
-        with pytest.raises(ProfilerBusyError, match="already running"):
-            graphtree.profile().start()
+    with graphtree.profile(), pytest.raises(ProfilerBusyError, match="already running"):
+        graphtree.profile().start()
 
 
 def test_other_cupti_errors_are_unavailable(fake_cupti, monkeypatch):
@@ -302,9 +316,8 @@ def test_start_stop_start_accumulates_and_nothing_is_seen_in_between(fake_cupti)
 
 
 def test_exception_inside_the_block_stops_the_profiler(fake_cupti):
-    with pytest.raises(ValueError):
-        with graphtree.profile():
-            raise ValueError("user error")
+    with pytest.raises(ValueError, match="user error"), graphtree.profile():
+        raise ValueError("user error")
     assert _session.active_session() is None and fake_cupti.SIM.subscriber is None
 
 
@@ -352,7 +365,7 @@ def test_buffers_are_recycled_dropped_records_reported(fake_cupti):
 def test_record_cap_keeps_the_first_records_and_aggregates_the_rest(fake_cupti):
     sim = fake_cupti.SIM
     with graphtree.profile(max_records=100) as prof:
-        for i in range(250):
+        for _i in range(250):
             sim.launch_kernel("k")
     s = prof.summary()
     assert s["records_kept"] == 100 and len(prof.records) == 100 and s["records_not_kept"] == 150

@@ -3,7 +3,7 @@
 One process, one GPU, under 8 minutes: five scenarios (per-call overhead, decode, memory,
 capture time, branching), each running every contender interleaved, with warm-up and medians
 over repeats, and checking every contender's output against eager's. Writes ``bench.json``
-(schema in ``bench/README.md``), ``table.txt`` and ``bench.png`` into a results folder and
+(schema in ``benchmarks/README.md``), ``table.txt`` and ``bench.png`` into a results folder and
 prints the table. A contender that fails is reported with its error and the run goes on.
 
 Options:
@@ -32,15 +32,15 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["main"]
 
 _SCENARIOS = ("overhead", "decode", "memory", "capture", "branching")
-_CONTENDERS = ("eager", "handwritten", "compile-reduce-overhead", "compile-cudagraphs",
-               "graphtree")
+_CONTENDERS = ("eager", "handwritten", "compile-reduce-overhead", "compile-cudagraphs", "graphtree")
 
 NO_GPU_MESSAGE = (
     "graphtree bench: the benchmarks need a CUDA GPU, and none is available here "
@@ -54,20 +54,29 @@ def _parser() -> argparse.ArgumentParser:
         prog="graphtree bench",
         description="Benchmark graphtree against eager PyTorch, hand-written CUDA graphs and "
         "torch.compile (reduce-overhead, cudagraphs backend) on one GPU; writes a JSON file, a "
-        "text table and a PNG plot into a results folder.")
-    p.add_argument("--out", metavar="DIR", default=None,
-                   help="results folder (default: results/bench-<date>-<gpu>)")
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repeats, for a fast smoke run")
-    p.add_argument("--scenarios", default=",".join(_SCENARIOS),
-                   help="comma-separated subset of: " + ",".join(_SCENARIOS))
-    p.add_argument("--contenders", default=",".join(_CONTENDERS),
-                   help="comma-separated subset of: " + ",".join(_CONTENDERS))
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="time budget the scenarios share (default: 420; --quick: 240)")
-    p.add_argument("--from-json", metavar="FILE", default=None,
-                   help="validate an existing bench.json, print its table and re-plot it "
-                        "(no GPU needed)")
+        "text table and a PNG plot into a results folder.",
+    )
+    p.add_argument("--out", metavar="DIR", default=None, help="results folder (default: results/bench-<date>-<gpu>)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats, for a fast smoke run")
+    p.add_argument(
+        "--scenarios", default=",".join(_SCENARIOS), help="comma-separated subset of: " + ",".join(_SCENARIOS)
+    )
+    p.add_argument(
+        "--contenders", default=",".join(_CONTENDERS), help="comma-separated subset of: " + ",".join(_CONTENDERS)
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="time budget the scenarios share (default: 420; --quick: 240)",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        default=None,
+        help="validate an existing bench.json, print its table and re-plot it (no GPU needed)",
+    )
     return p
 
 
@@ -75,8 +84,7 @@ def _split(value: str, allowed: Sequence[str], what: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [v for v in items if v not in allowed]
     if unknown or not items:
-        raise ValueError(f"unknown {what} {', '.join(unknown) or '(none given)'}; "
-                         f"choose from {', '.join(allowed)}")
+        raise ValueError(f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from {', '.join(allowed)}")
     return [a for a in allowed if a in items]  # canonical order
 
 
@@ -176,10 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     now = datetime.now(timezone.utc)
     device = torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else Path(
-        "results") / f"bench-{now.strftime('%Y%m%d-%H%M%S')}-{_slug(device)}"
-    print(f"graphtree bench: {device}, torch {torch.__version__}; results folder: {out}",
-          flush=True)
+    out = Path(args.out) if args.out else Path("results") / f"bench-{now.strftime('%Y%m%d-%H%M%S')}-{_slug(device)}"
+    print(f"graphtree bench: {device}, torch {torch.__version__}; results folder: {out}", flush=True)
     cfg = BenchConfig.make(quick=args.quick, contenders=contenders, budget_s=args.budget)
     log = Progress()
     results = run_scenarios(scenarios, cfg, log)
@@ -209,8 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         validate_json(doc)
     except SchemaError as exc:  # a bug here: still write what was measured
-        print(f"graphtree bench: the results document breaks its schema: {exc}",
-              file=sys.stderr)
+        print(f"graphtree bench: the results document breaks its schema: {exc}", file=sys.stderr)
         doc["meta"]["schema_error"] = str(exc)
         status = 1
     table = render_table(results) + "\n\n" + correctness_summary(results)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -67,8 +68,14 @@ class HandGraph:
         y = g(x_new)        # copy x_new into the static input, replay, return static output
     """
 
-    def __init__(self, fn: Callable[..., Any], *example_args: torch.Tensor,
-                 pool: Any = None, warmup: int = 1, clone_inputs: bool = True) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *example_args: torch.Tensor,
+        pool: Any = None,
+        warmup: int = 1,
+        clone_inputs: bool = True,
+    ) -> None:
         for a in example_args:
             if not isinstance(a, torch.Tensor):
                 raise TypeError(f"HandGraph takes tensor arguments only, got {type(a).__name__}")
@@ -176,8 +183,9 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def build(name: str, fn: Callable[..., Any], example_args: Sequence[torch.Tensor],
-          record_calls: int = 3) -> tuple[Callable[..., Any], dict[str, Any]]:
+def build(
+    name: str, fn: Callable[..., Any], example_args: Sequence[torch.Tensor], record_calls: int = 3
+) -> tuple[Callable[..., Any], dict[str, Any]]:
     """Contender ``name``'s version of ``fn`` for fixed-shape inputs like ``example_args``.
 
     Returns ``(call, setup)``: ``call(*args)`` runs one iteration (the step-begin call
@@ -357,14 +365,22 @@ def compare(out: Any, ref: Sequence[torch.Tensor], rtol: float, atol: float) -> 
     """
     got = _flatten(out)
     if len(got) != len(ref):
-        return {"equal": False, "bitwise": False, "max_abs_diff": None,
-                "why": f"{len(got)} output tensors, eager has {len(ref)}"}
+        return {
+            "equal": False,
+            "bitwise": False,
+            "max_abs_diff": None,
+            "why": f"{len(got)} output tensors, eager has {len(ref)}",
+        }
     equal = bitwise = True
     worst = 0.0
     for g, r in zip(got, ref):
         if g.shape != r.shape or g.dtype != r.dtype:
-            return {"equal": False, "bitwise": False, "max_abs_diff": None,
-                    "why": f"shape/dtype {tuple(g.shape)}/{g.dtype} vs {tuple(r.shape)}/{r.dtype}"}
+            return {
+                "equal": False,
+                "bitwise": False,
+                "max_abs_diff": None,
+                "why": f"shape/dtype {tuple(g.shape)}/{g.dtype} vs {tuple(r.shape)}/{r.dtype}",
+            }
         g = g.to(r.device)
         bitwise = bitwise and torch.equal(g, r)
         if g.is_floating_point():

@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 SCHEMA_VERSION = 1
 """Version of the JSON document written by :func:`to_json`; bumped on incompatible changes."""
@@ -152,7 +153,7 @@ class Result:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Result":
+    def from_dict(cls, d: Mapping[str, Any]) -> Result:
         """Build a row back from its JSON form (missing optional keys take their defaults)."""
         values = {k: d.get(k, RESULT_DEFAULTS.get(k)) for k in RESULT_FIELDS}
         values["extra"] = dict(values["extra"] or {})
@@ -180,8 +181,7 @@ def format_error(exc: BaseException) -> str:
     return name
 
 
-def failed(scenario: str, case: str, contender: str, exc: BaseException | str,
-           metric: str = "*") -> Result:
+def failed(scenario: str, case: str, contender: str, exc: BaseException | str, metric: str = "*") -> Result:
     """A failed row for ``contender`` (``exc`` is an exception or an already formatted error).
 
     Example::
@@ -192,9 +192,15 @@ def failed(scenario: str, case: str, contender: str, exc: BaseException | str,
     return Result(scenario, case, contender, metric, None, "", ok=False, error=error)
 
 
-def run_contender(results: list[Result], scenario: str, case: str, contender: str,
-                  fn: Callable[[], Any], metric: str = "*",
-                  on_error: Callable[[BaseException], None] | None = None) -> Any:
+def run_contender(
+    results: list[Result],
+    scenario: str,
+    case: str,
+    contender: str,
+    fn: Callable[[], Any],
+    metric: str = "*",
+    on_error: Callable[[BaseException], None] | None = None,
+) -> Any:
     """Call ``fn()``; on any ``Exception`` append a failed row to ``results`` and return ``None``.
 
     Whatever ``fn`` returns is returned, and if it is a :class:`Result` or a list of them they are
@@ -249,9 +255,14 @@ def _default_timer(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(contenders: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 1,
-                timer: Callable[[Callable[[], Any]], float] | None = None,
-                stop: Callable[[], bool] | None = None, min_repeats: int = 1) -> Timings:
+def interleaved(
+    contenders: Mapping[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+    stop: Callable[[], bool] | None = None,
+    min_repeats: int = 1,
+) -> Timings:
     """Time every contender round-robin so that drift (clocks, heat, other load) hits all equally.
 
     There are ``warmup`` rounds whose samples are dropped, then ``repeats`` measured rounds. In
@@ -310,8 +321,9 @@ class Budget:
         b.check("compile-reduce-overhead")   # raises once overhead's share is spent
     """
 
-    def __init__(self, total_s: float, weights: Mapping[str, float],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, total_s: float, weights: Mapping[str, float], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.total_s = float(total_s)
         self.weights = dict(weights)
         self.clock = clock
@@ -350,7 +362,8 @@ class Budget:
             part = f"{self.part}'s {self.part_share:.0f}s" if self.part else "the run's"
             raise BudgetExceeded(
                 f"skipped {what}: {part} time budget is spent "
-                f"({self.elapsed():.0f}s of the run's {self.total_s:.0f}s elapsed)")
+                f"({self.elapsed():.0f}s of the run's {self.total_s:.0f}s elapsed)"
+            )
 
 
 class Progress:
@@ -362,8 +375,7 @@ class Progress:
         log("overhead: 16 kernels: timing 5 contenders")
     """
 
-    def __init__(self, stream: Any = None, clock: Callable[[], float] = time.monotonic,
-                 quiet: bool = False) -> None:
+    def __init__(self, stream: Any = None, clock: Callable[[], float] = time.monotonic, quiet: bool = False) -> None:
         self.stream = stream
         self.clock = clock
         self.start = clock()
@@ -381,7 +393,7 @@ class Progress:
 
 
 def to_json(results: Sequence[Result], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The benchmark document: ``{"schema_version", "meta", "results"}`` (see ``bench/README.md``).
+    """The benchmark document: ``{"schema_version", "meta", "results"}`` (see ``benchmarks/README.md``).
 
     ``meta`` must hold the keys of ``REQUIRED_META``; it may hold more (``scenarios`` and
     ``contenders``, when present, make :func:`validate_json` check that every pair has a row).
@@ -588,8 +600,7 @@ def render_table(results: Sequence[Result], max_error: int = 70) -> str:
                 value = _clip(f"n/a ({r.note})", max_error)
         else:
             value = _clip(f"{FAILED_MARK}: {r.error}", max_error + len(FAILED_MARK) + 2)
-        rows.append((r.scenario, r.case, r.contender, r.metric, value, _vs_eager(r, eager),
-                     _equal_mark(r)))
+        rows.append((r.scenario, r.case, r.contender, r.metric, value, _vs_eager(r, eager), _equal_mark(r)))
     widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
 
     def line(cells: Sequence[str]) -> str:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 PANELS: tuple[tuple[str, str, str, float, str], ...] = (
     ("overhead", "cpu_per_call", "CPU time per call (no sync)", 1e6, "us"),
@@ -56,7 +57,8 @@ def title_for(meta: Mapping[str, Any]) -> str:
     cuda = f" (CUDA {meta['cuda']})" if meta.get("cuda") else ""
     date = str(meta.get("date", ""))[:10]
     return f"graphtree bench - {meta.get('device', '?')} - torch {meta.get('torch', '?')}{cuda}" + (
-        f" - {date}" if date else "")
+        f" - {date}" if date else ""
+    )
 
 
 def _minor_label(v: float, _: Any = None) -> str:
@@ -74,8 +76,9 @@ def _ordered(values: Sequence[str]) -> list[str]:
     return list(seen)
 
 
-def panel_data(doc: Mapping[str, Any], scenario: str, metric: str
-               ) -> tuple[list[str], list[str], dict[tuple[str, str], float | None]]:
+def panel_data(
+    doc: Mapping[str, Any], scenario: str, metric: str
+) -> tuple[list[str], list[str], dict[tuple[str, str], float | None]]:
     """``(cases, contenders, values)`` of one panel; ``None`` marks a failed contender.
 
     Example::
@@ -112,8 +115,10 @@ def plot_results(doc: Mapping[str, Any], path: str | Path) -> Path | None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter
     except ImportError:
-        print("graphtree bench: matplotlib is not installed, so no PNG was written "
-              "(pip install 'graphtree[bench]')", file=sys.stderr)
+        print(
+            "graphtree bench: matplotlib is not installed, so no PNG was written (pip install 'graphtree[bench]')",
+            file=sys.stderr,
+        )
         return None
 
     path = Path(path)
@@ -122,8 +127,9 @@ def plot_results(doc: Mapping[str, Any], path: str | Path) -> Path | None:
         cases, names, values = panel_data(doc, scenario, metric)
         ax.set_title(title)
         if not cases or not names:
-            ax.text(0.5, 0.5, f"no {scenario} results", ha="center", va="center",
-                    transform=ax.transAxes, color="#888888")
+            ax.text(
+                0.5, 0.5, f"no {scenario} results", ha="center", va="center", transform=ax.transAxes, color="#888888"
+            )
             ax.set_xticks([])
             ax.set_yticks([])
             continue
@@ -137,8 +143,7 @@ def plot_results(doc: Mapping[str, Any], path: str | Path) -> Path | None:
                 x = i - 0.4 + width * (j + 0.5)
                 v = values.get((case, name), "absent")
                 if v is None:
-                    ax.text(x, floor, "failed", rotation=90, ha="center", va="bottom",
-                            fontsize=7, color=color)
+                    ax.text(x, floor, "failed", rotation=90, ha="center", va="bottom", fontsize=7, color=color)
                 elif v != "absent":
                     xs.append(x)
                     hs.append(float(v) * scale)
@@ -147,9 +152,16 @@ def plot_results(doc: Mapping[str, Any], path: str | Path) -> Path | None:
                 continue
             bars = ax.bar(xs, hs, width=width * 0.95, label=name, color=color)
             for bar, h in zip(bars, hs):
-                ax.annotate(f"{h:.3g}", (bar.get_x() + bar.get_width() / 2, h),
-                            ha="center", va="bottom", fontsize=6, rotation=90,
-                            xytext=(0, 2), textcoords="offset points")
+                ax.annotate(
+                    f"{h:.3g}",
+                    (bar.get_x() + bar.get_width() / 2, h),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                    rotation=90,
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                )
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases)
         ax.set_ylabel(unit + " (log scale)")

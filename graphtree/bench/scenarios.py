@@ -8,7 +8,7 @@ error and the scenario goes on with the others. Timings are interleaved across c
 
 - ``overhead`` -- :class:`~graphtree.bench.workloads.MMChain` of 1, 16 and 64 small matmul
   kernels: CPU time per call (no sync), wall time per call (synced), GPU-only time (CUDA events).
-- ``decode`` -- :class:`graphtree._gpt.TinyGPT` (12 layers, d=768, random weights, static KV
+- ``decode`` -- :class:`graphtree.demo.gpt.TinyGPT` (12 layers, d=768, random weights, static KV
   cache), one token per step at batch 1, 8 and 32: time per token and speedup over eager.
 - ``memory`` -- an MLP recorded for batch buckets 1, 8 and 32: graphtree (one tree, one pool),
   hand-written graphs (a private pool each), compile contenders (dynamic batch, one compile):
@@ -26,15 +26,14 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from graphtree import _torch
-
-from graphtree._gpt import GPTConfig
 from graphtree.bench import timing
 from graphtree.bench.contenders import (
     ALL_CONTENDERS,
@@ -69,12 +68,12 @@ from graphtree.bench.harness import (
     run_contender,
 )
 from graphtree.bench.workloads import MLP, MMChain
+from graphtree.demo.gpt import GPTConfig
 
 SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching")
 """Scenario names, in the order they run."""
 
-BUDGET_WEIGHTS: dict[str, float] = {
-    "overhead": 2.0, "decode": 4.0, "memory": 1.0, "capture": 1.5, "branching": 1.0}
+BUDGET_WEIGHTS: dict[str, float] = {"overhead": 2.0, "decode": 4.0, "memory": 1.0, "capture": 1.5, "branching": 1.0}
 """Relative share of the time budget per scenario (unused time rolls over to later ones)."""
 
 MIN_REPEATS = 3
@@ -132,8 +131,9 @@ class BenchConfig:
     capture_repeats: int = 3
 
     @classmethod
-    def make(cls, quick: bool = False, contenders: Sequence[str] | None = None,
-             budget_s: float | None = None) -> "BenchConfig":
+    def make(
+        cls, quick: bool = False, contenders: Sequence[str] | None = None, budget_s: float | None = None
+    ) -> BenchConfig:
         """The full configuration, or with ``quick`` a small one for a smoke run (about a minute).
 
         Example::
@@ -143,12 +143,27 @@ class BenchConfig:
         cfg = cls(quick=quick)
         if quick:
             cfg = replace(
-                cfg, budget_s=240.0, overhead_calls=20, overhead_repeats=5, overhead_warmup=2,
+                cfg,
+                budget_s=240.0,
+                overhead_calls=20,
+                overhead_repeats=5,
+                overhead_warmup=2,
                 gpt=GPTConfig(n_layer=2, n_head=4, d_model=128, vocab=1024, max_seq=64),
-                decode_batches=(1, 8), decode_steps=16, decode_check_steps=4, decode_repeats=3,
-                mlp_d=256, mlp_hidden=1024, mlp_tokens=16, branch_batch=8,
-                mem_buckets=(1, 8), capture_buckets=8, capture_report=(1, 8),
-                capture_d=128, capture_hidden=256, capture_repeats=2)
+                decode_batches=(1, 8),
+                decode_steps=16,
+                decode_check_steps=4,
+                decode_repeats=3,
+                mlp_d=256,
+                mlp_hidden=1024,
+                mlp_tokens=16,
+                branch_batch=8,
+                mem_buckets=(1, 8),
+                capture_buckets=8,
+                capture_report=(1, 8),
+                capture_d=128,
+                capture_hidden=256,
+                capture_repeats=2,
+            )
         if contenders is not None:
             cfg.contenders = tuple(contenders)
         if budget_s is not None:
@@ -218,14 +233,21 @@ def _cleanup_after_error(_: BaseException) -> None:
         settle()
 
 
-def _build_all(ctx: _Ctx, scenario: str, case: str, fn: Callable[..., Any],
-               example_args: Sequence[torch.Tensor], verify: Callable[[Callable[..., Any]], dict],
-               results: list[Result], prepare: Callable[[], None] | None = None,
-               ) -> tuple[dict[str, Callable[..., Any]], dict[str, dict[str, Any]]]:
+def _build_all(
+    ctx: _Ctx,
+    scenario: str,
+    case: str,
+    fn: Callable[..., Any],
+    example_args: Sequence[torch.Tensor],
+    verify: Callable[[Callable[..., Any]], dict],
+    results: list[Result],
+    prepare: Callable[[], None] | None = None,
+) -> tuple[dict[str, Callable[..., Any]], dict[str, dict[str, Any]]]:
     """Build every contender for a fixed-shape workload, check it, and add its set-up rows."""
     calls: dict[str, Callable[..., Any]] = {}
     checks: dict[str, dict[str, Any]] = {}
     for name in ctx.cfg.contenders:
+
         def one(name: str = name) -> list[Result]:
             if name in COMPILED:  # only compiling is slow enough to skip
                 ctx.budget.check(f"{name} in {scenario}/{case}")
@@ -239,16 +261,14 @@ def _build_all(ctx: _Ctx, scenario: str, case: str, fn: Callable[..., Any],
             rows = []
             for metric in ("capture_s", "compile_s"):
                 if metric in setup:
-                    rows.append(Result(scenario, case, name, metric, setup[metric], "s",
-                                       note=setup["note"]))
+                    rows.append(Result(scenario, case, name, metric, setup[metric], "s", note=setup["note"]))
             if setup["note"]:
                 ctx.log(f"{scenario}: {case}: {name}: note: {setup['note']}")
             return rows
 
         t0 = time.monotonic()
         n_before = len(results)
-        run_contender(results, scenario, case, name, one, metric="setup",
-                      on_error=_cleanup_after_error)
+        run_contender(results, scenario, case, name, one, metric="setup", on_error=_cleanup_after_error)
         if name in calls:
             equal = "equal to eager" if checks[name]["equal"] else "DIFFERS from eager"
             ctx.log(f"{scenario}: {case}: {name} ready in {time.monotonic() - t0:.1f}s, {equal}")
@@ -257,9 +277,16 @@ def _build_all(ctx: _Ctx, scenario: str, case: str, fn: Callable[..., Any],
     return calls, checks
 
 
-def _timing_rows(results: list[Result], scenario: str, case: str, metric: str, t: Timings,
-                 checks: dict[str, dict[str, Any]], tol: dict[str, float], note: str = "",
-                 ) -> dict[str, float]:
+def _timing_rows(
+    results: list[Result],
+    scenario: str,
+    case: str,
+    metric: str,
+    t: Timings,
+    checks: dict[str, dict[str, Any]],
+    tol: dict[str, float],
+    note: str = "",
+) -> dict[str, float]:
     """Append one row per contender of ``t`` (median and spread); return the medians."""
     medians: dict[str, float] = {}
     for name in t.samples:
@@ -272,9 +299,20 @@ def _timing_rows(results: list[Result], scenario: str, case: str, metric: str, t
             continue
         medians[name] = s["median"]
         check = checks.get(name)
-        results.append(Result(scenario, case, name, metric, s["median"], "s",
-                              equal_to_eager=None if check is None else check["equal"],
-                              stats=s, note=note, extra=_check_extra(check, tol)))
+        results.append(
+            Result(
+                scenario,
+                case,
+                name,
+                metric,
+                s["median"],
+                "s",
+                equal_to_eager=None if check is None else check["equal"],
+                stats=s,
+                note=note,
+                extra=_check_extra(check, tol),
+            )
+        )
     return medians
 
 
@@ -282,8 +320,7 @@ def _line(label: str, medians: dict[str, float], unit: str = "s") -> str:
     return label + ": " + " | ".join(f"{n} {format_value(v, unit)}" for n, v in medians.items())
 
 
-def _run_logged(ctx: _Ctx, results: list[Result], scenario: str, case: str, name: str,
-                fn: Callable[[], Any]) -> Any:
+def _run_logged(ctx: _Ctx, results: list[Result], scenario: str, case: str, name: str, fn: Callable[[], Any]) -> Any:
     """:func:`run_contender` that also prints a progress line when the contender fails."""
     n_before = len(results)
     out = run_contender(results, scenario, case, name, fn, on_error=_cleanup_after_error)
@@ -292,8 +329,7 @@ def _run_logged(ctx: _Ctx, results: list[Result], scenario: str, case: str, name
     return out
 
 
-def _skip_all(results: list[Result], ctx: _Ctx, scenario: str, case: str,
-              exc: BaseException) -> None:
+def _skip_all(results: list[Result], ctx: _Ctx, scenario: str, case: str, exc: BaseException) -> None:
     for name in ctx.cfg.contenders:
         results.append(failed(scenario, case, name, exc, "setup"))
 
@@ -323,20 +359,41 @@ def run_overhead(ctx: _Ctx) -> list[Result]:
             _skip_all(results, ctx, "overhead", case, exc)
             continue
         calls, checks = _build_all(
-            ctx, "overhead", case, model, (x,),
-            lambda call: compare(call(x), ref, **TOL_MM), results)
+            ctx,
+            "overhead",
+            case,
+            model,
+            (x,),
+            lambda call: compare(call(x), ref, **TOL_MM),  # noqa: B023 - used in this iteration only
+            results,
+        )
         fns = {n: partial(c, x) for n, c in calls.items()}
-        common = dict(repeats=cfg.overhead_repeats, warmup=cfg.overhead_warmup,
-                      stop=ctx.budget.expired, min_repeats=MIN_REPEATS)
-        cpu = interleaved(fns, timer=partial(timing.cpu_per_call, calls=cfg.overhead_calls,
-                                             sync=sync), **common)
-        med = _timing_rows(results, "overhead", case, "cpu_per_call", cpu, checks, TOL_MM,
-                           note=f"CPU time per call, no sync; {cfg.overhead_calls} calls/sample")
+        common = dict(
+            repeats=cfg.overhead_repeats, warmup=cfg.overhead_warmup, stop=ctx.budget.expired, min_repeats=MIN_REPEATS
+        )
+        cpu = interleaved(fns, timer=partial(timing.cpu_per_call, calls=cfg.overhead_calls, sync=sync), **common)
+        med = _timing_rows(
+            results,
+            "overhead",
+            case,
+            "cpu_per_call",
+            cpu,
+            checks,
+            TOL_MM,
+            note=f"CPU time per call, no sync; {cfg.overhead_calls} calls/sample",
+        )
         ctx.log(_line(f"overhead: {case}: cpu/call", med))
-        wall = interleaved(fns, timer=partial(timing.wall_per_call, calls=cfg.overhead_calls,
-                                              sync=sync), **common)
-        med = _timing_rows(results, "overhead", case, "wall_per_call", wall, checks, TOL_MM,
-                           note=f"synced wall time per call; {cfg.overhead_calls} calls/sample")
+        wall = interleaved(fns, timer=partial(timing.wall_per_call, calls=cfg.overhead_calls, sync=sync), **common)
+        med = _timing_rows(
+            results,
+            "overhead",
+            case,
+            "wall_per_call",
+            wall,
+            checks,
+            TOL_MM,
+            note=f"synced wall time per call; {cfg.overhead_calls} calls/sample",
+        )
         ctx.log(_line(f"overhead: {case}: wall/call", med))
         # keep the GPU busy for a few times the slowest CPU issue time, so the events see
         # only GPU execution
@@ -344,8 +401,16 @@ def run_overhead(ctx: _Ctx) -> list[Result]:
         issue = max([s["median"] for s in cpu_medians] or [1e-4])
         spin = timing.spin_cycles_for(max(1e-3, 4 * issue), hz)
         gpu = interleaved(fns, timer=partial(timing.gpu_time, spin_cycles=spin), **common)
-        med = _timing_rows(results, "overhead", case, "gpu_time", gpu, checks, TOL_MM,
-                           note="GPU-only time of one call (CUDA events after a GPU spin)")
+        med = _timing_rows(
+            results,
+            "overhead",
+            case,
+            "gpu_time",
+            gpu,
+            checks,
+            TOL_MM,
+            note="GPU-only time of one call (CUDA events after a GPU spin)",
+        )
         ctx.log(_line(f"overhead: {case}: gpu time", med))
         del fns, calls  # release the recordings before resetting
         reset_all()
@@ -366,7 +431,7 @@ def run_decode(ctx: _Ctx) -> list[Result]:
 
         rows = run_decode(ctx)
     """
-    from graphtree._gpt import TinyGPT
+    from graphtree.demo.gpt import TinyGPT
 
     cfg = ctx.cfg
     results: list[Result] = []
@@ -386,36 +451,62 @@ def run_decode(ctx: _Ctx) -> list[Result]:
             _skip_all(results, ctx, "decode", case, exc)
             continue
 
+        # verify and run are called within this iteration only: the loop variables they read are current
         def verify(call: Callable[..., Any]) -> dict[str, Any]:
-            model.reset_cache()
-            return _merge_checks([compare(call(toks[i], positions[i]), ref[i], **TOL_LOGITS)
-                                  for i in range(n_check)])
+            model.reset_cache()  # noqa: B023
+            return _merge_checks(
+                [
+                    compare(call(toks[i], positions[i]), ref[i], **TOL_LOGITS)  # noqa: B023
+                    for i in range(n_check)
+                ]
+            )
 
-        calls, checks = _build_all(ctx, "decode", case, model.decode_step,
-                                   (toks[0], positions[0]), verify, results,
-                                   prepare=model.reset_cache)
+        calls, checks = _build_all(
+            ctx, "decode", case, model.decode_step, (toks[0], positions[0]), verify, results, prepare=model.reset_cache
+        )
 
         def run(call: Callable[..., Any]) -> None:
             # positions >= the current one are masked, so no cache reset is needed between runs
             for i in range(steps):
-                call(toks[i], positions[i])
+                call(toks[i], positions[i])  # noqa: B023
 
         fns = {n: partial(run, c) for n, c in calls.items()}
-        t = interleaved(fns, repeats=cfg.decode_repeats, warmup=cfg.decode_warmup,
-                        timer=timing.per_unit(partial(timing.wall_per_call, calls=1, sync=sync),
-                                              steps),
-                        stop=ctx.budget.expired, min_repeats=MIN_REPEATS)
-        med = _timing_rows(results, "decode", case, "time_per_token", t, checks, TOL_LOGITS,
-                           note=f"one decode step (one token per sequence), {steps} steps/sample; "
-                                f"checked on {n_check} teacher-forced steps")
+        t = interleaved(
+            fns,
+            repeats=cfg.decode_repeats,
+            warmup=cfg.decode_warmup,
+            timer=timing.per_unit(partial(timing.wall_per_call, calls=1, sync=sync), steps),
+            stop=ctx.budget.expired,
+            min_repeats=MIN_REPEATS,
+        )
+        med = _timing_rows(
+            results,
+            "decode",
+            case,
+            "time_per_token",
+            t,
+            checks,
+            TOL_LOGITS,
+            note=f"one decode step (one token per sequence), {steps} steps/sample; "
+            f"checked on {n_check} teacher-forced steps",
+        )
         ctx.log(_line(f"decode: {case}: per token", med))
         if EAGER in med:
             for name, v in med.items():
                 if name == EAGER:
                     continue
-                results.append(Result("decode", case, name, "speedup", med[EAGER] / v, "x",
-                                      equal_to_eager=checks[name]["equal"],
-                                      note="eager time per token / this one"))
+                results.append(
+                    Result(
+                        "decode",
+                        case,
+                        name,
+                        "speedup",
+                        med[EAGER] / v,
+                        "x",
+                        equal_to_eager=checks[name]["equal"],
+                        note="eager time per token / this one",
+                    )
+                )
         del fns, calls  # release the recordings before resetting
         reset_all()
     return results
@@ -425,9 +516,12 @@ def run_decode(ctx: _Ctx) -> list[Result]:
 # 3. memory
 
 
-def _bucketed(name: str, fn: Callable[..., Any], xs: dict[int, torch.Tensor],
-              per_bucket: Callable[[int, float], None] | None = None,
-              ) -> tuple[Callable[..., Any], dict[str, Any], list[Any]]:
+def _bucketed(
+    name: str,
+    fn: Callable[..., Any],
+    xs: dict[int, torch.Tensor],
+    per_bucket: Callable[[int, float], None] | None = None,
+) -> tuple[Callable[..., Any], dict[str, Any], list[Any]]:
     """Contender ``name`` recorded for every batch size in ``xs`` (largest first).
 
     Returns ``(call, setup, keep)``: ``keep`` holds what must stay alive for the recordings.
@@ -501,6 +595,7 @@ def run_memory(ctx: _Ctx) -> list[Result]:
         _skip_all(results, ctx, "memory", case, exc)
         return results
     for name in ctx.cfg.contenders:
+
         def one(name: str = name) -> list[Result]:
             if name in COMPILED:  # only compiling is slow enough to skip
                 ctx.budget.check(f"{name} in memory")
@@ -517,13 +612,25 @@ def run_memory(ctx: _Ctx) -> list[Result]:
                 import graphtree
 
                 extra["graphtree_pool_bytes"] = graphtree.stats().pool_bytes
-            rows = [Result("memory", case, name, "graph_bytes", held, "bytes",
-                           equal_to_eager=check["equal"], extra=extra,
-                           note=setup["note"] or _MEMORY_NOTES.get(name, ""))]
+            rows = [
+                Result(
+                    "memory",
+                    case,
+                    name,
+                    "graph_bytes",
+                    held,
+                    "bytes",
+                    equal_to_eager=check["equal"],
+                    extra=extra,
+                    note=setup["note"] or _MEMORY_NOTES.get(name, ""),
+                )
+            ]
             if "compile_s" in setup:
                 rows.append(Result("memory", case, name, "compile_s", setup["compile_s"], "s"))
-            ctx.log(f"memory: {name}: {format_value(held, 'bytes')} held for "
-                    f"{len(xs)} buckets, {'equal' if check['equal'] else 'DIFFERS'}")
+            ctx.log(
+                f"memory: {name}: {format_value(held, 'bytes')} held for "
+                f"{len(xs)} buckets, {'equal' if check['equal'] else 'DIFFERS'}"
+            )
             del call, keep
             reset_all()
             return rows
@@ -563,8 +670,7 @@ def run_capture(ctx: _Ctx) -> list[Result]:
     report = [b for b in cfg.capture_report if b <= n]
     try:
         mlp = MLP(cfg.capture_d, cfg.capture_hidden, cfg.capture_layers, seed=2).to(DEVICE)
-        xs = {b: _randn(b, cfg.capture_tokens, cfg.capture_d, seed=300 + b)
-              for b in range(1, n + 1)}
+        xs = {b: _randn(b, cfg.capture_tokens, cfg.capture_d, seed=300 + b) for b in range(1, n + 1)}
         refs = {b: snapshot(mlp(xs[b])) for b in report}
     except Exception as exc:  # noqa: BLE001
         _skip_all(results, ctx, "capture", total_case, exc)
@@ -572,8 +678,18 @@ def run_capture(ctx: _Ctx) -> list[Result]:
 
     names = list(ctx.cfg.contenders)
     if EAGER in names:
-        results.append(Result("capture", total_case, EAGER, "record_total_s", None, "s",
-                              note="eager records nothing", equal_to_eager=True))
+        results.append(
+            Result(
+                "capture",
+                total_case,
+                EAGER,
+                "record_total_s",
+                None,
+                "s",
+                note="eager records nothing",
+                equal_to_eager=True,
+            )
+        )
     repeated = [c for c in names if c in (HANDWRITTEN, GRAPHTREE)]
     once = [c for c in names if c in COMPILED]
     per: dict[str, dict[int, list[float]]] = {c: {b: [] for b in xs} for c in repeated + once}
@@ -585,8 +701,7 @@ def run_capture(ctx: _Ctx) -> list[Result]:
 
     def record(name: str, check: bool) -> None:
         times: dict[int, float] = {}
-        call, setup, keep = _bucketed(name, mlp, xs,
-                                      per_bucket=lambda s, secs: times.__setitem__(s, secs))
+        call, setup, keep = _bucketed(name, mlp, xs, per_bucket=times.__setitem__)
         for b, secs in times.items():
             per[name][b].append(secs)
         totals[name].append(sum(times.values()))
@@ -594,8 +709,7 @@ def run_capture(ctx: _Ctx) -> list[Result]:
             compile_s[name] = setup["compile_s"]
         notes[name] = setup["note"]
         if check:
-            checks[name] = _merge_checks(
-                [compare(call(xs[b]), refs[b], **TOL_MLP) for b in report])
+            checks[name] = _merge_checks([compare(call(xs[b]), refs[b], **TOL_MLP) for b in report])
         del call, keep
         reset_all()
 
@@ -605,16 +719,16 @@ def run_capture(ctx: _Ctx) -> list[Result]:
 
     rounds = max(cfg.capture_repeats, 1)
     for r in range(rounds):
-        order = repeated[r % len(repeated):] + repeated[:r % len(repeated)] if repeated else []
+        order = repeated[r % len(repeated) :] + repeated[: r % len(repeated)] if repeated else []
         for name in order:
             if name in dead:
                 continue
             if r > 0 and ctx.budget.expired():
                 continue  # keep the rounds done so far
-            ok = _run_logged(ctx, results, "capture", total_case, name,
-                             partial(record_repeated, name, r == 0))
+            ok = _run_logged(ctx, results, "capture", total_case, name, partial(record_repeated, name, r == 0))
             if ok is None:
                 dead.add(name)
+
     def record_once(name: str) -> bool:
         ctx.budget.check(f"{name} in capture")
         record(name, check=True)
@@ -633,18 +747,53 @@ def run_capture(ctx: _Ctx) -> list[Result]:
         extra = _check_extra(check, TOL_MLP)
         note = notes.get(name, "")
         if name in COMPILED:
-            note = note or ("calls until recorded (an eager run of the new shape, then the "
-                            "recording); size 1 may include a dynamo recompile")
+            note = note or (
+                "calls until recorded (an eager run of the new shape, then the "
+                "recording); size 1 may include a dynamo recompile"
+            )
         for b in report:
             s = _summary(per[name][b])
-            results.append(Result("capture", f"bucket {b}", name, "record_s", s["median"], "s",
-                                  equal_to_eager=eq, stats=s, note=note, extra=extra))
+            results.append(
+                Result(
+                    "capture",
+                    f"bucket {b}",
+                    name,
+                    "record_s",
+                    s["median"],
+                    "s",
+                    equal_to_eager=eq,
+                    stats=s,
+                    note=note,
+                    extra=extra,
+                )
+            )
         s = _summary(totals[name])
-        results.append(Result("capture", total_case, name, "record_total_s", s["median"], "s",
-                              equal_to_eager=eq, stats=s, note=note, extra=extra))
+        results.append(
+            Result(
+                "capture",
+                total_case,
+                name,
+                "record_total_s",
+                s["median"],
+                "s",
+                equal_to_eager=eq,
+                stats=s,
+                note=note,
+                extra=extra,
+            )
+        )
         if name in compile_s:
-            results.append(Result("capture", total_case, name, "compile_s", compile_s[name], "s",
-                                  note="first call: trace + compile (not in record_s)"))
+            results.append(
+                Result(
+                    "capture",
+                    total_case,
+                    name,
+                    "compile_s",
+                    compile_s[name],
+                    "s",
+                    note="first call: trace + compile (not in record_s)",
+                )
+            )
         ctx.log(f"capture: {name}: {n} buckets in {format_value(s['median'], 's')}")
     reset_all()
     return results
@@ -692,6 +841,7 @@ def run_branching(ctx: _Ctx) -> list[Result]:
     ctx.log(f"branching: sum of separate graphs A+B+B' = {format_value(total_ref, 'bytes')}")
 
     for name in ctx.cfg.contenders:
+
         def one(name: str = name) -> list[Result]:
             if name in COMPILED:  # only compiling is slow enough to skip
                 ctx.budget.check(f"{name} in branching")
@@ -708,8 +858,7 @@ def run_branching(ctx: _Ctx) -> list[Result]:
                     begin()
                 outs_bp = snapshot(bp(a(x)))
             after_both = reserved_bytes() - base
-            check = _merge_checks([compare(outs_b, ref_b, **TOL_MLP),
-                                   compare(outs_bp, ref_bp, **TOL_MLP)])
+            check = _merge_checks([compare(outs_b, ref_b, **TOL_MLP), compare(outs_bp, ref_bp, **TOL_MLP)])
             eq = check["equal"]
             extra = _check_extra(check, TOL_MLP)
             extra["sum_separate_bytes"] = total_ref
@@ -717,21 +866,48 @@ def run_branching(ctx: _Ctx) -> list[Result]:
                 import graphtree
 
                 st = graphtree.stats()
-                extra.update(graphtree_pool_bytes=st.pool_bytes, trees=st.trees,
-                             recordings=st.recordings)
+                extra.update(graphtree_pool_bytes=st.pool_bytes, trees=st.trees, recordings=st.recordings)
             note = graphtree_note() if name == GRAPHTREE else ""
             rows = [
-                Result("branching", case, name, "bytes_after_AB", after_ab, "bytes",
-                       equal_to_eager=eq, extra=extra, note=note),
-                Result("branching", case, name, "bytes_after_AB_ABp", after_both, "bytes",
-                       equal_to_eager=eq, extra=extra, note=note),
-                Result("branching", case, name, "vs_sum", after_both / total_ref if total_ref
-                       else 0.0, "x", equal_to_eager=eq, extra=extra,
-                       note="bytes after both paths / sum of separate graphs A+B+B'"),
+                Result(
+                    "branching",
+                    case,
+                    name,
+                    "bytes_after_AB",
+                    after_ab,
+                    "bytes",
+                    equal_to_eager=eq,
+                    extra=extra,
+                    note=note,
+                ),
+                Result(
+                    "branching",
+                    case,
+                    name,
+                    "bytes_after_AB_ABp",
+                    after_both,
+                    "bytes",
+                    equal_to_eager=eq,
+                    extra=extra,
+                    note=note,
+                ),
+                Result(
+                    "branching",
+                    case,
+                    name,
+                    "vs_sum",
+                    after_both / total_ref if total_ref else 0.0,
+                    "x",
+                    equal_to_eager=eq,
+                    extra=extra,
+                    note="bytes after both paths / sum of separate graphs A+B+B'",
+                ),
             ]
-            ctx.log(f"branching: {name}: A->B {format_value(after_ab, 'bytes')}, "
-                    f"+A->B' {format_value(after_both, 'bytes')} "
-                    f"({'equal' if eq else 'DIFFERS'})")
+            ctx.log(
+                f"branching: {name}: A->B {format_value(after_ab, 'bytes')}, "
+                f"+A->B' {format_value(after_both, 'bytes')} "
+                f"({'equal' if eq else 'DIFFERS'})"
+            )
             del a, b, bp, keep
             reset_all()
             return rows
@@ -740,8 +916,7 @@ def run_branching(ctx: _Ctx) -> list[Result]:
     return results
 
 
-def _separate_sum(fa: Callable[..., Any], fb: Callable[..., Any], fbp: Callable[..., Any],
-                  x: torch.Tensor) -> int:
+def _separate_sum(fa: Callable[..., Any], fb: Callable[..., Any], fbp: Callable[..., Any], x: torch.Tensor) -> int:
     """Bytes of hand-written graphs A, B and B', each in its own pool, measured one by one."""
     reset_all()
     base = reserved_bytes()
@@ -757,8 +932,9 @@ def _separate_sum(fa: Callable[..., Any], fb: Callable[..., Any], fbp: Callable[
     return total
 
 
-def _branch_contender(name: str, fa: Callable[..., Any], fb: Callable[..., Any],
-                      fbp: Callable[..., Any], x: torch.Tensor) -> tuple[Any, Any, Any, Any, list]:
+def _branch_contender(
+    name: str, fa: Callable[..., Any], fb: Callable[..., Any], fbp: Callable[..., Any], x: torch.Tensor
+) -> tuple[Any, Any, Any, Any, list]:
     """``(a, b, b', begin, keep)`` of contender ``name`` for the branching scenario."""
     if name == EAGER:
         return fa, fb, fbp, None, []
@@ -795,8 +971,7 @@ INTERRUPTED = "Interrupted"
 """Error type of the rows of scenarios stopped (or never started) because of Ctrl-C."""
 
 
-def run_scenarios(names: Sequence[str], cfg: BenchConfig,
-                  log: Progress | None = None) -> list[Result]:
+def run_scenarios(names: Sequence[str], cfg: BenchConfig, log: Progress | None = None) -> list[Result]:
     """Run the named scenarios in order under one time budget; never raises for a contender.
 
     A scenario that crashes outside any contender gets failed rows for every contender, and
@@ -817,8 +992,9 @@ def run_scenarios(names: Sequence[str], cfg: BenchConfig,
     for name in names:
         if interrupted:
             for c in cfg.contenders:
-                results.append(failed(name, "scenario", c, f"{INTERRUPTED}: the run was "
-                                      "stopped before this scenario", "scenario"))
+                results.append(
+                    failed(name, "scenario", c, f"{INTERRUPTED}: the run was stopped before this scenario", "scenario")
+                )
             continue
         share = budget.begin(name)
         log(f"{name}: starting (budget {share:.0f}s)")
@@ -834,8 +1010,9 @@ def run_scenarios(names: Sequence[str], cfg: BenchConfig,
             interrupted = True
             log(f"{name}: interrupted; the rows measured so far will be written")
             for c in cfg.contenders:
-                results.append(failed(name, "scenario", c, f"{INTERRUPTED}: the run was "
-                                      "stopped during this scenario", "scenario"))
+                results.append(
+                    failed(name, "scenario", c, f"{INTERRUPTED}: the run was stopped during this scenario", "scenario")
+                )
         except Exception as exc:  # noqa: BLE001 - a crashed scenario must not end the run
             log(f"{name}: crashed: {exc!r}")
             for c in cfg.contenders:
@@ -848,7 +1025,8 @@ def run_scenarios(names: Sequence[str], cfg: BenchConfig,
         seen = {r.contender for r in results[n0:]}
         for c in cfg.contenders:
             if c not in seen:
-                results.append(failed(name, "scenario", c, "NoResult: the scenario produced "
-                                      "no row for this contender", "scenario"))
+                results.append(
+                    failed(name, "scenario", c, "NoResult: the scenario produced no row for this contender", "scenario")
+                )
         log(f"{name}: done in {time.monotonic() - t0:.1f}s")
     return results

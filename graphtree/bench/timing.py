@@ -26,7 +26,8 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _noop() -> None:
@@ -47,8 +48,7 @@ def _timed_calls(fn: Callable[[], Any], calls: int, sync: Callable[[], None], sy
     return (time.perf_counter() - t0) / calls
 
 
-def cpu_per_call(fn: Callable[[], Any], calls: int = 100,
-                 sync: Callable[[], None] = _noop) -> float:
+def cpu_per_call(fn: Callable[[], Any], calls: int = 100, sync: Callable[[], None] = _noop) -> float:
     """Seconds of CPU time per call: ``perf_counter`` around ``calls`` calls, no sync inside.
 
     ``sync`` runs once *before* the clock starts so that earlier work does not throttle this
@@ -61,8 +61,7 @@ def cpu_per_call(fn: Callable[[], Any], calls: int = 100,
     return _timed_calls(fn, calls, sync, sync_after=False)
 
 
-def wall_per_call(fn: Callable[[], Any], calls: int = 100,
-                  sync: Callable[[], None] = _noop) -> float:
+def wall_per_call(fn: Callable[[], Any], calls: int = 100, sync: Callable[[], None] = _noop) -> float:
     """Seconds of wall time per call: sync, ``calls`` calls, sync, divided by ``calls``.
 
     Example::
@@ -72,8 +71,7 @@ def wall_per_call(fn: Callable[[], Any], calls: int = 100,
     return _timed_calls(fn, calls, sync, sync_after=True)
 
 
-def per_unit(timer: Callable[[Callable[[], Any]], float], units: int
-             ) -> Callable[[Callable[[], Any]], float]:
+def per_unit(timer: Callable[[Callable[[], Any]], float], units: int) -> Callable[[Callable[[], Any]], float]:
     """Wrap ``timer`` so its sample is divided by ``units`` (e.g. decode steps in one run).
 
     Example::

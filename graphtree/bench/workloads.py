@@ -1,4 +1,4 @@
-"""The small models the benchmark scenarios run (the decode model is :class:`graphtree._gpt.TinyGPT`).
+"""The small models the benchmark scenarios run (the decode model is :class:`graphtree.demo.gpt.TinyGPT`).
 
 - :class:`MMChain` -- ``k`` back-to-back small matrix products: exactly ``k`` small kernels in
   eager mode, and still ``k`` under ``torch.compile`` (inductor calls cuBLAS for each ``mm`` and
@@ -43,8 +43,7 @@ class MMChain(nn.Module):
         if k < 1:
             raise ValueError("k must be >= 1")
         gen = torch.Generator().manual_seed(seed)
-        self.weights = nn.ParameterList(
-            nn.Parameter(_orthogonal(dim, gen), requires_grad=False) for _ in range(k))
+        self.weights = nn.ParameterList(nn.Parameter(_orthogonal(dim, gen), requires_grad=False) for _ in range(k))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for w in self.weights:
@@ -67,11 +66,10 @@ class MLP(nn.Module):
         self.fc1 = nn.ParameterList()
         self.fc2 = nn.ParameterList()
         for _ in range(layers):
-            self.fc1.append(nn.Parameter(
-                torch.randn(hidden, d, generator=gen) * d ** -0.5, requires_grad=False))
-            self.fc2.append(nn.Parameter(
-                torch.randn(d, hidden, generator=gen) * (0.5 * hidden ** -0.5),
-                requires_grad=False))
+            self.fc1.append(nn.Parameter(torch.randn(hidden, d, generator=gen) * d**-0.5, requires_grad=False))
+            self.fc2.append(
+                nn.Parameter(torch.randn(d, hidden, generator=gen) * (0.5 * hidden**-0.5), requires_grad=False)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for w1, w2 in zip(self.fc1, self.fc2):

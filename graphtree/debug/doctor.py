@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["DoctorReport", "doctor"]
 
@@ -55,7 +55,7 @@ class DoctorReport:
     verdict: str = ""
     ok: bool = False
 
-    def get(self, label: str, default: Optional[str] = None) -> Optional[str]:
+    def get(self, label: str, default: str | None = None) -> str | None:
         """The value of the row called ``label`` (``default`` if there is none)."""
         for name, value in self.lines:
             if name == label:
@@ -135,12 +135,13 @@ def _probe_cuda_available() -> list[Row]:
     return rows
 
 
-def _nvidia_smi_driver() -> Optional[str]:
+def _nvidia_smi_driver() -> str | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     proc = subprocess.run(
         [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=10,
@@ -336,4 +337,3 @@ def doctor() -> DoctorReport:
     except BaseException as e:  # noqa: BLE001
         ok, verdict = False, f"Could not decide whether CUDA graphs can run here ({type(e).__name__}: {e})."
     return DoctorReport(lines=rows, verdict=verdict, ok=ok)
-

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from graphtree.profile._errors import ProfilerBusyError, ProfilerError, ProfilerUnavailableError
 from graphtree.profile._model import Profile, ProfileOptions
@@ -53,7 +54,7 @@ def profile(
     flush_period_ms: int = 1000,
     stack_depth: int = 64,
     finalize: bool = False,
-    tap: Optional[Callable[[Any], Any]] = None,
+    tap: Callable[[Any], Any] | None = None,
     raw_buffers: bool = True,
     **advanced: Any,
 ) -> Profile:

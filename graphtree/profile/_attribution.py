@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+from collections.abc import Sequence
 from types import CodeType
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 __all__ = [
     "DEFAULT_DEPTH",
@@ -42,17 +43,17 @@ __all__ = [
     "is_user_file",
 ]
 
-Frame = Tuple[str, int, str]  # (filename, lineno, function)
-Stack = Tuple[Frame, ...]
+Frame = tuple[str, int, str]  # (filename, lineno, function)
+Stack = tuple[Frame, ...]
 
 DEFAULT_DEPTH = 64  # frames walked at most (user frames kept are at most this many)
 _INTERNAL_FLAG = "__graphtree_profile_internal__"
 
-_keep_cache: Dict[str, bool] = {}
-_extra_internal: List[str] = []
+_keep_cache: dict[str, bool] = {}
+_extra_internal: list[str] = []
 # id(code) -> (code, keep): the code object is held, so its id is never reused while cached.
-_code_keep: Dict[int, Tuple[CodeType, bool]] = {}
-_line_cache: Dict[Tuple[int, int], int] = {}  # (id(code), lasti) -> line number
+_code_keep: dict[int, tuple[CodeType, bool]] = {}
+_line_cache: dict[tuple[int, int], int] = {}  # (id(code), lasti) -> line number
 
 
 class StackTable:
@@ -70,9 +71,9 @@ class StackTable:
     __slots__ = ("_ids", "_stacks", "_raw")
 
     def __init__(self) -> None:
-        self._ids: Dict[Stack, int] = {(): 0}
-        self._stacks: List[Stack] = [()]
-        self._raw: Dict[Tuple[int, ...], int] = {}
+        self._ids: dict[Stack, int] = {(): 0}
+        self._stacks: list[Stack] = [()]
+        self._raw: dict[tuple[int, ...], int] = {}
 
     def intern(self, frames: Stack) -> int:
         """The id of ``frames`` (a tuple of ``(filename, lineno, function)``), added if new."""
@@ -83,7 +84,7 @@ class StackTable:
                 self._stacks.append(frames)
         return sid
 
-    def intern_raw(self, key: Tuple[int, ...]) -> int:
+    def intern_raw(self, key: tuple[int, ...]) -> int:
         """The id of a raw stack from :func:`capture_stack`: ``(id(code), lasti, ...)``, innermost
         first. Resolved to ``(filename, lineno, function)`` frames only the first time a key is seen,
         so a call site that launches a million times pays the resolution once."""
@@ -92,13 +93,13 @@ class StackTable:
             sid = self._raw.setdefault(key, self.intern(_resolve_raw(key)))
         return sid
 
-    def intern_list(self, frames: Optional[Sequence[Sequence[object]]]) -> int:
+    def intern_list(self, frames: Sequence[Sequence[object]] | None) -> int:
         """Like :meth:`intern` for JSON-ish input (lists of ``[file, line, function]``)."""
         if not frames:
             return 0
         return self.intern(tuple((str(f[0]), int(f[1]), str(f[2])) for f in frames))  # type: ignore[arg-type]
 
-    def get(self, sid: Optional[int]) -> Stack:
+    def get(self, sid: int | None) -> Stack:
         """The stack with id ``sid`` (``None`` or unknown: the empty stack)."""
         if sid is None or sid < 0 or sid >= len(self._stacks):
             return ()
@@ -122,7 +123,7 @@ def add_internal_path(path: str) -> None:
     _code_keep.clear()
 
 
-def _package_dir(module_name: str) -> Optional[str]:
+def _package_dir(module_name: str) -> str | None:
     mod = sys.modules.get(module_name)
     f = getattr(mod, "__file__", None) if mod is not None else None
     if not f:
@@ -130,7 +131,7 @@ def _package_dir(module_name: str) -> Optional[str]:
     return os.path.dirname(os.path.abspath(f)) + os.sep
 
 
-def _stdlib_dirs() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     paths = sysconfig.get_paths()
     std = tuple({os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths})
     site = tuple({os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib") if k in paths})
@@ -139,12 +140,22 @@ def _stdlib_dirs() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
 
 _STD, _SITE = _stdlib_dirs()
 
-# graphtree's own machinery is never a call site; the demo model (``_gpt.py``) and the command
-# line that drives it are code like the user's, so their lines show.
+# graphtree's own machinery (and its developer tools in ``_dev/``) is never a call site; the demo
+# (``demo/``: its model ``demo/gpt.py`` and the decode loop that drives it) and the command line
+# are code like the user's, so their lines show.
 _GT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GRAPHTREE_MACHINERY = tuple(
-    os.path.join(_GT_DIR, part) for part in ("tree" + os.sep, "profile" + os.sep, "bench" + os.sep,
-                                              "debug" + os.sep, "_torch.py", "_events.py", "__init__.py")
+    os.path.join(_GT_DIR, part)
+    for part in (
+        "tree" + os.sep,
+        "profile" + os.sep,
+        "bench" + os.sep,
+        "debug" + os.sep,
+        "_dev" + os.sep,
+        "_torch.py",
+        "_events.py",
+        "__init__.py",
+    )
 )
 
 
@@ -177,9 +188,7 @@ def is_user_file(filename: str) -> bool:
         return True
     if any(path.startswith(s) for s in _SITE):
         return True
-    if any(path.startswith(s) for s in _STD):
-        return False
-    return True
+    return not any(path.startswith(s) for s in _STD)
 
 
 def _keep(frame: object, filename: str) -> bool:
@@ -191,7 +200,7 @@ def _keep(frame: object, filename: str) -> bool:
     return keep
 
 
-def _code_entry(frame: Any, code: CodeType) -> Tuple[CodeType, bool]:
+def _code_entry(frame: Any, code: CodeType) -> tuple[CodeType, bool]:
     fn = code.co_filename
     keep = _keep_cache.get(fn)
     if keep is None:
@@ -221,8 +230,8 @@ def _line_of(code: CodeType, lasti: int) -> int:
     return line
 
 
-def _resolve_raw(key: Tuple[int, ...]) -> Stack:
-    out: List[Frame] = []
+def _resolve_raw(key: tuple[int, ...]) -> Stack:
+    out: list[Frame] = []
     for i in range(len(key) - 2, -1, -2):  # innermost first in the key, outermost first out
         code = _code_keep[key[i]][0]
         out.append((code.co_filename, _line_of(code, key[i + 1]), code.co_name))
@@ -247,7 +256,7 @@ def capture_stack(table: StackTable, depth: int = DEFAULT_DEPTH) -> int:
         print(table.get(sid)[-1])    # ('train.py', 42, 'forward')
     """
     f: Any = sys._getframe(1)
-    key: List[int] = []
+    key: list[int] = []
     n = 0
     cache = _code_keep
     while f is not None and n < depth:
@@ -268,7 +277,7 @@ def capture_stack(table: StackTable, depth: int = DEFAULT_DEPTH) -> int:
 def capture_stack_slow(table: StackTable, depth: int = DEFAULT_DEPTH) -> int:
     """Reference implementation of :func:`capture_stack` (``f_lineno`` per frame); for tests."""
     f: Any = sys._getframe(1)
-    out: List[Frame] = []
+    out: list[Frame] = []
     n = 0
     while f is not None and n < depth:
         code = f.f_code
@@ -280,7 +289,7 @@ def capture_stack_slow(table: StackTable, depth: int = DEFAULT_DEPTH) -> int:
     return table.intern(tuple(out)) if out else 0
 
 
-def format_frame(frame: Optional[Frame], base: Optional[str] = None) -> str:
+def format_frame(frame: Frame | None, base: str | None = None) -> str:
     """``"file.py:12 function"`` with the file shown relative to ``base`` (default: the cwd).
 
     Example::

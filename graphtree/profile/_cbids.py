@@ -19,8 +19,6 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 __all__ = [
     "API_KINDS",
     "CAPTURE_CALLBACKS",
@@ -45,7 +43,7 @@ KERNEL = "kernel"  # an eager kernel launch: one kernel per call
 GRAPH = "graph"  # a graph launch: every kernel node of the executable graph
 
 # (domain, enum member name, what it launches)
-LAUNCH_CALLBACKS: Tuple[Tuple[str, str, str], ...] = (
+LAUNCH_CALLBACKS: tuple[tuple[str, str, str], ...] = (
     ("runtime", "cudaLaunchKernel_v7000", KERNEL),
     ("runtime", "cudaLaunchKernel_ptsz_v7000", KERNEL),
     ("runtime", "cudaLaunchKernelExC_v11060", KERNEL),
@@ -67,10 +65,10 @@ LAUNCH_CALLBACKS: Tuple[Tuple[str, str, str], ...] = (
 # cupti.CallbackIdResource member names. GRAPHNODE_CREATED gives each captured node its Python
 # stack; GRAPHNODE_CLONED maps the node ids of an instantiated (executable) graph back to the
 # captured node; GRAPH_CLONED does the same for graph ids.
-RESOURCE_CALLBACKS: Tuple[str, ...] = ("GRAPHNODE_CREATED", "GRAPHNODE_CLONED", "GRAPH_CLONED")
+RESOURCE_CALLBACKS: tuple[str, ...] = ("GRAPHNODE_CREATED", "GRAPHNODE_CLONED", "GRAPH_CLONED")
 
 # Never enabled; listed so that tests can check it.
-CAPTURE_CALLBACKS: Tuple[Tuple[str, str], ...] = (
+CAPTURE_CALLBACKS: tuple[tuple[str, str], ...] = (
     ("runtime", "cudaStreamBeginCapture_v10000"),
     ("runtime", "cudaStreamBeginCapture_ptsz_v10000"),
     ("runtime", "cudaStreamEndCapture_v10000"),
@@ -88,7 +86,7 @@ CAPTURE_CALLBACKS: Tuple[Tuple[str, str], ...] = (
 )
 
 # Read from cupti-python 13.0.1 (`int(cupti.runtime_api_trace_cbid.<name>)` etc.).
-RECORDED_VALUES: Dict[Tuple[str, str], int] = {
+RECORDED_VALUES: dict[tuple[str, str], int] = {
     ("runtime", "cudaLaunchKernel_v7000"): 211,
     ("runtime", "cudaLaunchKernel_ptsz_v7000"): 214,
     ("runtime", "cudaLaunchKernelExC_v11060"): 430,
@@ -149,7 +147,7 @@ def display_name(enum_name: str) -> str:
     return enum_name
 
 
-def recorded_api_table() -> Dict[Tuple[int, int], Tuple[str, str]]:
+def recorded_api_table() -> dict[tuple[int, int], tuple[str, str]]:
     """``(domain, cbid) -> (api name, "kernel" | "graph")`` from the recorded values.
 
     Example::

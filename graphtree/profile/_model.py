@@ -2,7 +2,7 @@
 
 :class:`ProfileData` is fed by the CUPTI session (``_session.py``) through a handful of *ingest*
 methods whose arguments are plain numbers and strings (so a recorded run can be replayed from JSON
-fixtures, see ``_fixture.py``):
+fixtures, see :mod:`graphtree._dev.profile_fixture`):
 
 - ``api_enter`` / ``api_exit``: a launch API call (runtime or driver, kernel or graph launch).
   Calls nest: ``cudaGraphLaunch`` calls ``cuGraphLaunch`` in the same thread; the inner call is
@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple
 
 from graphtree.profile import _cbids
 from graphtree.profile._attribution import DEFAULT_DEPTH, Stack, StackTable
@@ -81,7 +82,7 @@ class KernelRecord(NamedTuple):
     graph_key: int
     captured_before_profiling: bool
     bytes: int
-    label: Optional[str]
+    label: str | None
 
 
 class Launch:
@@ -122,7 +123,7 @@ class Launch:
         self.kernels = 0
         self.gpu_ns = 0
         self.graph_key = 0
-        self.aliases: Tuple[int, ...] = ()
+        self.aliases: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -137,7 +138,7 @@ class NodeInfo(NamedTuple):
     graph_id: int
     node_type: int
     stack_id: int
-    label: Optional[str]
+    label: str | None
 
 
 class KernelStats:
@@ -161,7 +162,7 @@ class KernelStats:
         "max_ns",
     )
 
-    def __init__(self, kind: str, name: str, stack_id: int, graph_key: int, before: bool, label: Optional[str]):
+    def __init__(self, kind: str, name: str, stack_id: int, graph_key: int, before: bool, label: str | None):
         self.kind = kind
         self.name = name
         self.stack_id = stack_id
@@ -196,7 +197,7 @@ class GraphStats:
         "apis",
     )
 
-    def __init__(self, graph_key: int, label: Optional[str], before: bool, replay_stack_id: int):
+    def __init__(self, graph_key: int, label: str | None, before: bool, replay_stack_id: int):
         self.graph_key = graph_key
         self.label = label
         self.captured_before_profiling = before
@@ -204,7 +205,7 @@ class GraphStats:
         self.kernels = 0
         self.total_ns = 0
         self.replay_stack_id = replay_stack_id
-        self.apis: Dict[str, int] = {}
+        self.apis: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"GraphStats({self.graph_key}, label={self.label!r}, replays={self.replays}, kernels={self.kernels})"
@@ -215,18 +216,32 @@ class _Chunk:
 
     __slots__ = ("kind", "names", "labels", "cols")
 
-    def __init__(self, kind: str, names: List[str], labels: List[Optional[str]], cols: List[Any]) -> None:
+    def __init__(self, kind: str, names: list[str], labels: list[str | None], cols: list[Any]) -> None:
         self.kind = kind
         self.names = names
         self.labels = labels
         self.cols = cols
 
-    def records(self) -> List[KernelRecord]:
+    def records(self) -> list[KernelRecord]:
         ni, start, end, dev, stream, corr, gid, nid, sid, gkey, before, nbytes, label = [c.tolist() for c in self.cols]
         names, labels, kind = self.names, self.labels, self.kind
         return [
-            KernelRecord(kind, names[ni[i]], start[i], end[i], dev[i], stream[i], corr[i], gid[i], nid[i], sid[i],
-                         gkey[i], bool(before[i]), nbytes[i], labels[label[i]])
+            KernelRecord(
+                kind,
+                names[ni[i]],
+                start[i],
+                end[i],
+                dev[i],
+                stream[i],
+                corr[i],
+                gid[i],
+                nid[i],
+                sid[i],
+                gkey[i],
+                bool(before[i]),
+                nbytes[i],
+                labels[label[i]],
+            )
             for i in range(len(start))
         ]
 
@@ -241,8 +256,8 @@ class _LaunchTable:
     __slots__ = ("_cur", "_old", "_generation", "evicted", "puts")
 
     def __init__(self, generation: int) -> None:
-        self._cur: Dict[int, Launch] = {}
-        self._old: Dict[int, Launch] = {}
+        self._cur: dict[int, Launch] = {}
+        self._old: dict[int, Launch] = {}
         self._generation = max(16, generation)
         self.evicted = 0
         self.puts = 0  # entries ever put: an entry survives at least ``generation`` later puts
@@ -255,7 +270,7 @@ class _LaunchTable:
             self._old = self._cur
             self._cur = {}
 
-    def get(self, corr: int) -> Optional[Launch]:
+    def get(self, corr: int) -> Launch | None:
         launch = self._cur.get(corr)
         if launch is None:
             launch = self._old.get(corr)
@@ -296,7 +311,7 @@ class ProfileOptions:
     raw_buffers: bool = True
     # Free activity buffers kept for reuse (memory: (in flight + this) * buffer_size).
     buffer_pool: int = 3
-    tap: Optional[Any] = field(default=None, repr=False)
+    tap: Any | None = field(default=None, repr=False)
 
 
 class ProfileData:
@@ -314,33 +329,33 @@ class ProfileData:
         keep_records: bool = True,
         max_records: int = 200_000,
         launch_generation: int = 100_000,
-        api_table: Optional[Dict[Tuple[int, int], Tuple[str, str]]] = None,
+        api_table: dict[tuple[int, int], tuple[str, str]] | None = None,
     ) -> None:
         self.keep_records = keep_records
         self.max_records = max(0, int(max_records))
         self.lock = threading.RLock()  # records and aggregates (held per completed buffer)
         self._count_lock = threading.Lock()  # launch counters only: launches never wait for a buffer
         self.stacks = StackTable()
-        self._api: Dict[Tuple[int, int], Tuple[str, str]] = dict(api_table or _cbids.recorded_api_table())
-        self._open: Dict[int, List[Tuple[int, int, Optional[Launch]]]] = {}
-        self._labels: Dict[int, str] = {}
+        self._api: dict[tuple[int, int], tuple[str, str]] = dict(api_table or _cbids.recorded_api_table())
+        self._open: dict[int, list[tuple[int, int, Launch | None]]] = {}
+        self._labels: dict[int, str] = {}
         self._launches = _LaunchTable(launch_generation)
         self.launch_generation = self._launches.generation
-        self._launch_log: List[Launch] = []
-        self._nodes: Dict[int, NodeInfo] = {}
-        self._clones: Dict[int, int] = {}
-        self._resolved: Dict[int, Optional[NodeInfo]] = {}  # node id -> _resolve_node() (cache)
-        self._graph_clones: Dict[int, int] = {}
-        self._stats: Dict[Tuple[int, str, int, int, bool, Optional[str]], KernelStats] = {}
-        self._graphs: Dict[int, GraphStats] = {}
+        self._launch_log: list[Launch] = []
+        self._nodes: dict[int, NodeInfo] = {}
+        self._clones: dict[int, int] = {}
+        self._resolved: dict[int, NodeInfo | None] = {}  # node id -> _resolve_node() (cache)
+        self._graph_clones: dict[int, int] = {}
+        self._stats: dict[tuple[int, str, int, int, bool, str | None], KernelStats] = {}
+        self._graphs: dict[int, GraphStats] = {}
         # Kept records, in order: lists of plain tuples (per-record path) or _Chunk (numpy columns).
-        self._segments: List[Any] = []
+        self._segments: list[Any] = []
         self._kept = 0
-        self._records_view: List[KernelRecord] = []
+        self._records_view: list[KernelRecord] = []
         self._orphan_graph_corrs: set = set()
-        self._names: Dict[str, str] = {}
-        self.sessions: List[List[int]] = []  # [start_ts, stop_ts] of each start()/stop()
-        self.api_counts: Dict[str, int] = {}
+        self._names: dict[str, str] = {}
+        self.sessions: list[list[int]] = []  # [start_ts, stop_ts] of each start()/stop()
+        self.api_counts: dict[str, int] = {}
         self.kernel_launches = 0
         self.graph_launches = 0
         self.nested_calls = 0
@@ -362,12 +377,12 @@ class ProfileData:
         self.gpu_ns_total = 0
         self.first_start = 0
         self.last_end = 0
-        self.notes: List[str] = []
+        self.notes: list[str] = []
         self.wall_start_ns = 0
         self.streams: set = set()  # CUPTI stream ids seen (to ask for per-stream dropped counts)
         self.buffer_path = ""  # how activity buffers arrived: "libcupti (path)" or "cupti-python"
         self.buffer_path_reason = ""  # why not libcupti, when it was not
-        self.stop_timings: Dict[str, float] = {}  # ms per step of the last stop()
+        self.stop_timings: dict[str, float] = {}  # ms per step of the last stop()
 
     @property
     def launch_puts(self) -> int:
@@ -376,7 +391,7 @@ class ProfileData:
         return self._launches.puts
 
     # ----------------------------------------------------------------------------- ingest
-    def set_api_table(self, table: Dict[Tuple[int, int], Tuple[str, str]]) -> None:
+    def set_api_table(self, table: dict[tuple[int, int], tuple[str, str]]) -> None:
         """Use ``(domain, cbid) -> (api name, "kernel" | "graph")`` read from the live CUPTI."""
         self._api = dict(table)
 
@@ -393,7 +408,7 @@ class ProfileData:
             self.sessions[-1][1] = ts
         self._open.clear()
 
-    def set_label(self, thread: int, label: Optional[str]) -> None:
+    def set_label(self, thread: int, label: str | None) -> None:
         """Nodes captured on ``thread`` from now on carry ``label`` (graphtree's recording name)."""
         if label is None:
             self._labels.pop(thread, None)
@@ -415,7 +430,7 @@ class ProfileData:
             root = opened[0][2]
             if root is not None and corr != root.correlation_id:
                 self._launches.put(corr, root)
-                root.aliases = root.aliases + (corr,)
+                root.aliases = (*root.aliases, corr)
             opened.append((domain, cbid, None))
             self.nested_calls += 1
             return
@@ -458,9 +473,7 @@ class ProfileData:
             if len(self._launch_log) < self.max_records:
                 self._launch_log.append(launch)
 
-    def node_created(
-        self, graph_id: int, node_id: int, node_type: int, thread: int, capture: CaptureFn
-    ) -> None:
+    def node_created(self, graph_id: int, node_id: int, node_type: int, thread: int, capture: CaptureFn) -> None:
         """CUPTI created graph node ``node_id`` (during stream capture or an explicit add)."""
         opened = self._open.get(thread)
         root = opened[0][2] if opened else None
@@ -493,7 +506,7 @@ class ProfileData:
         if graph_id != original_graph_id:
             self._graph_clones[graph_id] = original_graph_id
 
-    def _resolve_node(self, node_id: int) -> Optional[NodeInfo]:
+    def _resolve_node(self, node_id: int) -> NodeInfo | None:
         """What node ``node_id`` is attributed to: a cloned node resolves through its clone chain
         to the original node (``None`` when the original is unknown: captured before profiling);
         a node that is no clone resolves to what ``node_created`` recorded for it."""
@@ -501,7 +514,7 @@ class ProfileData:
             return self._resolved[node_id]
         except KeyError:
             pass
-        node: Optional[NodeInfo]
+        node: NodeInfo | None
         nid = node_id
         seen = 0
         while nid in self._clones and seen < 32:
@@ -513,7 +526,7 @@ class ProfileData:
         self._resolved[node_id] = node
         return node
 
-    def _graph(self, gkey: int, label: Optional[str], before: bool, launch: Optional[Launch]) -> GraphStats:
+    def _graph(self, gkey: int, label: str | None, before: bool, launch: Launch | None) -> GraphStats:
         g = self._graphs.get(gkey)
         if g is None:
             g = self._graphs[gkey] = GraphStats(gkey, label, before, launch.stack_id if launch else 0)
@@ -612,7 +625,22 @@ class ProfileData:
             if not segs or not isinstance(segs[-1], list):
                 segs.append([])
             segs[-1].append(
-                (KIND_NAMES[kind], nm, start, end, device, stream, corr, graph_id, node_id, sid, gkey, before, nbytes, label)
+                (
+                    KIND_NAMES[kind],
+                    nm,
+                    start,
+                    end,
+                    device,
+                    stream,
+                    corr,
+                    graph_id,
+                    node_id,
+                    sid,
+                    gkey,
+                    before,
+                    nbytes,
+                    label,
+                )
             )
             self._kept += 1
         else:
@@ -664,12 +692,14 @@ class ProfileData:
         ucorr, first_idx, corr_inv = _group_runs(np, corr)
         launches = [self._launches.get(c) for c in ucorr.tolist()]
         have = np.fromiter((lz is not None for lz in launches), dtype=bool, count=len(launches))
-        lsid = np.fromiter((lz.stack_id if lz is not None else 0 for lz in launches), dtype=np.int64, count=len(launches))
+        lsid = np.fromiter(
+            (lz.stack_id if lz is not None else 0 for lz in launches), dtype=np.int64, count=len(launches)
+        )
 
         # graph nodes, one lookup per distinct node id
         unode, node_inv = _factorize(np, node_id)
-        labels: List[Optional[str]] = [None]
-        label_ids: Dict[Optional[str], int] = {None: 0}
+        labels: list[str | None] = [None]
+        label_ids: dict[str | None, int] = {None: 0}
         nk, ns, ng, nl = [], [], [], []
         for nid in unode.tolist():
             info = self._resolve_node(nid) if nid else None
@@ -718,7 +748,7 @@ class ProfileData:
                 elif g.label is None and lab is not None:
                     g.label = lab
                 g.kernels += int(gcount[j])
-                g.total_ns += int(round(gsum[j]))
+                g.total_ns += int(round(gsum[j]))  # noqa: RUF046 - numpy 1.x round() gives a float64
 
         # launches: kernels, GPU time, and the replay counted at a launch's first record
         lcount = np.bincount(corr_inv, minlength=len(ucorr))
@@ -733,7 +763,7 @@ class ProfileData:
                     g.replays += 1
                     g.apis[launch.api] = g.apis.get(launch.api, 0) + 1
                 launch.kernels += int(lcount[j])
-                launch.gpu_ns += int(round(lsum[j]))
+                launch.gpu_ns += int(round(lsum[j]))  # noqa: RUF046
             elif is_graph[r]:
                 c = int(ucorr[j])
                 if c not in self._orphan_graph_corrs:
@@ -777,7 +807,7 @@ class ProfileData:
             if hi > st.max_ns:
                 st.max_ns = hi
             st.count += int(kcount[j])
-            st.total_ns += int(round(ksum[j]))
+            st.total_ns += int(round(ksum[j]))  # noqa: RUF046
 
         if len(self.streams) < 256:
             self.streams.update(_factorize(np, stream)[0].tolist()[:256])
@@ -797,8 +827,24 @@ class ProfileData:
         take = max(0, min(n, room))
         if take:
             # numpy columns, not Python tuples: no per-record objects for the GC to scan
-            cols = [a[:take].copy() for a in (name_idx, start, end, device, stream, corr, graph_id, node_id,
-                                              sid, gkey, before, nbytes, label)]
+            cols = [
+                a[:take].copy()
+                for a in (
+                    name_idx,
+                    start,
+                    end,
+                    device,
+                    stream,
+                    corr,
+                    graph_id,
+                    node_id,
+                    sid,
+                    gkey,
+                    before,
+                    nbytes,
+                    label,
+                )
+            ]
             self._segments.append(_Chunk(kind_name, canon, labels, cols))
             self._kept += take
         self.records_not_kept += n - take
@@ -810,7 +856,7 @@ class ProfileData:
 
     # ----------------------------------------------------------------------------- queries
     @property
-    def records(self) -> List[KernelRecord]:
+    def records(self) -> list[KernelRecord]:
         """The records kept (all of them unless ``keep_records=False`` or ``max_records`` was hit)."""
         view = self._records_view
         if len(view) != self._kept:
@@ -822,33 +868,33 @@ class ProfileData:
                     view.extend(seg.records())
         return view
 
-    def launches(self) -> List[Launch]:
+    def launches(self) -> list[Launch]:
         """Counted launches in order (at most ``max_records`` of them)."""
         return list(self._launch_log)
 
-    def kernel_stats(self) -> List[KernelStats]:
+    def kernel_stats(self) -> list[KernelStats]:
         """Aggregates, largest total GPU time first (complete even when records were not kept)."""
         with self.lock:
             rows = list(self._stats.values())
         rows.sort(key=lambda s: (-s.total_ns, -s.count, s.name))
         return rows
 
-    def graph_stats(self) -> List[GraphStats]:
+    def graph_stats(self) -> list[GraphStats]:
         """Per-graph aggregates, largest total GPU time first."""
         with self.lock:
             rows = list(self._graphs.values())
         rows.sort(key=lambda g: (-g.total_ns, g.graph_key))
         return rows
 
-    def stack(self, sid: Optional[int]) -> Stack:
+    def stack(self, sid: int | None) -> Stack:
         """The stack with id ``sid`` (outermost frame first)."""
         return self.stacks.get(sid)
 
-    def node(self, node_id: int) -> Optional[NodeInfo]:
+    def node(self, node_id: int) -> NodeInfo | None:
         """What is known of a graph node id seen in a record (follows clones)."""
         return self._resolve_node(node_id)
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """Counts: records, launches, what was dropped, not kept, or not attributed.
 
         Example::
@@ -889,7 +935,7 @@ class ProfileData:
         }
 
 
-def _factorize(np: Any, a: Any) -> Tuple[Any, Any]:
+def _factorize(np: Any, a: Any) -> tuple[Any, Any]:
     """``np.unique(a, return_inverse=True)`` for int64 ``a``, without sorting when the values
     span a small range (graph node ids, stack ids, aggregate keys: O(n + span) instead of a sort)."""
     n = int(a.shape[0])
@@ -907,7 +953,7 @@ def _factorize(np: Any, a: Any) -> Tuple[Any, Any]:
     return np.flatnonzero(present) + lo, ids[rel]
 
 
-def _group_runs(np: Any, a: Any) -> Tuple[Any, Any, Any]:
+def _group_runs(np: Any, a: Any) -> tuple[Any, Any, Any]:
     """``np.unique(a, return_index=True, return_inverse=True)`` through runs of equal values:
     a graph replay's records share one correlation id and arrive together, so the sort (when
     one is needed at all) is over runs, not records."""
@@ -937,7 +983,7 @@ class Profile:
         prof.export_pprof("gpu.pb.gz")
     """
 
-    def __init__(self, options: Optional[ProfileOptions] = None, **kwargs: Any) -> None:
+    def __init__(self, options: ProfileOptions | None = None, **kwargs: Any) -> None:
         self.options = options or ProfileOptions(**kwargs)
         self.data = ProfileData(
             keep_records=self.options.keep_records,
@@ -952,7 +998,7 @@ class Profile:
         """Whether CUPTI is collecting for this profile now."""
         return self._session is not None
 
-    def start(self) -> "Profile":
+    def start(self) -> Profile:
         """Subscribe to CUPTI and start collecting (raises ProfilerBusyError/ProfilerUnavailableError).
 
         Example::
@@ -968,14 +1014,14 @@ class Profile:
         self._session = session
         return self
 
-    def stop(self) -> "Profile":
+    def stop(self) -> Profile:
         """Synchronize, flush every record, and release CUPTI (safe to call twice)."""
         session, self._session = self._session, None
         if session is not None:
             session.stop()
         return self
 
-    def __enter__(self) -> "Profile":
+    def __enter__(self) -> Profile:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -989,35 +1035,35 @@ class Profile:
             session.drain()
 
     @property
-    def records(self) -> List[KernelRecord]:
+    def records(self) -> list[KernelRecord]:
         """Kept GPU records (see :class:`KernelRecord`)."""
         self._drain()
         return self.data.records
 
-    def launches(self) -> List[Launch]:
+    def launches(self) -> list[Launch]:
         """Counted launches (eager kernel launches and graph launches)."""
         self._drain()
         return self.data.launches()
 
-    def graph_launches(self) -> List[Launch]:
+    def graph_launches(self) -> list[Launch]:
         """Counted graph launches, each with the number of kernels it ran (``kernels``)."""
         return [launch for launch in self.data.launches() if launch.kind == _cbids.GRAPH]
 
-    def kernel_stats(self) -> List[KernelStats]:
+    def kernel_stats(self) -> list[KernelStats]:
         """Aggregated kernels, largest GPU time first."""
         self._drain()
         return self.data.kernel_stats()
 
-    def graph_stats(self) -> List[GraphStats]:
+    def graph_stats(self) -> list[GraphStats]:
         """Aggregated graphs, largest GPU time first."""
         self._drain()
         return self.data.graph_stats()
 
-    def stack(self, stack_id: Optional[int]) -> Stack:
+    def stack(self, stack_id: int | None) -> Stack:
         """Frames ``(filename, lineno, function)`` of a stack id, outermost first."""
         return self.data.stack(stack_id)
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """Counts of records, launches, drops (see :meth:`ProfileData.summary`)."""
         self._drain()
         return self.data.summary()

@@ -31,7 +31,8 @@ import glob
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["BACKEND_FACTORY", "BufferPool", "LibcuptiBuffers", "RawBuffersUnavailable", "find_libcupti", "open_backend"]
 
@@ -39,14 +40,14 @@ _SUCCESS = 0
 _MAX_LIMIT_REACHED = 12  # CUPTI_ERROR_MAX_LIMIT_REACHED: the end of a buffer's records
 _ALIGN = 8  # ACTIVITY_RECORD_ALIGNMENT
 
-_REQUEST = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
-                            ctypes.POINTER(ctypes.c_size_t))
-_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t,
-                             ctypes.c_size_t)
+_REQUEST = ctypes.CFUNCTYPE(
+    None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)
+)
+_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
 
 # ``Callable[[cupti module], backend]`` used instead of :func:`open_libcupti` (tests: the fake).
-BACKEND_FACTORY: Optional[Callable[[Any], Any]] = None
-_BACKENDS: Dict[str, "LibcuptiBuffers"] = {}
+BACKEND_FACTORY: Callable[[Any], Any] | None = None
+_BACKENDS: dict[str, LibcuptiBuffers] = {}
 _LOCK = threading.Lock()
 
 
@@ -62,8 +63,8 @@ class RawCuptiError(Exception):
         super().__init__(f"{what} returned CUptiResult {int(status)}")
 
 
-def _mapped_libcupti() -> List[str]:
-    out: List[str] = []
+def _mapped_libcupti() -> list[str]:
+    out: list[str] = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -77,7 +78,7 @@ def _mapped_libcupti() -> List[str]:
     return out
 
 
-def find_libcupti(cupti: Any = None) -> Tuple[Optional[str], List[str]]:
+def find_libcupti(cupti: Any = None) -> tuple[str | None, list[str]]:
     """``(path, mapped)``: the libcupti cupti-python uses, and every libcupti mapped in the process.
 
     A cheap call into cupti-python first makes sure it has loaded its library (its bindings load
@@ -93,7 +94,7 @@ def find_libcupti(cupti: Any = None) -> Tuple[Optional[str], List[str]]:
     mapped = _mapped_libcupti()
     if mapped:
         return mapped[0], mapped
-    cands: List[str] = []
+    cands: list[str] = []
     try:
         import nvidia  # namespace package of NVIDIA's CUDA wheels
 
@@ -115,7 +116,7 @@ class LibcuptiBuffers:
     function pointers); they dispatch to the Python functions of the latest :meth:`register`.
     """
 
-    def __init__(self, path: str, mapped: Optional[List[str]] = None) -> None:
+    def __init__(self, path: str, mapped: list[str] | None = None) -> None:
         try:
             lib = ctypes.CDLL(path)
             self._register = lib.cuptiActivityRegisterCallbacks
@@ -139,8 +140,8 @@ class LibcuptiBuffers:
         self.lib = lib
         self.path = path
         self.mapped = list(mapped or [])
-        self._request_fn: Optional[Callable[[], Tuple[int, int]]] = None
-        self._complete_fn: Optional[Callable[[int, int, int], None]] = None
+        self._request_fn: Callable[[], tuple[int, int]] | None = None
+        self._complete_fn: Callable[[int, int, int], None] | None = None
         self._c_request = _REQUEST(self._on_request)
         self._c_complete = _COMPLETE(self._on_complete)
 
@@ -166,7 +167,7 @@ class LibcuptiBuffers:
                 pass
 
     # -- API
-    def register(self, request: Callable[[], Tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
+    def register(self, request: Callable[[], tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
         """Route CUPTI's buffer callbacks to ``request() -> (address, size)`` and
         ``complete(address, size, valid_size)``."""
         self._request_fn, self._complete_fn = request, complete
@@ -194,11 +195,11 @@ class LibcuptiBuffers:
     def has_flush_period(self) -> bool:
         return self._period is not None
 
-    def record_offsets(self, addr: int, valid: int, limit: Optional[int] = None) -> List[int]:
+    def record_offsets(self, addr: int, valid: int, limit: int | None = None) -> list[int]:
         """Offsets of the records in a buffer as CUPTI's own iterator (``cuptiActivityGetNextRecord``)
         walks them: the reference the numpy walk is checked against."""
         rec = ctypes.c_void_p(None)
-        out: List[int] = []
+        out: list[int] = []
         nxt = self._next
         while limit is None or len(out) < limit:
             st = nxt(addr, valid, ctypes.byref(rec))
@@ -249,14 +250,14 @@ class BufferPool:
     def __init__(self, size: int, keep: int = 3) -> None:
         self.size = int(size)
         self.keep = max(0, int(keep))
-        self._free: List[Any] = []
-        self._out: Dict[int, Any] = {}
+        self._free: list[Any] = []
+        self._out: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
         self.allocated = 0
 
-    def take(self) -> Tuple[int, int]:
+    def take(self) -> tuple[int, int]:
         with self._lock:
             raw = self._free.pop() if self._free else None
         if raw is None:
@@ -285,4 +286,4 @@ class BufferPool:
 
 
 # Buffers CUPTI still held when a session ended: kept alive (CUPTI may still write into them).
-ORPHANED: List[BufferPool] = []
+ORPHANED: list[BufferPool] = []

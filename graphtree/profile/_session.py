@@ -37,7 +37,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from graphtree.profile import _cbids, _rawbuf
 from graphtree.profile._attribution import capture_stack
@@ -50,9 +51,10 @@ SUBSCRIBER_NAME = "graphtree.profile"
 _MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
 _STATE_LOCK = threading.Lock()
 _RAW_LAYOUT_BAD = False  # a raw buffer failed its layout check: later sessions use cupti-python's
-_ACTIVE: Optional["Session"] = None
+_ACTIVE: Session | None = None
 
-def _pin(objs: List[Any]) -> None:
+
+def _pin(objs: list[Any]) -> None:
     """Never free these cupti-python record objects, not even at interpreter exit.
 
     Objects made with ``from_ptr`` on a buffer graphtree owns look that buffer up in
@@ -64,7 +66,7 @@ def _pin(objs: List[Any]) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
-def active_session() -> Optional["Session"]:
+def active_session() -> Session | None:
     """The running session of this process, if any.
 
     Example::
@@ -93,7 +95,7 @@ def load_cupti() -> Any:
         ) from e
 
 
-def _status(exc: BaseException) -> Optional[int]:
+def _status(exc: BaseException) -> int | None:
     status = getattr(exc, "status", None)
     try:
         return int(status) if status is not None else None
@@ -101,7 +103,7 @@ def _status(exc: BaseException) -> Optional[int]:
         return None
 
 
-def guess_other_cupti_users(old_subscriber_name: str = "") -> List[str]:
+def guess_other_cupti_users(old_subscriber_name: str = "") -> list[str]:
     """Best guesses at who else holds CUPTI in this process, most likely first.
 
     Example::
@@ -109,7 +111,7 @@ def guess_other_cupti_users(old_subscriber_name: str = "") -> List[str]:
         >>> isinstance(guess_other_cupti_users(), list)
         True
     """
-    who: List[str] = []
+    who: list[str] = []
     if old_subscriber_name and old_subscriber_name.strip("<>") != "not provided":
         who.append(f"the subscriber named {old_subscriber_name!r}")
     if "torch" in sys.modules:
@@ -137,7 +139,11 @@ def guess_other_cupti_users(old_subscriber_name: str = "") -> List[str]:
 
 def _busy_message(old_subscriber_name: str = "") -> str:
     who = guess_other_cupti_users(old_subscriber_name)
-    likely = " or ".join(who) if who else "another CUPTI-based tool (torch.profiler, Nsight Systems/Compute, compute-sanitizer)"
+    likely = (
+        " or ".join(who)
+        if who
+        else "another CUPTI-based tool (torch.profiler, Nsight Systems/Compute, compute-sanitizer)"
+    )
     return (
         "graphtree.profile cannot start: CUPTI already has a subscriber in this process "
         f"(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED); likely {likely}. CUPTI allows one "
@@ -162,8 +168,8 @@ def _synchronize_cuda() -> None:
             torch.cuda.synchronize(d)
 
 
-def _memcpy_names(cupti: Any) -> Dict[int, str]:
-    names: Dict[int, str] = {}
+def _memcpy_names(cupti: Any) -> dict[int, str]:
+    names: dict[int, str] = {}
     kinds = getattr(cupti, "ActivityMemcpyKind", None)
     if kinds is not None:
         for n, v in kinds.__members__.items():
@@ -188,27 +194,27 @@ class Session:
         self.sink: Any = options.tap(data) if options.tap is not None else data
         self.cupti: Any = None
         self.subscriber: Any = None
-        self.enabled_callbacks: List[Tuple[int, int]] = []
-        self.enabled_kinds: List[int] = []
-        self.missing_callbacks: List[str] = []
+        self.enabled_callbacks: list[tuple[int, int]] = []
+        self.enabled_kinds: list[int] = []
+        self.missing_callbacks: list[str] = []
         self._flush_period_set = False
         self._in_flight = 0
-        self._unsubscribe_events: List[Callable[[], None]] = []
+        self._unsubscribe_events: list[Callable[[], None]] = []
         self._capture = functools.partial(capture_stack, data.stacks, options.stack_depth)
         self._params: Any = None
         self._callback: Any = None
-        self._resource_ids: Dict[str, int] = {}
-        self._atexit: Optional[Callable[[], None]] = None
-        self._fast: Optional[_FastParser] = None
-        self._drainer: Optional[_FastParser] = None  # parses what was stashed (kept after a mismatch)
-        self._pending: List[Tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
+        self._resource_ids: dict[str, int] = {}
+        self._atexit: Callable[[], None] | None = None
+        self._fast: _FastParser | None = None
+        self._drainer: _FastParser | None = None  # parses what was stashed (kept after a mismatch)
+        self._pending: list[tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
         self._pending_records = 0
         self._pending_since = 0  # data.launch_puts when the oldest pending buffer arrived
         # activity control: libcupti through ctypes (raw buffers) or cupti-python
         self._act: Any = None
-        self._raw: Optional[_RawParser] = None  # raw-buffer parser while its layout checks pass
+        self._raw: _RawParser | None = None  # raw-buffer parser while its layout checks pass
         self._raw_backend: Any = None
-        self._pool: Optional[_rawbuf.BufferPool] = None
+        self._pool: _rawbuf.BufferPool | None = None
         self.buffer_path = ""  # "libcupti" (raw buffers through ctypes) or "cupti-python"
 
     # ----------------------------------------------------------------------------- start
@@ -297,7 +303,7 @@ class Session:
 
     def _resolve_ids(
         self, cupti: Any
-    ) -> Tuple[Dict[str, int], Dict[Tuple[int, int], Tuple[str, str]], List[Tuple[int, int]], Dict[str, int]]:
+    ) -> tuple[dict[str, int], dict[tuple[int, int], tuple[str, str]], list[tuple[int, int]], dict[str, int]]:
         dom = cupti.CallbackDomain
         domains = {
             "driver": int(dom.DRIVER_API),
@@ -305,8 +311,8 @@ class Session:
             "resource": int(dom.RESOURCE),
         }
         enums = {"runtime": cupti.runtime_api_trace_cbid, "driver": cupti.driver_api_trace_cbid}
-        table: Dict[Tuple[int, int], Tuple[str, str]] = {}
-        launch_ids: List[Tuple[int, int]] = []
+        table: dict[tuple[int, int], tuple[str, str]] = {}
+        launch_ids: list[tuple[int, int]] = []
         for d, name, kind in _cbids.LAUNCH_CALLBACKS:
             member = getattr(enums[d], name, None)
             if member is None:  # not in this CUPTI release
@@ -315,7 +321,7 @@ class Session:
             key = (domains[d], int(member))
             table[key] = (_cbids.display_name(name), kind)
             launch_ids.append(key)
-        resource_ids: Dict[str, int] = {}
+        resource_ids: dict[str, int] = {}
         for name in _cbids.RESOURCE_CALLBACKS:
             member = getattr(cupti.CallbackIdResource, name, None)
             if member is None:
@@ -425,7 +431,7 @@ class Session:
         elif cbid == ids.get("GRAPH_CLONED"):
             self.sink.graph_cloned(_graph_id(cupti, gd.graph), _graph_id(cupti, gd.original_graph))
 
-    def _buffer_requested(self, *args: Any) -> Tuple[int, int]:
+    def _buffer_requested(self, *args: Any) -> tuple[int, int]:
         self._in_flight += 1
         if self._in_flight > self.data.max_buffers_in_flight:
             self.data.max_buffers_in_flight = self._in_flight
@@ -463,7 +469,7 @@ class Session:
         self.data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
         self.drain()
 
-    def _add_pending(self, items: List[Tuple[int, Any]]) -> None:
+    def _add_pending(self, items: list[tuple[int, Any]]) -> None:
         data = self.data
         with data.lock:
             data.buffers_completed += 1
@@ -478,7 +484,7 @@ class Session:
                 self.drain()
 
     # -- raw buffers (libcupti through ctypes)
-    def _raw_requested(self) -> Tuple[int, int]:
+    def _raw_requested(self) -> tuple[int, int]:
         pool = self._pool
         if pool is None:
             return 0, 0
@@ -573,18 +579,42 @@ class Session:
                         k = a.kind
                         if k in kernel_kinds:
                             record(
-                                KERNEL, a.name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id,
-                                a.graph_id, a.graph_node_id, 0,
+                                KERNEL,
+                                a.name,
+                                a.start,
+                                a.end,
+                                a.device_id,
+                                a.stream_id,
+                                a.correlation_id,
+                                a.graph_id,
+                                a.graph_node_id,
+                                0,
                             )
                         elif k == memcpy_kind:
                             record(
-                                MEMCPY, names.get(a.copy_kind, "Memcpy"), a.start, a.end, a.device_id,
-                                a.stream_id, a.correlation_id, a.graph_id, a.graph_node_id, a.bytes,
+                                MEMCPY,
+                                names.get(a.copy_kind, "Memcpy"),
+                                a.start,
+                                a.end,
+                                a.device_id,
+                                a.stream_id,
+                                a.correlation_id,
+                                a.graph_id,
+                                a.graph_node_id,
+                                a.bytes,
                             )
                         elif k == memset_kind:
                             record(
-                                MEMSET, "Memset", a.start, a.end, a.device_id, a.stream_id, a.correlation_id,
-                                a.graph_id, a.graph_node_id, a.bytes,
+                                MEMSET,
+                                "Memset",
+                                a.start,
+                                a.end,
+                                a.device_id,
+                                a.stream_id,
+                                a.correlation_id,
+                                a.graph_id,
+                                a.graph_node_id,
+                                a.bytes,
                             )
                     except Exception:
                         data.record_errors += 1
@@ -592,7 +622,7 @@ class Session:
             data.record_errors += 1
 
     @functools.cached_property
-    def _memcpy_names(self) -> Dict[int, str]:
+    def _memcpy_names(self) -> dict[int, str]:
         return _memcpy_names(self.cupti)
 
     # ----------------------------------------------------------------------------- stop
@@ -602,7 +632,7 @@ class Session:
         with _STATE_LOCK:
             if _ACTIVE is not self:
                 return
-            errors: List[str] = []
+            errors: list[str] = []
             t0 = time.perf_counter()
             _step(errors, "synchronize", _synchronize_cuda)
             t_sync = 1e3 * (time.perf_counter() - t0)
@@ -615,7 +645,7 @@ class Session:
             if errors:
                 self.data.notes.append("while stopping: " + "; ".join(errors))
 
-    def _teardown(self, errors: List[str]) -> None:
+    def _teardown(self, errors: list[str]) -> None:
         cupti = self.cupti
         act = self._act
         timings = self.data.stop_timings
@@ -644,7 +674,11 @@ class Session:
 
             def disable_callbacks() -> None:
                 for domain, cbid in self.enabled_callbacks:
-                    _step(errors, f"disable callback {domain}/{cbid}", lambda d=domain, c=cbid: cupti.enable_callback(0, sub, d, c))
+                    _step(
+                        errors,
+                        f"disable callback {domain}/{cbid}",
+                        lambda d=domain, c=cbid: cupti.enable_callback(0, sub, d, c),
+                    )
 
             _step(errors, "disable callbacks", disable_callbacks, timings)
             _step(errors, "unsubscribe", lambda: cupti.unsubscribe(sub), timings)
@@ -700,19 +734,24 @@ class _FastParser:
     """
 
     _FIELDS = ("start", "end", "device_id", "stream_id", "correlation_id", "graph_id", "graph_node_id")
-    _EXTRA = {KERNEL: ("name",), MEMCPY: ("copy_kind", "bytes"), MEMSET: ("bytes",)}
+    _EXTRA: ClassVar[dict[int, tuple[str, ...]]] = {
+        KERNEL: ("name",),
+        MEMCPY: ("copy_kind", "bytes"),
+        MEMSET: ("bytes",),
+    }
 
-    def __init__(self, np: Any, groups: Dict[int, Tuple[int, Any]], span_limit: int,
-                 memcpy_names: Dict[int, str]) -> None:
+    def __init__(
+        self, np: Any, groups: dict[int, tuple[int, Any]], span_limit: int, memcpy_names: dict[int, str]
+    ) -> None:
         self.np = np
         self.groups = groups  # activity kind value -> (our KERNEL/MEMCPY/MEMSET, dtype)
         self.span_limit = span_limit
         self.memcpy_names = memcpy_names
-        self.names: Dict[int, str] = {}
-        self.compact: Dict[int, Any] = {}  # our KERNEL/MEMCPY/MEMSET -> dtype of the stashed columns
+        self.names: dict[int, str] = {}
+        self.compact: dict[int, Any] = {}  # our KERNEL/MEMCPY/MEMSET -> dtype of the stashed columns
 
     @classmethod
-    def create(cls, cupti: Any, options: ProfileOptions) -> Optional["_FastParser"]:
+    def create(cls, cupti: Any, options: ProfileOptions) -> _FastParser | None:
         try:
             import numpy as np
         except ImportError:
@@ -724,10 +763,10 @@ class _FastParser:
             (ak.MEMCPY, "activity_memcpy6_dtype", MEMCPY),
             (ak.MEMSET, "activity_memset4_dtype", MEMSET),
         )
-        groups: Dict[int, Tuple[int, Any]] = {}
+        groups: dict[int, tuple[int, Any]] = {}
         for kind, attr, code in wanted:
             dt = getattr(cupti, attr, None)
-            if dt is None or not all(f in (dt.names or ()) for f in cls._FIELDS + ("kind",)):
+            if dt is None or not all(f in (dt.names or ()) for f in (*cls._FIELDS, "kind")):
                 return None
             extra = {KERNEL: ("name",), MEMCPY: ("copy_kind", "bytes"), MEMSET: ("bytes",)}[code]
             if not all(f in dt.names for f in extra):
@@ -742,7 +781,7 @@ class _FastParser:
             name = self.names[ptr] = raw.decode("utf-8", "replace")
         return name
 
-    def _name_ids(self, ptrs: Any) -> Tuple[Any, Any]:
+    def _name_ids(self, ptrs: Any) -> tuple[Any, Any]:
         """``np.unique(ptrs, return_inverse=True)`` for kernel name pointers: a binary search in
         the (few) pointers seen before instead of sorting every record's."""
         np = self.np
@@ -775,13 +814,13 @@ class _FastParser:
             if code == KERNEL and self._name(int(arr["name"][j])) != obj.name:
                 raise _LayoutMismatch("kernel name")
 
-    def _take(self, code: int, arr: Any) -> Tuple[int, Any]:
+    def _take(self, code: int, arr: Any) -> tuple[int, Any]:
         out = self.np.empty(arr.shape[0], dtype=self._compact_dtype(code))
         for f in out.dtype.names:
             out[f] = arr[f]
         return code, out
 
-    def stash(self, activities: Any) -> List[Tuple[int, Any]]:
+    def stash(self, activities: Any) -> list[tuple[int, Any]]:
         """The records of one buffer as compact numpy columns per kind: ``[(code, array)]``.
 
         This is what runs in CUPTI's thread for every buffer, so it does no per-record Python
@@ -823,7 +862,7 @@ class _FastParser:
             raise _LayoutMismatch(f"records span {top - base} bytes")
         offs = ptrs - base
         full = np.frombuffer((ctypes.c_char * (top - base)).from_address(base), dtype=np.uint8)
-        out: List[Tuple[int, Any]] = []
+        out: list[tuple[int, Any]] = []
         for kind, (code, dt) in self.groups.items():
             sel = np.flatnonzero(kinds == kind)
             if not sel.size:
@@ -839,10 +878,10 @@ class _FastParser:
             out.sort(key=lambda t: t[0])
         return out
 
-    def batches(self, items: List[Tuple[int, Any]]) -> List[Tuple[Any, ...]]:
+    def batches(self, items: list[tuple[int, Any]]) -> list[tuple[Any, ...]]:
         """``record_batch`` argument tuples for stashed items (one batch per kind, in order)."""
         np = self.np
-        by_code: Dict[int, List[Any]] = {}
+        by_code: dict[int, list[Any]] = {}
         for code, arr in items:
             by_code.setdefault(code, []).append(arr)
         out = []
@@ -860,12 +899,23 @@ class _FastParser:
                 names, inv = ["Memset"], np.zeros(arr.shape[0], dtype=np.int64)
                 nbytes = arr["bytes"]
             out.append(
-                (code, names, inv.reshape(-1), arr["start"], arr["end"], arr["device_id"], arr["stream_id"],
-                 arr["correlation_id"], arr["graph_id"], arr["graph_node_id"], nbytes)
+                (
+                    code,
+                    names,
+                    inv.reshape(-1),
+                    arr["start"],
+                    arr["end"],
+                    arr["device_id"],
+                    arr["stream_id"],
+                    arr["correlation_id"],
+                    arr["graph_id"],
+                    arr["graph_node_id"],
+                    nbytes,
+                )
             )
         return out
 
-    def parse(self, activities: Any) -> List[Tuple[Any, ...]]:
+    def parse(self, activities: Any) -> list[tuple[Any, ...]]:
         """``record_batch`` argument tuples for the records of one buffer (validated)."""
         return self.batches(self.stash(activities))
 
@@ -890,12 +940,16 @@ class _CuptiPythonActivity:
         self.cupti.activity_flush_period(ms)
 
 
-def _record_classes(cupti: Any) -> Dict[int, Any]:
+def _record_classes(cupti: Any) -> dict[int, Any]:
     """Activity kind value -> cupti-python record class with ``from_ptr`` (layout checks, fallback)."""
     ak = cupti.ActivityKind
-    out: Dict[int, Any] = {}
-    for kind, cls in (("CONCURRENT_KERNEL", "ActivityKernel10"), ("KERNEL", "ActivityKernel10"),
-                      ("MEMCPY", "ActivityMemcpy6"), ("MEMSET", "ActivityMemset4")):
+    out: dict[int, Any] = {}
+    for kind, cls in (
+        ("CONCURRENT_KERNEL", "ActivityKernel10"),
+        ("KERNEL", "ActivityKernel10"),
+        ("MEMCPY", "ActivityMemcpy6"),
+        ("MEMSET", "ActivityMemset4"),
+    ):
         c = getattr(cupti, cls, None)
         if c is not None and hasattr(c, "from_ptr") and hasattr(ak, kind):
             out[int(getattr(ak, kind))] = c
@@ -924,18 +978,18 @@ class _RawParser(_FastParser):
     _first_done = False  # class level: the first buffer of the process is checked in full
 
     backend: Any = None
-    objects: Dict[int, Any] = {}
+    objects: dict[int, Any] = {}  # noqa: RUF012 - a read-only default: a session assigns its own
 
-    def _walk(self, mem: Any, valid: int) -> List[Tuple[int, int, int]]:
+    def _walk(self, mem: Any, valid: int) -> list[tuple[int, int, int]]:
         """``[(kind, offset, count)]``: runs of records of one kind, in buffer order."""
         np = self.np
-        runs: List[Tuple[int, int, int]] = []
+        runs: list[tuple[int, int, int]] = []
         groups = self.groups
         off = 0
         while off < valid:
             if valid - off < 4:
                 raise _LayoutMismatch(f"{valid - off} trailing bytes")
-            k = int(mem[off:off + 4].view("<u4")[0])
+            k = int(mem[off : off + 4].view("<u4")[0])
             g = groups.get(k)
             if g is None:
                 raise _LayoutMismatch(f"record of unknown kind {k} at offset {off}")
@@ -959,20 +1013,20 @@ class _RawParser(_FastParser):
             raise _LayoutMismatch(f"records end at {off}, valid size {valid}")
         return runs
 
-    def _verify(self, addr: int, valid: int, runs: List[Tuple[int, int, int]], views: List[Any]) -> None:
+    def _verify(self, addr: int, valid: int, runs: list[tuple[int, int, int]], views: list[Any]) -> None:
         backend = self.backend
         limit = self.verify_records
         if not _RawParser._first_done:
             limit = 4096
         if backend is not None and hasattr(backend, "record_offsets"):
             ref = backend.record_offsets(addr, valid, limit)
-            ours: List[int] = []
+            ours: list[int] = []
             for k, off, count in runs:
                 size = self.groups[k][1].itemsize
                 ours.extend(range(off, off + min(count, limit - len(ours)) * size, size))
                 if len(ours) >= limit:
                     break
-            if ref != ours[:len(ref)] or (len(ref) < limit and len(ref) != len(ours)):
+            if ref != ours[: len(ref)] or (len(ref) < limit and len(ref) != len(ours)):
                 raise _LayoutMismatch("record offsets differ from cuptiActivityGetNextRecord")
         if not _RawParser._first_done:  # field by field against cupti-python, once per process
             classes = self.objects
@@ -987,7 +1041,7 @@ class _RawParser(_FastParser):
                 _pin(objs)
         _RawParser._first_done = True
 
-    def stash_raw(self, addr: int, valid: int) -> List[Tuple[int, Any]]:
+    def stash_raw(self, addr: int, valid: int) -> list[tuple[int, Any]]:
         """Compact columns ``[(code, array)]`` (one per kind, kinds in fixed order) of a raw buffer."""
         np = self.np
         if valid > self.span_limit:
@@ -997,9 +1051,9 @@ class _RawParser(_FastParser):
         views = []
         for k, off, count in runs:
             dt = self.groups[k][1]
-            views.append(mem[off:off + count * dt.itemsize].view(dt))
+            views.append(mem[off : off + count * dt.itemsize].view(dt))
         self._verify(addr, valid, runs, views)
-        by_code: Dict[int, List[Any]] = {}
+        by_code: dict[int, list[Any]] = {}
         for (k, _, _), view in zip(runs, views):
             code = self.groups[k][0]
             by_code.setdefault(code, []).append(self._take(code, view)[1])
@@ -1018,8 +1072,9 @@ def _current_context() -> int:
         return 0
 
 
-def _step(errors: List[str], what: str, fn: Callable[[], Any], timings: Optional[Dict[str, float]] = None,
-          key: Optional[str] = None) -> None:
+def _step(
+    errors: list[str], what: str, fn: Callable[[], Any], timings: dict[str, float] | None = None, key: str | None = None
+) -> None:
     t0 = time.perf_counter()
     try:
         fn()

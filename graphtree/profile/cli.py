@@ -25,7 +25,7 @@ import re
 import runpy
 import sys
 import traceback
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 __all__ = ["main"]
 
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_command(cmd: List[str]) -> Tuple[str, str, List[str]]:
+def _split_command(cmd: list[str]) -> tuple[str, str, list[str]]:
     """``(mode, target, args)``: mode is "path", "module" or "code"."""
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -76,21 +76,21 @@ def _split_command(cmd: List[str]) -> Tuple[str, str, List[str]]:
     return "path", cmd[0], cmd[1:]
 
 
-def _run(mode: str, target: str, args: List[str]) -> int:
+def _run(mode: str, target: str, args: list[str]) -> int:
     saved_argv, saved_path0 = sys.argv[:], (sys.path[0] if sys.path else None)
     try:
         if mode == "path":
-            sys.argv = [target] + args
+            sys.argv = [target, *args]
             if sys.path:
                 sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
         elif mode == "module":
-            sys.argv = [target] + args
+            sys.argv = [target, *args]
             if sys.path:
                 sys.path[0] = os.getcwd()
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = ["-c"] + args
+            sys.argv = ["-c", *args]
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
         return 0
     except SystemExit as e:
@@ -99,7 +99,7 @@ def _run(mode: str, target: str, args: List[str]) -> int:
         return exit_status(e.code)
     except KeyboardInterrupt:
         return 130
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the profiled script's crash is reported, the profile still saved
         traceback.print_exc()
         return 1
     finally:
@@ -108,7 +108,7 @@ def _run(mode: str, target: str, args: List[str]) -> int:
             sys.path[0] = saved_path0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run ``graphtree profile``; returns the script's exit status (2: usage or profiler error).
 
     Example::

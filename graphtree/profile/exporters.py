@@ -24,7 +24,8 @@ import gzip
 import json
 import os
 import time
-from typing import Any, Dict, Iterable, List, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 from graphtree.profile._attribution import Frame, format_frame
 
@@ -35,7 +36,7 @@ _BEFORE = "captured before profiling"
 
 
 # --------------------------------------------------------------------------------- helpers
-def _stack_strings(prof: Any, sid: int, limit: int = 24) -> List[str]:
+def _stack_strings(prof: Any, sid: int, limit: int = 24) -> list[str]:
     frames = prof.stack(sid)
     return [format_frame(f) for f in frames[-limit:]]
 
@@ -54,7 +55,7 @@ def _short(name: str, width: int) -> str:
     if len(name) <= width:
         return name
     head = (width - 1) // 2
-    return name[:head] + "…" + name[len(name) - (width - 1 - head):]
+    return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 
 # --------------------------------------------------------------------------------- table
@@ -66,7 +67,7 @@ def format_table(prof: Any, limit: int = 15) -> str:
         print(format_table(prof, limit=10))
     """
     s = prof.summary()
-    lines: List[str] = []
+    lines: list[str] = []
     total = s["gpu_ns"] or 1
     lines.append(
         f"graphtree.profile: {s['records']:,} GPU records ({s['kernels']:,} kernels, {s['memcpys']:,} memcpy, "
@@ -99,7 +100,11 @@ def format_table(prof: Any, limit: int = 15) -> str:
         lines.append("Top graphs by GPU time")
         lines.append(f"{'GPU ms':>12} {'%':>6} {'replays':>8} {'kernels':>9}  {'graph':<40} replayed from")
         for g in graphs[:limit]:
-            name = f"{g.graph_key}" + (f" {g.label}" if g.label else "") + (f" ({_BEFORE})" if g.captured_before_profiling else "")
+            name = (
+                f"{g.graph_key}"
+                + (f" {g.label}" if g.label else "")
+                + (f" ({_BEFORE})" if g.captured_before_profiling else "")
+            )
             apis = ",".join(f"{a}x{n}" for a, n in sorted(g.apis.items()))
             lines.append(
                 f"{_ms(g.total_ns):>12} {100.0 * g.total_ns / total:>5.1f}% {g.replays:>8,} {g.kernels:>9,}  "
@@ -141,7 +146,7 @@ def _t0(prof: Any) -> int:
     return min(cands) if cands else 0
 
 
-def to_chrome(prof: Any) -> Dict[str, Any]:
+def to_chrome(prof: Any) -> dict[str, Any]:
     """The Chrome trace-event document of ``prof`` (records kept and launches).
 
     Example::
@@ -149,19 +154,19 @@ def to_chrome(prof: Any) -> Dict[str, Any]:
         doc = to_chrome(prof); assert all(e["dur"] >= 0 for e in doc["traceEvents"])
     """
     t0 = _t0(prof)
-    events: List[Dict[str, Any]] = []
-    stack_cache: Dict[int, Tuple[str, List[str]]] = {}
+    events: list[dict[str, Any]] = []
+    stack_cache: dict[int, tuple[str, list[str]]] = {}
 
-    def stack_of(sid: int) -> Tuple[str, List[str]]:
+    def stack_of(sid: int) -> tuple[str, list[str]]:
         got = stack_cache.get(sid)
         if got is None:
             got = stack_cache[sid] = (_site(prof, sid), _stack_strings(prof, sid))
         return got
 
-    streams: Dict[Tuple[int, int], None] = {}
+    streams: dict[tuple[int, int], None] = {}
     for rec in prof.records:
         site, stack = stack_of(rec.stack_id)
-        args: Dict[str, Any] = {"correlation_id": rec.correlation_id, "kind": rec.kind, "call_site": site}
+        args: dict[str, Any] = {"correlation_id": rec.correlation_id, "kind": rec.kind, "call_site": site}
         if rec.graph_node_id or rec.graph_id:
             args["graph_id"] = rec.graph_id
             args["graph_node_id"] = rec.graph_node_id
@@ -187,7 +192,7 @@ def to_chrome(prof: Any) -> Dict[str, Any]:
             }
         )
         streams[(int(rec.device_id), int(rec.stream_id))] = None
-    threads: Dict[int, int] = {}
+    threads: dict[int, int] = {}
     for launch in prof.launches():
         tid = threads.setdefault(launch.thread, len(threads) + 1)
         site, stack = stack_of(launch.stack_id)
@@ -211,7 +216,7 @@ def to_chrome(prof: Any) -> Dict[str, Any]:
                 },
             }
         )
-    meta: List[Dict[str, Any]] = []
+    meta: list[dict[str, Any]] = []
 
     def m(name: str, pid: int, tid: int, value: str) -> None:
         meta.append({"name": name, "ph": "M", "ts": 0, "dur": 0, "pid": pid, "tid": tid, "args": {"name": value}})
@@ -231,11 +236,11 @@ def to_chrome(prof: Any) -> Dict[str, Any]:
     }
 
 
-def _jsonable(d: Dict[str, Any]) -> Dict[str, Any]:
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
-def check_chrome_trace(doc: Any) -> List[str]:
+def check_chrome_trace(doc: Any) -> list[str]:
     """Problems that would stop Perfetto or ``chrome://tracing`` from loading ``doc`` (none: ``[]``).
 
     Checks the Trace Event Format as :func:`to_chrome` writes it: a ``traceEvents`` list of
@@ -246,7 +251,7 @@ def check_chrome_trace(doc: Any) -> List[str]:
 
         assert check_chrome_trace(json.load(open("trace.json"))) == []
     """
-    problems: List[str] = []
+    problems: list[str] = []
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         return ["no traceEvents list"]
@@ -321,8 +326,8 @@ def _packed(field: int, values: Iterable[int]) -> bytes:
 
 class _Strings:
     def __init__(self) -> None:
-        self.table: List[str] = [""]
-        self.ids: Dict[str, int] = {"": 0}
+        self.table: list[str] = [""]
+        self.ids: dict[str, int] = {"": 0}
 
     def __call__(self, s: str) -> int:
         i = self.ids.get(s)
@@ -343,10 +348,10 @@ def to_pprof(prof: Any, gzipped: bool = True) -> bytes:
         open("gpu.pb.gz", "wb").write(to_pprof(prof))
     """
     strings = _Strings()
-    functions: Dict[Tuple[str, str], int] = {}
-    function_msgs: List[bytes] = []
-    locations: Dict[Tuple[int, int], int] = {}
-    location_msgs: List[bytes] = []
+    functions: dict[tuple[str, str], int] = {}
+    function_msgs: list[bytes] = []
+    locations: dict[tuple[int, int], int] = {}
+    location_msgs: list[bytes] = []
 
     def function_id(name: str, filename: str) -> int:
         key = (name, filename)
@@ -370,7 +375,7 @@ def to_pprof(prof: Any, gzipped: bool = True) -> bytes:
         filename, lineno, function = frame
         return location_id(function_id(function, filename), int(lineno))
 
-    samples: Dict[Tuple[int, str, str, int], List[int]] = {}
+    samples: dict[tuple[int, str, str, int], list[int]] = {}
     for st in prof.kernel_stats():
         marker = st.graph_key if st.captured_before_profiling else 0
         key = (st.stack_id, st.name, st.kind, marker)
@@ -381,7 +386,7 @@ def to_pprof(prof: Any, gzipped: bool = True) -> bytes:
         acc[1] += st.count
 
     kind_key, count_key, graph_key = strings("kind"), strings("count"), strings("graph")
-    sample_msgs: List[bytes] = []
+    sample_msgs: list[bytes] = []
     for (sid, name, kind, marker), (total_ns, count) in samples.items():
         locs = [location_id(function_id(name, f"[GPU {kind}]"), 0)]
         if marker:
@@ -436,4 +441,3 @@ def export_pprof(prof: Any, path: str) -> str:
         f.write(data)
     os.replace(tmp, path)
     return path
-

@@ -1,12 +1,11 @@
 """Shared pieces of the graphtree.profile CPU tests: the fake-CUPTI fixture and helpers.
 
-Test modules put ``tests/fakes`` on ``sys.path`` and import from here.
+``tests/conftest.py`` puts ``tests/fakes`` on ``sys.path`` and registers the ``fake_cupti``
+fixture; test modules import the helpers from here.
 
 Example::
 
-    from gt_profile_testkit import fake_cupti  # noqa: F401  (a pytest fixture)
-
-    def test_x(fake_cupti):
+    def test_x(fake_cupti):  # the fixture, by name: no import
         fake_cupti.SIM.launch_kernel("k")
 """
 
@@ -15,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 import pytest
 
@@ -58,13 +58,12 @@ def fake_cupti() -> Iterator[Any]:
                 sys.modules[k] = v
 
 
-def fixture_files() -> List[Path]:
+def fixture_files() -> list[Path]:
     """Every profile fixture committed under tests/fixtures."""
     return sorted(FIXTURES.glob("profile_*.json"))
 
 
-def load_fixture(path: os.PathLike) -> Dict[str, Any]:
+def load_fixture(path: os.PathLike) -> dict[str, Any]:
     """The JSON document of a fixture."""
     with open(path) as f:
         return json.load(f)
-

@@ -36,9 +36,24 @@ def digest(prof: Any, strip_ids: bool = False) -> tuple:
     """Everything a profile concluded, comparable across buffer paths: kernel and graph stats,
     the summary (less buffer counts), launches and records (stack and correlation ids zeroed
     with ``strip_ids``, since paths may number them differently)."""
-    stats = sorted((st.kind, st.name, st.count, st.total_ns, st.min_ns, st.max_ns, prof.stack(st.stack_id)[-1:],
-                    st.graph_key, st.captured_before_profiling, st.label) for st in prof.kernel_stats())
-    graphs = sorted((g.graph_key, g.replays, g.kernels, g.total_ns, g.captured_before_profiling) for g in prof.graph_stats())
+    stats = sorted(
+        (
+            st.kind,
+            st.name,
+            st.count,
+            st.total_ns,
+            st.min_ns,
+            st.max_ns,
+            prof.stack(st.stack_id)[-1:],
+            st.graph_key,
+            st.captured_before_profiling,
+            st.label,
+        )
+        for st in prof.kernel_stats()
+    )
+    graphs = sorted(
+        (g.graph_key, g.replays, g.kernels, g.total_ns, g.captured_before_profiling) for g in prof.graph_stats()
+    )
     summary = {k: v for k, v in prof.summary().items() if k not in ("buffers_completed", "max_buffers_in_flight")}
     launches = [(lz.api, lz.kernels, lz.gpu_ns) for lz in prof.launches()]
     recs = sorted(prof.records, key=lambda r: (r.start, r.name))

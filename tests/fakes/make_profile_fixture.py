@@ -1,11 +1,11 @@
 """Write the HAND-MADE stand-in of tests/fixtures/profile_graph_replay.json (no GPU needed).
 
-It runs the very scenario of ``graphtree.profile._record_fixture`` (same source, same line
+It runs the very scenario of ``graphtree._dev.record_profile_fixture`` (same source, same line
 numbers) against the fake CUPTI and a tiny fake ``torch`` whose ops launch fake kernels, records
-the profiler's events with the same :class:`~graphtree.profile._fixture.Recorder`, and marks the
+the profiler's events with the same :class:`~graphtree._dev.profile_fixture.Recorder`, and marks the
 file ``"hand_made": true``. Replace it with a real recording::
 
-    python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json   # on a GPU
+    python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json   # on a GPU
 
 Usage (here)::
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 __graphtree_profile_internal__ = True
 
@@ -26,14 +26,14 @@ sys.path.insert(0, str(HERE))
 
 
 class _Tensor:
-    def __init__(self, torch: "_FakeTorch") -> None:
+    def __init__(self, torch: _FakeTorch) -> None:
         self._t = torch
 
-    def copy_(self, other: Any, non_blocking: bool = False) -> "_Tensor":
+    def copy_(self, other: Any, non_blocking: bool = False) -> _Tensor:
         self._t.sim.memcpy(16384, kind="HTOD", stream=self._t.stream)
         return self
 
-    def pin_memory(self) -> "_Tensor":
+    def pin_memory(self) -> _Tensor:
         return self
 
     def data_ptr(self) -> int:
@@ -42,14 +42,14 @@ class _Tensor:
     def numel(self) -> int:
         return 4096
 
-    def __mul__(self, other: Any) -> "_Tensor":
+    def __mul__(self, other: Any) -> _Tensor:
         return self
 
     __add__ = __rmul__ = __radd__ = __mul__
 
 
 class _Graph:
-    def __init__(self, torch: "_FakeTorch", keep_graph: bool = False) -> None:
+    def __init__(self, torch: _FakeTorch, keep_graph: bool = False) -> None:
         self._t = torch
         self.exe: Any = None
         self.raw: Any = None
@@ -67,7 +67,7 @@ class _Graph:
 
 
 class _Cuda:
-    def __init__(self, torch: "_FakeTorch") -> None:
+    def __init__(self, torch: _FakeTorch) -> None:
         self._t = torch
         self.CUDAGraph = lambda keep_graph=False: _Graph(torch, keep_graph)
 
@@ -139,7 +139,7 @@ class _FakeDriver:
         self.CUgraphExec = lambda h: h
         self.CUstream = lambda s: s
 
-    def cuGraphLaunch(self, exe_handle: int, stream: int) -> Tuple[int]:
+    def cuGraphLaunch(self, exe_handle: int, stream: int) -> tuple[int]:
         self._t.sim.graph_launch(self._t.sim.obj(exe_handle), api="cuGraphLaunch", stream=int(stream))
         return (0,)
 
@@ -148,12 +148,12 @@ class _FakeRuntime:
     def __init__(self, torch: _FakeTorch) -> None:
         self._t = torch
 
-    def cudaMemsetAsync(self, ptr: int, value: int, count: int, stream: int) -> Tuple[int]:
+    def cudaMemsetAsync(self, ptr: int, value: int, count: int, stream: int) -> tuple[int]:
         self._t.sim.memset(count, stream=int(stream))
         return (0,)
 
 
-def build(path: Optional[str] = None) -> Dict[str, Any]:
+def build(path: str | None = None) -> dict[str, Any]:
     """Run the scenario on the fakes; returns the fixture document (and writes it to ``path``)."""
     import fake_cupti
     from fake_cupti import cupti
@@ -167,24 +167,24 @@ def build(path: Optional[str] = None) -> Dict[str, Any]:
     _rawbuf.BACKEND_FACTORY = lambda _cupti: cupti.LIBCUPTI  # never a real libcupti here
     try:
         import graphtree
-        from graphtree.profile import _record_fixture
-        from graphtree.profile._fixture import Recorder
+        from graphtree._dev import record_profile_fixture
+        from graphtree._dev.profile_fixture import Recorder
 
         cupti.SIM.reset()
         torch = _FakeTorch(cupti.SIM)
-        ns: Dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
-        exec(compile(_record_fixture.SCENARIO, _record_fixture.SCENARIO_FILE, "exec"), ns)
+        ns: dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
+        exec(compile(record_profile_fixture.SCENARIO, record_profile_fixture.SCENARIO_FILE, "exec"), ns)
         rec = Recorder()
         prof = graphtree.profile(tap=rec.attach)
         outcome = ns["run"](prof, _FakeDriver(torch), _FakeRuntime(torch))
-        expect = _record_fixture.scenario_expectations(outcome["driver_launches"], outcome["memsets"])
+        expect = record_profile_fixture.scenario_expectations(outcome["driver_launches"], outcome["memsets"])
         doc = rec.to_json(
             hand_made=True,
             meta={"generator": "tests/fakes/make_profile_fixture.py (fake CUPTI, fake torch)"},
             expect=expect,
             note=(
                 "HAND-MADE from the fake CUPTI, not a GPU recording. Replace it by running on a GPU: "
-                "python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json"
+                "python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json"
             ),
         )
         if path:

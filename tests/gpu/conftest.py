@@ -6,7 +6,7 @@ import torch
 import graphtree
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: D103
+def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "tests/gpu" in str(item.fspath).replace("\\", "/"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtree import cli
 from graphtree.cli import main
+from graphtree.demo import NO_GPU
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,7 +18,7 @@ def test_demo_on_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["demo", "--steps", "16", "--layers", "2", "--d-model", "128", "--heads", "4", "--batch", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert cli._NO_GPU not in out
+    assert NO_GPU not in out
     assert "device:  cuda" in out
     assert "tokens match: yes" in out
     assert "this run was eager too" not in out

@@ -1,4 +1,4 @@
-"""GPU tests of :mod:`graphtree._gpt`: one decode step captured in a plain ``torch.cuda.CUDAGraph``
+"""GPU tests of :mod:`graphtree.demo.gpt`: one decode step captured in a plain ``torch.cuda.CUDAGraph``
 replays to the same logits as eager execution (no graphtree involved)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
+from graphtree.demo.gpt import GPTConfig, TinyGPT, greedy_decode
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,8 +22,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,7 @@ def _have_cuda() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means no usable GPU here
         return False
 
 
@@ -46,21 +47,28 @@ pytestmark = [
 ]
 
 
-def _run(scenario: str, timeout: float = 120.0, env: Dict[str, str] | None = None) -> Dict[str, Any]:
+def _run(scenario: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     full_env.update(env or {})
     try:
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), scenario],
-            capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=str(ROOT),
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"scenario {scenario} hung (> {timeout:.0f}s); output so far:\n{e.stdout}\n{e.stderr}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"scenario {scenario} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ------------------------------------------------------------------------------------ the tests
@@ -98,7 +106,9 @@ def test_graphtree_recordings_before_and_during_profiling() -> None:
 def test_torch_profiler_busy_error_and_handoff() -> None:
     r = _run("busy_and_handoff")
     assert r["graphtree_first"] > 0, r
-    assert r["torch_profiler_after_graphtree_cuda_events"] > 0, "torch.profiler saw no CUDA kernels after graphtree stopped"
+    assert r["torch_profiler_after_graphtree_cuda_events"] > 0, (
+        "torch.profiler saw no CUDA kernels after graphtree stopped"
+    )
     assert r["busy_error"] == "ProfilerBusyError", r
     assert "torch.profiler" in r["busy_message"], r["busy_message"]
     assert r["results_correct"], r
@@ -121,7 +131,10 @@ def test_one_million_kernel_records_bounded_memory() -> None:
     assert r["buffer_path"].startswith("libcupti"), r
     assert not any("record parsing disabled" in n for n in r["notes"]), r
     assert r["capped"]["records_kept"] == 100_000, r
-    assert r["capped"]["records_kept"] + r["capped"]["records_not_kept"] + r["capped"]["dropped"] == r["capped"]["expected"], r
+    assert (
+        r["capped"]["records_kept"] + r["capped"]["records_not_kept"] + r["capped"]["dropped"]
+        == r["capped"]["expected"]
+    ), r
 
 
 # ------------------------------------------------------------------------------------ scenarios
@@ -130,15 +143,15 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def scenario_launch_paths() -> Dict[str, Any]:
+def scenario_launch_paths() -> dict[str, Any]:
     import tempfile
 
     import graphtree
-    from graphtree.profile import _record_fixture
+    from graphtree._dev import record_profile_fixture
 
     prof = graphtree.profile()
-    outcome, expect = _record_fixture.run_scenario(prof)
-    problems = _record_fixture.check_expectations(prof, expect)
+    outcome, expect = record_profile_fixture.run_scenario(prof)
+    problems = record_profile_fixture.check_expectations(prof, expect)
     with tempfile.TemporaryDirectory() as tmp:
         trace = prof.export_chrome(os.path.join(tmp, "t.json"))
         with open(trace) as f:
@@ -159,7 +172,7 @@ def scenario_launch_paths() -> Dict[str, Any]:
     }
 
 
-def scenario_make_graphed_before() -> Dict[str, Any]:
+def scenario_make_graphed_before() -> dict[str, Any]:
     import torch
 
     import graphtree
@@ -182,7 +195,7 @@ def scenario_make_graphed_before() -> Dict[str, Any]:
         results.append(bool(out[0].item() == 1.0) and bool((x.grad == 1).all().item()))
 
     prof = graphtree.profile()
-    for session in range(2):
+    for _session in range(2):
         prof.start()
         step()
         step()
@@ -194,11 +207,16 @@ def scenario_make_graphed_before() -> Dict[str, Any]:
         step()  # replay between sessions, unprofiled
     errors += prof.data.notes
     print(prof.table(), file=sys.stderr)
-    return {"results": results, "session_kernels": kernels, "graph_launches": launches,
-            "before_profiling": before, "errors": errors}
+    return {
+        "results": results,
+        "session_kernels": kernels,
+        "graph_launches": launches,
+        "before_profiling": before,
+        "errors": errors,
+    }
 
 
-def scenario_graphtree_before() -> Dict[str, Any]:
+def scenario_graphtree_before() -> dict[str, Any]:
     import torch
 
     import graphtree
@@ -222,7 +240,7 @@ def scenario_graphtree_before() -> Dict[str, Any]:
     results, errors = [], []
     prof = graphtree.profile()
     f_inside = graphtree.graphed(body_inside)
-    for session in range(2):
+    for _session in range(2):
         prof.start()
         for _ in range(4):
             graphtree.mark_step()
@@ -246,11 +264,18 @@ def scenario_graphtree_before() -> Dict[str, Any]:
                 labels.add(st.label)
     errors += prof.data.notes
     print(prof.table(), file=sys.stderr)
-    return {"results": results, "before_kernels": s["records_before_profiling"], "attributed_lines": sorted(lines),
-            "attributed_functions": sorted(funcs), "labels": sorted(labels), "errors": errors, "summary": s}
+    return {
+        "results": results,
+        "before_kernels": s["records_before_profiling"],
+        "attributed_lines": sorted(lines),
+        "attributed_functions": sorted(funcs),
+        "labels": sorted(labels),
+        "errors": errors,
+        "summary": s,
+    }
 
 
-def scenario_busy_and_handoff() -> Dict[str, Any]:
+def scenario_busy_and_handoff() -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -271,7 +296,7 @@ def scenario_busy_and_handoff() -> Dict[str, Any]:
             graphtree.profile().start()
         except ProfilerBusyError as e:
             busy_error, busy_message = type(e).__name__, str(e)
-        except Exception as e:  # the wrong error is a failure
+        except Exception as e:  # noqa: BLE001 - the wrong error is a failure, reported below
             busy_error, busy_message = type(e).__name__, str(e)
     cuda_events = sum(1 for ev in tp.events() if "CUDA" in str(getattr(ev, "device_type", "")))
     cuda_time = 0.0
@@ -297,7 +322,7 @@ def scenario_busy_and_handoff() -> Dict[str, Any]:
     }
 
 
-def scenario_million_records() -> Dict[str, Any]:
+def scenario_million_records() -> dict[str, Any]:
     import gc
 
     import torch
@@ -354,12 +379,16 @@ def scenario_million_records() -> Dict[str, Any]:
         "buffer_path_reason": prof.data.buffer_path_reason,
         "stop_timings_ms": prof.data.stop_timings,
         "result_correct": result_correct,
-        "capped": {"records_kept": c["records_kept"], "records_not_kept": c["records_not_kept"],
-                   "dropped": c["dropped_records"], "expected": n_nodes * capped_replays},
+        "capped": {
+            "records_kept": c["records_kept"],
+            "records_not_kept": c["records_not_kept"],
+            "dropped": c["dropped_records"],
+            "expected": n_nodes * capped_replays,
+        },
     }
 
 
-SCENARIOS: Dict[str, Callable[[], Dict[str, Any]]] = {
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "launch_paths": scenario_launch_paths,
     "make_graphed_before": scenario_make_graphed_before,
     "graphtree_before": scenario_graphtree_before,
@@ -395,7 +424,11 @@ except ProfilerBusyError as e:
 def test_under_compute_sanitizer_a_clear_error_and_no_crash():
     proc = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", sys.executable, "-c", _UNDER_SANITIZER],
-        capture_output=True, text=True, timeout=180, cwd=str(ROOT),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(ROOT),
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     out = proc.stdout + proc.stderr

@@ -11,4 +11,4 @@ Example::
 
 __graphtree_profile_internal__ = True
 
-from fake_cupti import cupti  # noqa: E402,F401
+from fake_cupti import cupti  # noqa: F401

@@ -31,7 +31,8 @@ import ctypes
 import enum
 import itertools
 import threading
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import Any
 
 __graphtree_profile_internal__ = True  # stacks skip this module's frames
 
@@ -209,8 +210,8 @@ class cuptiError(Exception):
 
 
 # ----------------------------------------------------------------------------- data objects
-_POINTERS: Dict[int, Any] = {}
-_RECORDS_AT: Dict[int, Any] = {}  # address -> record object, for the raw buffer in delivery
+_POINTERS: dict[int, Any] = {}
+_RECORDS_AT: dict[int, Any] = {}  # address -> record object, for the raw buffer in delivery
 _ptr_counter = itertools.count(0x10000, 0x40)
 
 
@@ -247,8 +248,16 @@ class ResourceData:
 
 
 class GraphData:
-    def __init__(self, graph: int = 0, node: int = 0, node_type: int = 0, original_node: int = 0,
-                 original_graph: int = 0, graph_exec: int = 0, dependency: int = 0) -> None:
+    def __init__(
+        self,
+        graph: int = 0,
+        node: int = 0,
+        node_type: int = 0,
+        original_node: int = 0,
+        original_graph: int = 0,
+        graph_exec: int = 0,
+        dependency: int = 0,
+    ) -> None:
         self.graph = graph
         self.node = node
         self.node_type = node_type
@@ -259,7 +268,7 @@ class GraphData:
         self.ptr = _register(self)
 
     @staticmethod
-    def from_ptr(ptr: int, readonly: bool = False) -> "GraphData":
+    def from_ptr(ptr: int, readonly: bool = False) -> GraphData:
         obj = _POINTERS.get(int(ptr))
         if not isinstance(obj, GraphData):
             raise cuptiError(Result.ERROR_INVALID_PARAMETER)
@@ -302,36 +311,80 @@ class ActivityMemset4(_FakeRecord):
         self.__dict__.update(kw)
 
 
-def _dtype(itemsize: int, fields: Dict[str, Tuple[str, int]]) -> Any:
+def _dtype(itemsize: int, fields: dict[str, tuple[str, int]]) -> Any:
     import numpy as np
 
     names = list(fields)
-    return np.dtype({"names": names, "formats": [fields[n][0] for n in names],
-                     "offsets": [fields[n][1] for n in names], "itemsize": itemsize})
+    return np.dtype(
+        {
+            "names": names,
+            "formats": [fields[n][0] for n in names],
+            "offsets": [fields[n][1] for n in names],
+            "itemsize": itemsize,
+        }
+    )
 
 
 # The layouts of cupti-python 13.0.1's dtypes (offsets copied from it), reduced to what is used.
 try:
-    activity_kernel10_dtype = _dtype(216, {
-        "kind": ("<i4", 0), "start": ("<u8", 16), "end": ("<u8", 24), "device_id": ("<u4", 40),
-        "context_id": ("<u4", 44), "stream_id": ("<u4", 48), "correlation_id": ("<u4", 92),
-        "name": ("<i8", 104), "graph_node_id": ("<u8", 144), "graph_id": ("<u4", 156)})
-    activity_memcpy6_dtype = _dtype(96, {
-        "kind": ("<i4", 0), "copy_kind": ("u1", 4), "bytes": ("<u8", 8), "start": ("<u8", 16),
-        "end": ("<u8", 24), "device_id": ("<u4", 32), "context_id": ("<u4", 36), "stream_id": ("<u4", 40),
-        "correlation_id": ("<u4", 44), "runtime_correlation_id": ("<u4", 48), "graph_node_id": ("<u8", 64),
-        "graph_id": ("<u4", 72)})
-    activity_memset4_dtype = _dtype(88, {
-        "kind": ("<i4", 0), "value": ("<u4", 4), "bytes": ("<u8", 8), "start": ("<u8", 16), "end": ("<u8", 24),
-        "device_id": ("<u4", 32), "context_id": ("<u4", 36), "stream_id": ("<u4", 40),
-        "correlation_id": ("<u4", 44), "graph_node_id": ("<u8", 64), "graph_id": ("<u4", 72)})
+    activity_kernel10_dtype = _dtype(
+        216,
+        {
+            "kind": ("<i4", 0),
+            "start": ("<u8", 16),
+            "end": ("<u8", 24),
+            "device_id": ("<u4", 40),
+            "context_id": ("<u4", 44),
+            "stream_id": ("<u4", 48),
+            "correlation_id": ("<u4", 92),
+            "name": ("<i8", 104),
+            "graph_node_id": ("<u8", 144),
+            "graph_id": ("<u4", 156),
+        },
+    )
+    activity_memcpy6_dtype = _dtype(
+        96,
+        {
+            "kind": ("<i4", 0),
+            "copy_kind": ("u1", 4),
+            "bytes": ("<u8", 8),
+            "start": ("<u8", 16),
+            "end": ("<u8", 24),
+            "device_id": ("<u4", 32),
+            "context_id": ("<u4", 36),
+            "stream_id": ("<u4", 40),
+            "correlation_id": ("<u4", 44),
+            "runtime_correlation_id": ("<u4", 48),
+            "graph_node_id": ("<u8", 64),
+            "graph_id": ("<u4", 72),
+        },
+    )
+    activity_memset4_dtype = _dtype(
+        88,
+        {
+            "kind": ("<i4", 0),
+            "value": ("<u4", 4),
+            "bytes": ("<u8", 8),
+            "start": ("<u8", 16),
+            "end": ("<u8", 24),
+            "device_id": ("<u4", 32),
+            "context_id": ("<u4", 36),
+            "stream_id": ("<u4", 40),
+            "correlation_id": ("<u4", 44),
+            "graph_node_id": ("<u8", 64),
+            "graph_id": ("<u4", 72),
+        },
+    )
 except ImportError:  # no numpy: the profiler uses its per-record path
     pass
 
-_RECORD_DTYPE_NAMES = {ActivityKernel10: "activity_kernel10_dtype", ActivityMemcpy6: "activity_memcpy6_dtype",
-                       ActivityMemset4: "activity_memset4_dtype"}
+_RECORD_DTYPE_NAMES = {
+    ActivityKernel10: "activity_kernel10_dtype",
+    ActivityMemcpy6: "activity_memcpy6_dtype",
+    ActivityMemset4: "activity_memset4_dtype",
+}
 _RECORD_BYTES = {ActivityKernel10: 216, ActivityMemcpy6: 96, ActivityMemset4: 88}
-_NAME_BUFFERS: Dict[str, Any] = {}
+_NAME_BUFFERS: dict[str, Any] = {}
 
 
 def _name_ptr(name: str) -> int:
@@ -366,12 +419,12 @@ class _Subscriber:
         self.callback = callback
         self.userdata = userdata
         self.name = name
-        self.enabled: Set[Tuple[int, int]] = set()
-        self.domains: Set[int] = set()
+        self.enabled: set[tuple[int, int]] = set()
+        self.domains: set[int] = set()
 
 
 class FakeNode:
-    def __init__(self, sim: "Sim", kind: str, name: str, duration: int, node_type: int, graph: "FakeGraph") -> None:
+    def __init__(self, sim: Sim, kind: str, name: str, duration: int, node_type: int, graph: FakeGraph) -> None:
         self.id = next(sim._node_ids)
         self.handle = sim._handle(self)
         self.kind = kind
@@ -383,19 +436,19 @@ class FakeNode:
 
 
 class FakeGraph:
-    def __init__(self, sim: "Sim") -> None:
+    def __init__(self, sim: Sim) -> None:
         self.id = next(sim._graph_ids)
         self.handle = sim._handle(self)
-        self.nodes: List[FakeNode] = []
+        self.nodes: list[FakeNode] = []
 
 
 class FakeExec:
-    def __init__(self, sim: "Sim", original: FakeGraph) -> None:
+    def __init__(self, sim: Sim, original: FakeGraph) -> None:
         self.id = next(sim._exec_ids)
         self.handle = sim._handle(self)
         self.original = original
         self.graph = FakeGraph(sim)  # the instantiated copy, with cloned nodes
-        self.clones: List[Tuple[FakeNode, FakeNode]] = []
+        self.clones: list[tuple[FakeNode, FakeNode]] = []
 
 
 class Sim:
@@ -416,12 +469,12 @@ class Sim:
 
     def reset(self) -> None:
         self.lock = threading.RLock()
-        self.subscriber: Optional[_Subscriber] = None
-        self.other_subscriber: Optional[str] = None
-        self.enabled_kinds: Set[int] = set()
-        self.buffer_requested: Optional[Callable[..., Any]] = None
-        self.buffer_completed: Optional[Callable[..., Any]] = None
-        self.buffer: Optional[List[Any]] = None
+        self.subscriber: _Subscriber | None = None
+        self.other_subscriber: str | None = None
+        self.enabled_kinds: set[int] = set()
+        self.buffer_requested: Callable[..., Any] | None = None
+        self.buffer_completed: Callable[..., Any] | None = None
+        self.buffer: list[Any] | None = None
         self.buffer_size = 0
         self.buffer_used = 0
         self.buffers_requested = 0
@@ -429,9 +482,9 @@ class Sim:
         self.dropped = 0
         self.flush_period = 0
         self.finalized = 0
-        self.calls: List[Tuple[str, Tuple[Any, ...]]] = []
-        self.dispatched: List[Tuple[int, int, int]] = []  # (domain, cbid, site) actually delivered
-        self.capturing: Dict[int, FakeGraph] = {}
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.dispatched: list[tuple[int, int, int]] = []  # (domain, cbid, site) actually delivered
+        self.capturing: dict[int, FakeGraph] = {}
         self.cpu_clock = 1_000_000
         self.gpu_clock = 2_000_000
         self.share_correlation = False
@@ -442,19 +495,19 @@ class Sim:
         self.corrupt_layout = False  # write wrong bytes: the profiler must notice and fall back
         # raw mode (libcupti's callbacks through ctypes, see FakeLibcupti): request() -> (address,
         # size); complete(address, size, valid_size)
-        self.raw_request: Optional[Callable[[], Tuple[int, int]]] = None
-        self.raw_complete: Optional[Callable[[int, int, int], None]] = None
-        self.raw_offsets: Dict[int, List[int]] = {}  # address of a delivered buffer -> record offsets
-        self.raw_records: List[Any] = []  # records of the current raw buffer
-        self.raw_buffers_outstanding: Set[int] = set()
-        self._memory: List[Any] = []  # activity buffers (kept alive while records point into them)
+        self.raw_request: Callable[[], tuple[int, int]] | None = None
+        self.raw_complete: Callable[[int, int, int], None] | None = None
+        self.raw_offsets: dict[int, list[int]] = {}  # address of a delivered buffer -> record offsets
+        self.raw_records: list[Any] = []  # records of the current raw buffer
+        self.raw_buffers_outstanding: set[int] = set()
+        self._memory: list[Any] = []  # activity buffers (kept alive while records point into them)
         self._buffer_address = 0
         self._corr = itertools.count(1)
         self._sub_handles = itertools.count(0xA000)
         self._node_ids = itertools.count(100)
         self._graph_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
-        self._handles: Dict[int, Any] = {}
+        self._handles: dict[int, Any] = {}
         self._handle_counter = itertools.count(0x7F0000001000, 0x100)
 
     # -- helpers
@@ -470,7 +523,7 @@ class Sim:
         s = self.subscriber
         return s is not None and ((domain, cbid) in s.enabled or domain in s.domains)
 
-    def enabled_pairs(self) -> Set[Tuple[int, int]]:
+    def enabled_pairs(self) -> set[tuple[int, int]]:
         return set(self.subscriber.enabled) if self.subscriber else set()
 
     def _dispatch(self, domain: int, cbid: int, cbdata: Any, site: int = -1) -> None:
@@ -487,7 +540,7 @@ class Sim:
     def _resource(self, cbid: CallbackIdResource, gd: GraphData) -> None:
         self._dispatch(int(CallbackDomain.RESOURCE), int(cbid), ResourceData(gd.ptr))
 
-    def _call(self, api: str, inner: Callable[[], None], with_runtime: Optional[bool] = None) -> Tuple[int, int]:
+    def _call(self, api: str, inner: Callable[[], None], with_runtime: bool | None = None) -> tuple[int, int]:
         """Run API ``api`` (runtime name, or driver-only name) with its nested driver call."""
         runtime = api in runtime_api_trace_cbid.__members__ if with_runtime is None else with_runtime
         rt_corr = next(self._corr) if runtime else 0
@@ -571,7 +624,7 @@ class Sim:
             self.buffers_delivered += 1
             self.buffer_completed(buf)
 
-    def _run(self, duration: int) -> Tuple[int, int]:
+    def _run(self, duration: int) -> tuple[int, int]:
         start = self.gpu_clock
         end = start + duration
         self.gpu_clock = end + 50
@@ -579,8 +632,15 @@ class Sim:
 
     def _node_record(self, node: FakeNode, corr: int, stream: int, graph_id: int, node_id: int) -> Any:
         start, end = self._run(node.duration)
-        common = dict(start=start, end=end, device_id=0, stream_id=stream, correlation_id=corr,
-                      graph_id=graph_id, graph_node_id=node_id)
+        common = dict(
+            start=start,
+            end=end,
+            device_id=0,
+            stream_id=stream,
+            correlation_id=corr,
+            graph_id=graph_id,
+            graph_node_id=node_id,
+        )
         if node.kind == "memcpy":
             return ActivityMemcpy6(copy_kind=int(ActivityMemcpyKind.DTOD), bytes=node.nbytes, **common)
         if node.kind == "memset":
@@ -588,8 +648,9 @@ class Sim:
         return ActivityKernel10(name=node.name, **common)
 
     # -- what tests drive
-    def launch_kernel(self, name: str, api: str = "cudaLaunchKernel_v7000", stream: int = 7,
-                      duration: int = 1000) -> Tuple[int, int]:
+    def launch_kernel(
+        self, name: str, api: str = "cudaLaunchKernel_v7000", stream: int = 7, duration: int = 1000
+    ) -> tuple[int, int]:
         """Launch one kernel (or capture it, when ``stream`` is capturing); returns (rt, drv) corr."""
         graph = self.capturing.get(stream)
 
@@ -597,14 +658,26 @@ class Sim:
             if graph is not None:
                 node = FakeNode(self, "kernel", name, duration, 0, graph)
                 graph.nodes.append(node)
-                self._resource(CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=0))
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=0)
+                )
 
         rt, drv = self._call(api, inner)
         if graph is None:
             corr = rt if (rt and self.eager_record_corr == "runtime") else drv
             start, end = self._run(duration)
-            self._emit(ActivityKernel10(name=name, start=start, end=end, device_id=0, stream_id=stream,
-                                        correlation_id=corr, graph_id=0, graph_node_id=0))
+            self._emit(
+                ActivityKernel10(
+                    name=name,
+                    start=start,
+                    end=end,
+                    device_id=0,
+                    stream_id=stream,
+                    correlation_id=corr,
+                    graph_id=0,
+                    graph_node_id=0,
+                )
+            )
         return rt, drv
 
     def memcpy(self, nbytes: int = 4096, kind: str = "HTOD", stream: int = 7, duration: int = 500) -> None:
@@ -616,20 +689,44 @@ class Sim:
                 node = FakeNode(self, "memcpy", "memcpy", duration, 1, graph)
                 node.nbytes = nbytes
                 graph.nodes.append(node)
-                self._resource(CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=1))
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CREATED, GraphData(graph=graph.handle, node=node.handle, node_type=1)
+                )
 
         rt, drv = self._call("cudaMemcpyAsync_v3020", inner)
         if graph is None:
             start, end = self._run(duration)
-            self._emit(ActivityMemcpy6(copy_kind=int(ActivityMemcpyKind[kind]), bytes=nbytes, start=start, end=end,
-                                       device_id=0, stream_id=stream, correlation_id=drv, runtime_correlation_id=rt,
-                                       graph_id=0, graph_node_id=0))
+            self._emit(
+                ActivityMemcpy6(
+                    copy_kind=int(ActivityMemcpyKind[kind]),
+                    bytes=nbytes,
+                    start=start,
+                    end=end,
+                    device_id=0,
+                    stream_id=stream,
+                    correlation_id=drv,
+                    runtime_correlation_id=rt,
+                    graph_id=0,
+                    graph_node_id=0,
+                )
+            )
 
     def memset(self, nbytes: int = 4096, stream: int = 7, duration: int = 300) -> None:
         """An eager memset (no subscribed API)."""
         start, end = self._run(duration)
-        self._emit(ActivityMemset4(bytes=nbytes, start=start, end=end, device_id=0, stream_id=stream,
-                                   correlation_id=next(self._corr), graph_id=0, graph_node_id=0, memory_kind=0))
+        self._emit(
+            ActivityMemset4(
+                bytes=nbytes,
+                start=start,
+                end=end,
+                device_id=0,
+                stream_id=stream,
+                correlation_id=next(self._corr),
+                graph_id=0,
+                graph_node_id=0,
+                memory_kind=0,
+            )
+        )
 
     def begin_capture(self, stream: int = 7) -> None:
         graph = FakeGraph(self)
@@ -653,7 +750,9 @@ class Sim:
         exe = FakeExec(self, graph)
 
         def inner() -> None:
-            self._resource(CallbackIdResource.GRAPH_CLONED, GraphData(graph=exe.graph.handle, original_graph=graph.handle))
+            self._resource(
+                CallbackIdResource.GRAPH_CLONED, GraphData(graph=exe.graph.handle, original_graph=graph.handle)
+            )
             for node in graph.nodes:
                 clone = FakeNode(self, node.kind, node.name, node.duration, node.node_type, exe.graph)
                 clone.nbytes = node.nbytes
@@ -661,10 +760,16 @@ class Sim:
                 exe.clones.append((clone, node))
                 # as recorded on an H200 (CUDA 13.0): the exec graph's node is first reported as
                 # CREATED (outside any launch call, so with the instantiate call's stack), then CLONED
-                self._resource(CallbackIdResource.GRAPHNODE_CREATED,
-                               GraphData(graph=exe.graph.handle, node=clone.handle, node_type=node.node_type))
-                self._resource(CallbackIdResource.GRAPHNODE_CLONED,
-                               GraphData(graph=exe.graph.handle, node=clone.handle, original_node=node.handle, node_type=node.node_type))
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CREATED,
+                    GraphData(graph=exe.graph.handle, node=clone.handle, node_type=node.node_type),
+                )
+                self._resource(
+                    CallbackIdResource.GRAPHNODE_CLONED,
+                    GraphData(
+                        graph=exe.graph.handle, node=clone.handle, original_node=node.handle, node_type=node.node_type
+                    ),
+                )
             self._resource(CallbackIdResource.GRAPHEXEC_CREATED, GraphData(graph=graph.handle, graph_exec=exe.handle))
 
         self._call("cudaGraphInstantiate_v10000", inner)
@@ -676,7 +781,7 @@ class Sim:
         fn()
         return self.instantiate(self.end_capture(stream))
 
-    def graph_launch(self, exe: FakeExec, api: str = "cudaGraphLaunch_v10000", stream: int = 7) -> Tuple[int, int]:
+    def graph_launch(self, exe: FakeExec, api: str = "cudaGraphLaunch_v10000", stream: int = 7) -> tuple[int, int]:
         """Launch an executable graph through ``api`` (runtime or driver name)."""
         rt, drv = self._call(api, lambda: None)
         corr = rt if (rt and self.graph_record_corr == "runtime") else drv
@@ -768,7 +873,9 @@ def activity_disable(kind: int) -> None:
     SIM.enabled_kinds.discard(int(kind))
 
 
-def activity_register_callbacks(func_buffer_requested: Callable[..., Any], func_buffer_completed: Callable[..., Any]) -> None:
+def activity_register_callbacks(
+    func_buffer_requested: Callable[..., Any], func_buffer_completed: Callable[..., Any]
+) -> None:
     _log("activity_register_callbacks")
     SIM.buffer_requested = func_buffer_requested
     SIM.buffer_completed = func_buffer_completed
@@ -783,9 +890,9 @@ class FakeLibcupti:
     ``cuptiActivityGetNextRecord`` from what was written (independently of any parsing)."""
 
     path = "<fake libcupti>"
-    mapped: List[str] = []
+    mapped: tuple[str, ...] = ()  # what the real backend reports it mapped: nothing here
 
-    def register(self, request: Callable[[], Tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
+    def register(self, request: Callable[[], tuple[int, int]], complete: Callable[[int, int, int], None]) -> None:
         _log("activity_register_callbacks")
         SIM.raw_request, SIM.raw_complete = request, complete
         SIM.buffer_requested = SIM.buffer_completed = None
@@ -807,7 +914,7 @@ class FakeLibcupti:
     def flush_period(self, ms: int) -> None:
         activity_flush_period(ms)
 
-    def record_offsets(self, addr: int, valid: int, limit: Optional[int] = None) -> List[int]:
+    def record_offsets(self, addr: int, valid: int, limit: int | None = None) -> list[int]:
         offs = [o for o in SIM.raw_offsets.get(int(addr), []) if o < valid]
         return offs if limit is None else offs[:limit]
 

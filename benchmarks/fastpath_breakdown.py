@@ -1,6 +1,6 @@
 """Where the microseconds of one graphtree replay go: each piece of the fast path timed alone.
 
-Run on a GPU: ``python bench/fastpath_breakdown.py``. Prints median microseconds per call of
+Run on a GPU: ``python benchmarks/fastpath_breakdown.py``. Prints median microseconds per call of
 each piece, then a cProfile of the whole call (sorted by own time).
 """
 
@@ -31,6 +31,12 @@ def _us(fn, n=3000, reps=7):
     return statistics.median(out)
 
 
+def _raw_memcpy(dst: torch.Tensor, src: torch.Tensor):
+    """A raw ``cudaMemcpyAsync`` of ``src`` into ``dst``, the copier looked up once."""
+    copy = _torch.raw_copier()
+    return lambda: copy(dst.data_ptr(), src.data_ptr(), src.numel() * 4, 0)
+
+
 def _memcpy_variants(dst: torch.Tensor, src: torch.Tensor) -> dict:
     """Ways to enqueue one device-to-device copy from Python, for comparison."""
     import ctypes
@@ -42,7 +48,8 @@ def _memcpy_variants(dst: torch.Tensor, src: torch.Tensor) -> dict:
         from cuda.bindings import driver
 
         out["cuda.bindings driver cuMemcpyDtoDAsync"] = lambda: driver.cuMemcpyDtoDAsync(
-            dst.data_ptr(), src.data_ptr(), n, raw_stream(0))
+            dst.data_ptr(), src.data_ptr(), n, raw_stream(0)
+        )
     except Exception as e:  # noqa: BLE001
         print("no cuda.bindings driver:", e)
     try:
@@ -71,7 +78,13 @@ def main() -> None:
     for _ in range(4):
         step(x)
     ptr, nbytes, dev = out.data_ptr(), out.untyped_storage().nbytes(), out.device
-    meta = {"size": tuple(out.shape), "stride": out.stride(), "dtype": out.dtype, "device": out.device, "storage_offset": 0}
+    meta = {
+        "size": tuple(out.shape),
+        "stride": out.stride(),
+        "dtype": out.dtype,
+        "device": out.device,
+        "storage_offset": 0,
+    }
     st = _torch.storage_at(ptr, dev, nbytes)
     rows = {
         "x.copy_(y)": lambda: sx.copy_(x),
@@ -82,7 +95,7 @@ def main() -> None:
         "read_call": lambda: _inputs.read_call((x,), {}, None),
         "is_grad_enabled": torch.is_grad_enabled,
         "tree_for": lambda: _manager.tree_for(0),
-        "raw cudaMemcpyAsync": (lambda c=_torch.raw_copier(): lambda: c(sx.data_ptr(), x.data_ptr(), x.numel() * 4, 0))(),
+        "raw cudaMemcpyAsync": _raw_memcpy(sx, x),
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
     }

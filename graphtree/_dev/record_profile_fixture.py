@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU, torch and cupti-python::
 
-    python -m graphtree.profile._record_fixture tests/fixtures/profile_graph_replay.json
+    python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json
 
 The scenario (``SCENARIO`` below, compiled under the file name ``<profile-scenario>`` so that its
 frames count as user code and the fixture does not depend on install paths):
@@ -31,13 +31,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 __all__ = ["SCENARIO", "SCENARIO_FILE", "check_expectations", "main", "run_scenario"]
 
 SCENARIO_FILE = "<profile-scenario>"
 
-SCENARIO = '''
+SCENARIO = """
 def old_region(a, e, f):
     torch.mul(a, 3.0, out=e)
     torch.add(e, 2.0, out=f)
@@ -104,7 +104,7 @@ def run(profile, driver, runtime):
     ok_d = bool(torch.allclose(d, torch.sin(a * 2.0 + 1.0)))
     ok_f = bool(torch.allclose(f, a * 3.0 + 2.0))
     return {"driver_launches": driver_launches, "memsets": memsets, "results_correct": ok_d and ok_f}
-'''
+"""
 
 
 def _line_of(text: str) -> int:
@@ -114,7 +114,7 @@ def _line_of(text: str) -> int:
     raise ValueError(text)
 
 
-def scenario_expectations(driver_launches: int, memsets: int) -> Dict[str, Any]:
+def scenario_expectations(driver_launches: int, memsets: int) -> dict[str, Any]:
     """What the scenario must produce (derived from the scenario, not from CUPTI)."""
     return {
         "scenario_file": SCENARIO_FILE,
@@ -139,7 +139,7 @@ def scenario_expectations(driver_launches: int, memsets: int) -> Dict[str, Any]:
     }
 
 
-def run_scenario(profile: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def run_scenario(profile: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``SCENARIO`` under ``profile`` (a not yet started Profile); returns (outcome, expect)."""
     import torch
 
@@ -147,24 +147,24 @@ def run_scenario(profile: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         from cuda.bindings import driver, runtime
     except ImportError:
         driver = runtime = None
-    ns: Dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
+    ns: dict[str, Any] = {"torch": torch, "__name__": "profile_scenario"}
     exec(compile(SCENARIO, SCENARIO_FILE, "exec"), ns)
     outcome = ns["run"](profile, driver, runtime)
     return outcome, scenario_expectations(outcome["driver_launches"], outcome["memsets"])
 
 
-def check_expectations(prof: Any, expect: Dict[str, Any]) -> List[str]:
+def check_expectations(prof: Any, expect: dict[str, Any]) -> list[str]:
     """Problems found in ``prof`` against ``expect`` (empty: all good).
 
     Example::
 
         assert check_expectations(load("fixture.json"), doc["expect"]) == []
     """
-    problems: List[str] = []
+    problems: list[str] = []
     s = prof.summary()
     fname = expect["scenario_file"]
 
-    def where(sid: int) -> Optional[Tuple[str, int, str]]:
+    def where(sid: int) -> tuple[str, int, str] | None:
         frames = prof.stack(sid)
         return frames[-1] if frames else None
 
@@ -220,11 +220,16 @@ def check_expectations(prof: Any, expect: Dict[str, Any]) -> List[str]:
     eager = [st for st in prof.kernel_stats() if not st.graph_key and st.kind == "kernel"]
     n_eager = sum(st.count for st in eager if (where(st.stack_id) or ("", 0, ""))[2] == expect["eager_function"])
     if n_eager < expect["eager_kernels_min"]:
-        problems.append(f"eager kernels attributed to {expect['eager_function']}: {n_eager} < {expect['eager_kernels_min']}")
+        problems.append(
+            f"eager kernels attributed to {expect['eager_function']}: {n_eager} < {expect['eager_kernels_min']}"
+        )
     if s["kernel_launches"] < expect["eager_kernels_min"]:
         problems.append(f"eager kernel launches {s['kernel_launches']} < {expect['eager_kernels_min']}")
     if s["capture_calls"] != expect["capture_calls"]:
-        problems.append(f"launch calls during capture {s['capture_calls']} != {expect['capture_calls']} (must not count as launches)")
+        problems.append(
+            f"launch calls during capture {s['capture_calls']} != {expect['capture_calls']} "
+            "(must not count as launches)"
+        )
     if s["memcpys"] < expect["memcpys_min"]:
         problems.append(f"memcpy records {s['memcpys']} < {expect['memcpys_min']}")
     if s["memsets"] < expect["memsets"]:
@@ -236,15 +241,15 @@ def check_expectations(prof: Any, expect: Dict[str, Any]) -> List[str]:
     return problems
 
 
-def _meta() -> Dict[str, Any]:
-    meta: Dict[str, Any] = {"python": sys.version.split()[0]}
+def _meta() -> dict[str, Any]:
+    meta: dict[str, Any] = {"python": sys.version.split()[0]}
     try:
         import torch
 
         meta["torch"] = torch.__version__
         meta["cuda"] = torch.version.cuda
         meta["device"] = torch.cuda.get_device_name()
-    except Exception:
+    except Exception:  # noqa: BLE001 - metadata is best effort
         pass
     try:
         from importlib import metadata
@@ -254,22 +259,22 @@ def _meta() -> Dict[str, Any]:
                 meta[dist] = metadata.version(dist)
             except metadata.PackageNotFoundError:
                 pass
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
     try:
         from cuda.bindings import driver
 
-        err, version = driver.cuDriverGetVersion()
+        _err, version = driver.cuDriverGetVersion()
         meta["driver_api_version"] = int(version)
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
     return meta
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Record the fixture to ``argv[0]`` (default tests/fixtures/profile_graph_replay.json)."""
     import graphtree
-    from graphtree.profile._fixture import Recorder
+    from graphtree._dev.profile_fixture import Recorder
 
     args = list(sys.argv[1:] if argv is None else argv)
     path = args[0] if args else os.path.join("tests", "fixtures", "profile_graph_replay.json")
@@ -287,7 +292,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         hand_made=False,
         meta=_meta(),
         expect=expect,
-        note="recorded on a GPU by `python -m graphtree.profile._record_fixture`",
+        note="recorded on a GPU by `python -m graphtree._dev.record_profile_fixture`",
     )
     print(json.dumps({"fixture": path, "events": len(recorder.events), "problems": problems}, indent=1))
     return 1 if problems else 0

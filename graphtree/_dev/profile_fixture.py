@@ -6,7 +6,7 @@ methods (``api_enter``, ``api_exit``, ``node_created``, ``node_cloned``, ``graph
 plain numbers and strings. :class:`Recorder` sits in between during a real GPU run (``tap=``
 option) and logs every call; :func:`replay` feeds a log into a fresh profile. So the CPU tests
 build profiles from records that a real GPU produced (``tests/fixtures/*.json``, written by
-``python -m graphtree.profile._record_fixture``).
+``python -m graphtree._dev.record_profile_fixture``).
 
 File format (``"format": "graphtree.profile.fixture/1"``)::
 
@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 from graphtree.profile._model import Profile, ProfileData, ProfileOptions
 
@@ -51,11 +52,11 @@ FORMAT = "graphtree.profile.fixture/1"
 class _Tap:
     """Forwards ingest calls to a ProfileData and logs them (see :class:`Recorder`)."""
 
-    def __init__(self, data: ProfileData, log: Callable[[List[Any]], None]) -> None:
+    def __init__(self, data: ProfileData, log: Callable[[list[Any]], None]) -> None:
         self._data = data
         self._log = log
 
-    def _frames(self, sid: Optional[int]) -> Optional[List[List[Any]]]:
+    def _frames(self, sid: int | None) -> list[list[Any]] | None:
         if sid is None:
             return None
         return [list(f) for f in self._data.stacks.get(sid)]
@@ -72,12 +73,12 @@ class _Tap:
         self._data.session_stop(ts)
         self._log(["session_stop", ts])
 
-    def set_label(self, thread: int, label: Optional[str]) -> None:
+    def set_label(self, thread: int, label: str | None) -> None:
         self._data.set_label(thread, label)
         self._log(["set_label", thread, label])
 
     def api_enter(self, domain: int, cbid: int, corr: int, thread: int, ts: int, capture: Callable[[], int]) -> None:
-        got: List[int] = []
+        got: list[int] = []
 
         def cap() -> int:
             sid = capture()
@@ -91,8 +92,10 @@ class _Tap:
         self._data.api_exit(domain, cbid, corr, thread, ts)
         self._log(["api_exit", domain, cbid, corr, thread, ts])
 
-    def node_created(self, graph_id: int, node_id: int, node_type: int, thread: int, capture: Callable[[], int]) -> None:
-        got: List[int] = []
+    def node_created(
+        self, graph_id: int, node_id: int, node_type: int, thread: int, capture: Callable[[], int]
+    ) -> None:
+        got: list[int] = []
 
         def cap() -> int:
             sid = capture()
@@ -138,10 +141,10 @@ class Recorder:
     """
 
     def __init__(self) -> None:
-        self.events: List[List[Any]] = []
+        self.events: list[list[Any]] = []
         self._lock = threading.Lock()
 
-    def _log(self, event: List[Any]) -> None:
+    def _log(self, event: list[Any]) -> None:
         with self._lock:
             self.events.append(event)
 
@@ -149,8 +152,14 @@ class Recorder:
         """The sink the session should feed (a forwarding, logging proxy of ``data``)."""
         return _Tap(data, self._log)
 
-    def to_json(self, *, hand_made: bool = False, meta: Optional[Dict[str, Any]] = None,
-                expect: Optional[Dict[str, Any]] = None, note: str = "") -> Dict[str, Any]:
+    def to_json(
+        self,
+        *,
+        hand_made: bool = False,
+        meta: dict[str, Any] | None = None,
+        expect: dict[str, Any] | None = None,
+        note: str = "",
+    ) -> dict[str, Any]:
         """The fixture document (see the module docstring)."""
         with self._lock:
             events = list(self.events)
@@ -171,7 +180,7 @@ class Recorder:
         return path
 
 
-def replay(events: List[List[Any]], data: ProfileData) -> ProfileData:
+def replay(events: list[list[Any]], data: ProfileData) -> ProfileData:
     """Feed logged events into ``data`` exactly as the live session would; returns ``data``.
 
     Example::

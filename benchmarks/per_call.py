@@ -2,7 +2,7 @@
 
 The issue-2 acceptance measurement, in one process, contenders interleaved. Run on a GPU:
 
-    python bench/per_call.py [--calls 2000] [--repeats 15] [--json out.json]
+    python benchmarks/per_call.py [--calls 2000] [--repeats 15] [--json out.json]
 
 For each contender it reports the median over repeats of (time of N back-to-back calls) / N,
 measured two ways: CPU time (no synchronisation: what the Python thread pays) and wall time

@@ -2,7 +2,7 @@
 
 Run on a GPU with cupti-python installed:
 
-    python bench/profile_demo.py --out DIR [--steps 32]
+    python benchmarks/profile_demo.py --out DIR [--steps 32]
 
 Prints the profile table, the kernel count, the share of graph kernels attributed to a source
 line of the captured code, and whether the Chrome trace passes the format checks; writes
@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     replay_stack = {launch.correlation_id: launch.stack_id for launch in prof.launches()}
     graph_kernels = [r for r in prof.records if r.kind == "kernel" and r.graph_id]
     attributed = [
-        r for r in graph_kernels
-        if not r.captured_before_profiling and prof.stack(r.stack_id)
+        r
+        for r in graph_kernels
+        if not r.captured_before_profiling
+        and prof.stack(r.stack_id)
         and r.stack_id != replay_stack.get(r.correlation_id)
     ]
     lines = sorted({f"{f[0].rsplit('/', 1)[-1]}:{f[1]}" for r in attributed for f in prof.stack(r.stack_id)[-1:]})
@@ -45,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(trace) as f:
         problems = check_chrome_trace(json.load(f))
     share = len(attributed) / len(graph_kernels) if graph_kernels else 0.0
-    print(f"demo exit code {rc}; kernels {s['kernels']} (graph launches {s['graph_launches']}, "
-          f"records kept {s['records_kept']}, dropped {s['dropped_records']})")
-    print(f"graph kernels {len(graph_kernels)}, attributed to a captured source line {len(attributed)} "
-          f"({share:.1%})")
+    print(
+        f"demo exit code {rc}; kernels {s['kernels']} (graph launches {s['graph_launches']}, "
+        f"records kept {s['records_kept']}, dropped {s['dropped_records']})"
+    )
+    print(f"graph kernels {len(graph_kernels)}, attributed to a captured source line {len(attributed)} ({share:.1%})")
     print(f"captured lines the graph kernels point at: {', '.join(lines[:12])}{' ...' if len(lines) > 12 else ''}")
     print(f"chrome trace {trace}: {'passes the format checks' if not problems else problems[:5]}")
     return 0 if rc == 0 and not problems else 1

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m graphtree.profile._overhead                  # synthetic step, torch + graphtree loops
-    python -m graphtree.profile._overhead --mode torch --steps 400 --rounds 9
-    python -m graphtree.profile._overhead --workload gpt   # the decode benchmark's TinyGPT, batch 1 and 32
+    python -m graphtree._dev.profile_overhead                  # synthetic step, torch + graphtree loops
+    python -m graphtree._dev.profile_overhead --mode torch --steps 400 --rounds 9
+    python -m graphtree._dev.profile_overhead --workload gpt   # the decode benchmark's TinyGPT, batch 1 and 32
 
 ``--workload decode``: a decode-like step (``layers`` x [matmul, GELU, residual add, layer norm],
 then an argmax "token") captured once, before profiling; the loop replays it ``steps`` times and
@@ -35,7 +35,7 @@ within ``--threshold`` (default 0.05).
 
 Example::
 
-    >>> from graphtree.profile._overhead import measure_overhead
+    >>> from graphtree._dev.profile_overhead import measure_overhead
     >>> r = measure_overhead(mode="torch")                       # doctest: +SKIP
     >>> r["overhead"] <= 0.05                                     # doctest: +SKIP
     True
@@ -48,7 +48,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["main", "measure_overhead"]
 
@@ -114,7 +115,7 @@ def _loop_gpt(batch: int, steps: int) -> Callable[[], None]:
     import torch
 
     import graphtree
-    from graphtree._gpt import GPTConfig, TinyGPT
+    from graphtree.demo.gpt import GPTConfig, TinyGPT
 
     cfg = GPTConfig()
     model = TinyGPT(cfg, batch, device="cuda", seed=0)
@@ -217,12 +218,12 @@ def measure_overhead(
     steps: int = 300,
     rounds: int = 7,
     keep_records: bool = True,
-    defer_records: Optional[int] = None,
+    defer_records: int | None = None,
     workload: str = "decode",
     floor: bool = True,
     raw_buffers: bool = True,
-    flush_period_ms: Optional[int] = None,
-) -> Dict[str, Any]:
+    flush_period_ms: int | None = None,
+) -> dict[str, Any]:
     """Time the replay loop plain, under CUPTI alone (the floors) and profiled, interleaved.
 
     Variants of one round, in an order that rotates every round: ``plain``; ``activity_floor``
@@ -251,10 +252,10 @@ def measure_overhead(
         loop()
         return time.perf_counter() - t0
 
-    last: Dict[str, Any] = {}
+    last: dict[str, Any] = {}
 
     def profiled() -> float:
-        opts: Dict[str, Any] = {"keep_records": keep_records, "raw_buffers": raw_buffers}
+        opts: dict[str, Any] = {"keep_records": keep_records, "raw_buffers": raw_buffers}
         if defer_records is not None:
             opts["defer_records"] = defer_records
         if flush_period_ms is not None:
@@ -267,9 +268,15 @@ def measure_overhead(
         t2 = time.perf_counter()
         prof.stop()
         t3 = time.perf_counter()
-        last.update(start=t1 - t0, stop=t3 - t2, summary=prof.summary(), notes=list(prof.data.notes),
-                    stop_timings=dict(prof.data.stop_timings), buffer_path=prof.data.buffer_path,
-                    buffer_path_reason=prof.data.buffer_path_reason)
+        last.update(
+            start=t1 - t0,
+            stop=t3 - t2,
+            summary=prof.summary(),
+            notes=list(prof.data.notes),
+            stop_timings=dict(prof.data.stop_timings),
+            buffer_path=prof.data.buffer_path,
+            buffer_path_reason=prof.data.buffer_path_reason,
+        )
         return t2 - t1
 
     def floored(make: Callable[[], Any], key: str) -> Callable[[], float]:
@@ -287,25 +294,27 @@ def measure_overhead(
         return run
 
     fp = 1000 if flush_period_ms is None else flush_period_ms
-    variants: Dict[str, Callable[[], float]] = {"plain": plain, "profiled": profiled}
-    floor_errors: Dict[str, str] = {}
+    variants: dict[str, Callable[[], float]] = {"plain": plain, "profiled": profiled}
+    floor_errors: dict[str, str] = {}
     if floor:
-        for key, make in (("activity_floor", lambda: _ActivityFloor(flush_period_ms=fp)),
-                          ("callback_floor", _CallbackFloor)):
+        for key, make in (
+            ("activity_floor", lambda: _ActivityFloor(flush_period_ms=fp)),
+            ("callback_floor", _CallbackFloor),
+        ):
             fn = floored(make, key)
             try:
                 fn()  # warm-up, and does it work here at all
                 variants[key] = fn
-            except Exception as e:  # report, keep measuring the rest
+            except Exception as e:  # noqa: BLE001 - report, keep measuring the rest
                 floor_errors[key] = f"{type(e).__name__}: {e}"
     plain()
     profiled()  # warm-up: first CUPTI initialisation is not what a loop pays
     names = list(variants)
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    starts: List[float] = []
-    stops: List[float] = []
+    times: dict[str, list[float]] = {n: [] for n in names}
+    starts: list[float] = []
+    stops: list[float] = []
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         if r % 2:
             order.reverse()
         for which in order:
@@ -318,7 +327,7 @@ def measure_overhead(
     mp, mq = med["plain"], med["profiled"]
     s = last["summary"]
     stop_s = statistics.median(stops)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "workload": workload,
         "mode": mode,
         "steps": steps,
@@ -364,13 +373,17 @@ def measure_overhead(
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Measure and print JSON; exit status 0 when every overhead is within the threshold."""
-    p = argparse.ArgumentParser(prog="python -m graphtree.profile._overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("decode", "gpt"), default="decode",
-                   help="decode: the synthetic graphed step (--mode, --layers, --width, --batch); "
-                        "gpt: TinyGPT decode_step (12 layers, d=768) graphed with graphtree.graphed, "
-                        "at each of --batches")
+    p = argparse.ArgumentParser(prog="python -m graphtree._dev.profile_overhead", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--workload",
+        choices=("decode", "gpt"),
+        default="decode",
+        help="decode: the synthetic graphed step (--mode, --layers, --width, --batch); "
+        "gpt: TinyGPT decode_step (12 layers, d=768) graphed with graphtree.graphed, "
+        "at each of --batches",
+    )
     p.add_argument("--mode", choices=("torch", "graphtree", "both"), default="both")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--width", type=int, default=2048)
@@ -379,11 +392,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--aggregate-only", action="store_true", help="profile with keep_records=False")
-    p.add_argument("--defer-records", type=int, default=None,
-                   help="ProfileOptions.defer_records (0: aggregate every buffer as it completes)")
+    p.add_argument(
+        "--defer-records",
+        type=int,
+        default=None,
+        help="ProfileOptions.defer_records (0: aggregate every buffer as it completes)",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the CUPTI floor variants")
-    p.add_argument("--cupti-python-buffers", action="store_true",
-                   help="profile with raw_buffers=False (cupti-python's buffer callbacks)")
+    p.add_argument(
+        "--cupti-python-buffers",
+        action="store_true",
+        help="profile with raw_buffers=False (cupti-python's buffer callbacks)",
+    )
     p.add_argument("--flush-period-ms", type=int, default=None, help="ProfileOptions.flush_period_ms")
     p.add_argument("--threshold", type=float, default=0.05)
     a = p.parse_args(argv)
@@ -396,24 +416,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         label = f"gpt b={batch}" if a.workload == "gpt" else mode
         try:
             results.append(
-                measure_overhead(mode=mode, layers=a.layers, width=a.width, batch=batch, steps=a.steps,
-                                 rounds=a.rounds, keep_records=not a.aggregate_only,
-                                 defer_records=a.defer_records, workload=a.workload, floor=not a.no_floor,
-                                 raw_buffers=not a.cupti_python_buffers, flush_period_ms=a.flush_period_ms)
+                measure_overhead(
+                    mode=mode,
+                    layers=a.layers,
+                    width=a.width,
+                    batch=batch,
+                    steps=a.steps,
+                    rounds=a.rounds,
+                    keep_records=not a.aggregate_only,
+                    defer_records=a.defer_records,
+                    workload=a.workload,
+                    floor=not a.no_floor,
+                    raw_buffers=not a.cupti_python_buffers,
+                    flush_period_ms=a.flush_period_ms,
+                )
             )
             r = results[-1]
             floors = "".join(
                 f", {k}: {r[k + '_step_us']:.1f} us/step ({r[k + '_pct']:+.2f}%)"
-                for k in ("activity_floor", "callback_floor") if k + "_step_us" in r
+                for k in ("activity_floor", "callback_floor")
+                if k + "_step_us" in r
             )
             print(
                 f"[{label}] plain {r['plain_step_us']:.1f} us/step{floors}, profiled {r['profiled_step_us']:.1f} "
                 f"us/step: +{r['overhead_step_us']:.1f} us/step = {r['overhead_pct']:.2f}% "
                 f"({r['overhead_incl_stop_pct']:.2f}% counting stop: {r['stop_ms']:.1f} ms {r['stop_timings_ms']}); "
-                f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, buffers via {r['buffer_path']}",
+                f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, "
+                f"buffers via {r['buffer_path']}",
                 file=sys.stderr,
             )
-        except Exception as e:  # report, do not hide the other cases
+        except Exception as e:  # noqa: BLE001 - report, do not hide the other cases
             results.append({"workload": a.workload, "mode": mode, "batch": batch, "error": f"{type(e).__name__}: {e}"})
     ok = all("overhead" in r and r["overhead"] <= a.threshold for r in results)
     print(json.dumps({"threshold": a.threshold, "ok": ok, "results": results}, indent=1))

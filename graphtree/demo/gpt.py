@@ -12,7 +12,7 @@ are identical on any device; nothing is downloaded.
 Example::
 
     import torch
-    from graphtree._gpt import GPTConfig, TinyGPT, greedy_decode
+    from graphtree.demo.gpt import GPTConfig, TinyGPT, greedy_decode
 
     cfg = GPTConfig(n_layer=2, n_head=4, d_model=64, vocab=512, max_seq=32)
     model = TinyGPT(cfg, batch=1)
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ class TinyGPT(nn.Module):
         self,
         cfg: GPTConfig,
         batch: int,
-        device: Optional[Union[str, torch.device]] = None,
+        device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> None:
@@ -124,9 +124,7 @@ class TinyGPT(nn.Module):
         cache_shape = (cfg.n_layer, batch, cfg.n_head, cfg.max_seq, cfg.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, device=dev, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(cache_shape, device=dev, dtype=dtype))
-        self.register_buffer(
-            "_positions", torch.arange(cfg.max_seq, device=dev, dtype=torch.long), persistent=False
-        )
+        self.register_buffer("_positions", torch.arange(cfg.max_seq, device=dev, dtype=torch.long), persistent=False)
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
         self.eval()
 
@@ -215,7 +213,7 @@ def greedy_decode(
     model: TinyGPT,
     first_tokens: torch.Tensor,
     n_steps: int,
-    before_step: Optional[Callable[[], object]] = None,
+    before_step: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Greedily decode ``n_steps`` tokens, timing every step.
 
