@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GraphedCallable",
     "Stats",
+    "__version__",
     "describe",
     "graphed",
     "mark_static",
@@ -37,5 +38,4 @@ __all__ = [
     "profile",
     "reset",
     "stats",
-    "__version__",
 ]

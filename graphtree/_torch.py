@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -98,9 +99,13 @@ def raw_delete(ptr: int) -> None:
 
 
 # --- storages at recorded addresses: hand out replay outputs without copying -------------------
-storage_at: Callable[[int, torch.device, int], torch.UntypedStorage] = getattr(
-    torch._C, "_construct_storage_from_data_pointer", None
-) or (lambda *a: _private("_construct_storage_from_data_pointer")(*a))
+def _storage_at_missing(ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
+    return _private("_construct_storage_from_data_pointer")(ptr, device, nbytes)  # raises PrivateAPIMissing
+
+
+storage_at: Callable[[int, torch.device, int], torch.UntypedStorage] = (
+    getattr(torch._C, "_construct_storage_from_data_pointer", None) or _storage_at_missing
+)
 """``storage_at(ptr, device, nbytes)``: a storage viewing ``nbytes`` at ``ptr`` that owns
 nothing (``_construct_storage_from_data_pointer``). Replay outputs are built on these: the
 memory belongs to the pool, not to the tensor."""
@@ -277,7 +282,7 @@ class MutationWatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def raw_copier() -> Callable[[int, int, int, int], None] | None:
     """``copy(dst_ptr, src_ptr, nbytes, device)``: a device-to-device ``cudaMemcpyAsync`` on the
     device's current stream, or ``None`` where ``cuda.bindings`` is missing.
@@ -289,7 +294,7 @@ def raw_copier() -> Callable[[int, int, int, int], None] | None:
     """
     try:
         from cuda.bindings import runtime as cudart
-    except Exception:
+    except Exception:  # noqa: BLE001 - absent or broken cuda-bindings: Tensor.copy_ does the copy
         return None
     memcpy = cudart.cudaMemcpyAsync
     kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
@@ -314,9 +319,12 @@ def raise_dynamo_limits() -> None:
     import torch._inductor.config as inductor_config
 
     cfg = torch._dynamo.config
-    for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
-                        ("accumulated_recompile_limit", 1024),
-                        ("accumulated_cache_size_limit", 1024)):
+    for name, value in (
+        ("recompile_limit", 64),
+        ("cache_size_limit", 64),
+        ("accumulated_recompile_limit", 1024),
+        ("accumulated_cache_size_limit", 1024),
+    ):
         if hasattr(cfg, name):
             setattr(cfg, name, value)
     triton = getattr(inductor_config, "triton", None)
@@ -330,7 +338,7 @@ def inductor_cudagraph_skips() -> int:
         from torch._dynamo.utils import counters
 
         return int(counters["inductor"]["cudagraph_skips"])
-    except Exception:  # a moved counter must not fail a benchmark
+    except Exception:  # noqa: BLE001 - a moved counter must not fail a benchmark
         return 0
 
 
@@ -341,13 +349,13 @@ def reset_compiled() -> None:
         import torch._dynamo
 
         torch._dynamo.reset()
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort between benchmark cases
         pass
     try:
         from torch._inductor import cudagraph_trees
 
         cudagraph_trees.reset_cudagraph_trees()
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort between benchmark cases
         pass
 
 
@@ -362,5 +370,5 @@ def torch_profiler_active() -> bool:
     """Whether a torch.profiler / Kineto session is running (``torch._C._autograd._profiler_enabled``)."""
     try:
         return bool(torch._C._autograd._profiler_enabled())
-    except Exception:
+    except Exception:  # noqa: BLE001 - a moved private API means no profiler we can see
         return False

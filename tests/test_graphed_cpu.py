@@ -103,7 +103,7 @@ def test_bad_arguments_say_what_is_wrong():
     ],
 )
 def test_each_option_is_checked_where_it_is_given(options, named):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="must be") as e:
         graphtree.graphed(lambda x: x, **options)
     msg = str(e.value)
     value = next(iter(v for k, v in options.items() if k == named))
@@ -150,7 +150,7 @@ def test_buckets_pick_the_next_size():
     b = Bucketing([8, 1, 4, 2])
     assert b.sizes == [1, 2, 4, 8]
     assert [b.bucket_for(n) for n in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="non-empty"):
         Bucketing([])
 
 
@@ -188,6 +188,8 @@ def test_private_apis_are_version_gated(monkeypatch):
 
     monkeypatch.setattr(_torch, "VERSION_SUPPORTED", False)
     monkeypatch.setattr(_torch, "_warned_version", False)
-    with pytest.warns(RuntimeWarning, match="tested with torch 2.11"):
-        with pytest.raises(_torch.PrivateAPIMissing, match="_no_such_api"):
-            _torch._private("_no_such_api")
+    with (
+        pytest.warns(RuntimeWarning, match="tested with torch 2.11"),
+        pytest.raises(_torch.PrivateAPIMissing, match="_no_such_api"),
+    ):
+        _torch._private("_no_such_api")

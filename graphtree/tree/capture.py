@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 import graphtree as _graphtree_pkg
 
+
 class CaptureFailed(RuntimeError):
     """The function did something a CUDA graph cannot record; the message says what and where.
 
@@ -119,7 +120,7 @@ class SyncWatch:
         self._thread = threading.get_ident()
         self._others: list[Any] = []
 
-    def __enter__(self) -> "SyncWatch":
+    def __enter__(self) -> SyncWatch:
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("always")

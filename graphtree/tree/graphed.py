@@ -104,9 +104,8 @@ class GraphedCallable:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
-        if (call.needs_grad or self._has_state) and torch.is_grad_enabled():
-            if call.needs_grad or self._params_need_grad():
-                return self._eager(args, kwargs, "autograd")
+        if (call.needs_grad or (self._has_state and self._params_need_grad())) and torch.is_grad_enabled():
+            return self._eager(args, kwargs, "autograd")
         device = call.device
         if device < 0:
             device = self._state_device()
@@ -165,7 +164,9 @@ class GraphedCallable:
         if sizes is not None:
             bad = [s for s in sizes if s not in self.bucketing.sizes] if isinstance(sizes, (list, tuple)) else sizes
             if bad or not sizes:
-                raise ValueError(f"warm_up(sizes=...) takes a non-empty list of bucket sizes {self.bucketing.sizes}, got {sizes!r}")
+                raise ValueError(
+                    f"warm_up(sizes=...) takes a non-empty list of bucket sizes {self.bucketing.sizes}, got {sizes!r}"
+                )
         sizes = sorted(set(sizes or self.bucketing.sizes), reverse=True)
         dim = self.bucketing.dim
         leaves, spec = flatten(example_args, example_kwargs)

@@ -158,7 +158,11 @@ class TreeManager:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
         with self.lock:
             leaves = call.leaves
-            if self.step_requested or (not self.user_steps and gc.id in self.called) or len(self.path) >= MAX_PATH_DEPTH:
+            if (
+                self.step_requested
+                or (not self.user_steps and gc.id in self.called)
+                or len(self.path) >= MAX_PATH_DEPTH
+            ):
                 if len(self.path) >= MAX_PATH_DEPTH and not self.step_requested:
                     log.warning(
                         "graphtree: %d calls without a new step; starting one (call "

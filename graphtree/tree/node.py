@@ -25,6 +25,8 @@ _ids = itertools.count(1)
 def next_node_id() -> str:
     """A fresh node id ("n1", "n2", ...), taken before a capture so that events can name it."""
     return f"n{next(_ids)}"
+
+
 _storage_at, _tensor_on = _torch.storage_at, _torch.tensor_on
 _weak_ref, _weak_free, _weak_expired = _torch.weak_ref, _torch.weak_free, _torch.weak_expired
 
@@ -178,5 +180,5 @@ class Node:
             for r in self.refs:
                 if r:
                     _weak_free(r)
-        except Exception:  # interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown: torch may be gone
             pass

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -78,7 +79,9 @@ class Pool:
     def segments(self) -> list[dict[str, Any]]:
         """The pool's segments as in ``torch.cuda.memory_snapshot``."""
         snap = torch.cuda.memory_snapshot()
-        return [s for s in snap if tuple(s.get("segment_pool_id", ())) == tuple(self.id) and s.get("device") == self.device]
+        return [
+            s for s in snap if tuple(s.get("segment_pool_id", ())) == tuple(self.id) and s.get("device") == self.device
+        ]
 
     def reserved_bytes(self) -> int:
         """Bytes the pool holds from the device (its segments' sizes)."""

@@ -27,6 +27,7 @@ from graphtree.tree.pool import Pool
 if TYPE_CHECKING:
     from graphtree.tree.graphed import GraphedCallable
 
+
 class _UserCode(threading.local):
     """Per thread: whether the thread runs a graphed function's warm-up or capture right now."""
 
@@ -82,9 +83,8 @@ def warm_up(gc: GraphedCallable, call: Call, pool: Pool, stream: torch.cuda.Stre
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
-        with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating():
-            with sync, tracker, watch:
-                out = gc.fn(*args, **kwargs)
+        with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating(), sync, tracker, watch:
+            out = gc.fn(*args, **kwargs)
     finally:
         current.wait_stream(stream)
     reason = _mutation_reason(watch.written) if watch.written else (sync.found or None)
@@ -163,13 +163,13 @@ def record(
             try:
                 with tracker, watch:
                     out = gc.fn(*args, **kwargs)
-            except BaseException as e:  # the function's own error, or what the capture made of it
+            except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
                 user_error = e
             try:
                 graph.capture_end()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - whatever ended the capture, it is explained below
                 end_error = e
-    except Exception as e:  # capture_begin itself failed
+    except Exception as e:  # noqa: BLE001 - capture_begin itself failed: explained below
         end_error = e
     finally:
         current.wait_stream(stream)

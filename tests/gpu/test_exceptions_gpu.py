@@ -73,6 +73,7 @@ def test_user_exceptions_propagate_and_the_process_exits_cleanly(kind, when, tmp
             capture_output=True,
             text=True,
             timeout=120,
+            check=False,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     except subprocess.TimeoutExpired as e:

@@ -1,0 +1,69 @@
+"""Walk one graphtree call (a replay) and count the module stops it makes.
+
+A *stop* is a change of the graphtree module that runs, at a Python call or return; a *return
+stop* re-enters a module the walk already left. Frames outside graphtree (torch's Python) are
+not counted as stops. Run on a GPU: ``python benchmarks/call_walk.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import graphtree
+
+
+def walk(fn, *args):
+    root = os.path.dirname(os.path.abspath(graphtree.__file__)) + os.sep
+    seq: list[str] = []
+
+    def prof(frame, event, arg):
+        if event not in ("call", "return"):
+            return
+        f = frame if event == "call" else frame.f_back
+        if f is None:
+            return
+        path = os.path.abspath(f.f_code.co_filename)
+        if not path.startswith(root):
+            return
+        mod = path[len(root) :].removesuffix(".py").replace(os.sep, ".")
+        if not seq or seq[-1] != mod:
+            seq.append(mod)
+
+    sys.setprofile(prof)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    seen: set[str] = set()
+    back = 0
+    for i, m in enumerate(seq):
+        if m in seen and i:
+            back += 1
+        seen.add(m)
+    return seq, back
+
+
+def main() -> None:
+    step = graphtree.graphed(lambda x: x * 2 + 1, name="two")
+    x = torch.randn(1024, device="cuda")
+    for _ in range(4):
+        step(x)
+    seq, back = walk(step, x)
+    print(f"replay call: {len(seq)} stops in {len(set(seq))} modules, {back} returning to a module already left")
+    print("  " + " -> ".join(seq))
+    lin = torch.nn.Linear(64, 64).cuda()
+    gm = graphtree.graphed(lin)
+    y = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(4):
+            gm(y)
+        seq, back = walk(gm, y)
+    print(f"module replay: {len(seq)} stops in {len(set(seq))} modules, {back} returning to a module already left")
+    print("  " + " -> ".join(seq))
+
+
+if __name__ == "__main__":
+    main()
