@@ -99,11 +99,29 @@ def main() -> None:
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
     }
+    # The replay path in layers, each including the ones above it: the differences are each
+    # layer's own cost.
+    tree = _manager.tree_for(0)
+    node = tree.current
+    call = _inputs.read_call((x,), {}, None)
+    rows.update(
+        {
+            "key parts (shape, dtype, stride)": lambda: (x.shape, x.dtype, x.stride()),
+            "x.get_device() + requires_grad": lambda: (x.get_device(), x.requires_grad),
+            "Call(...)": lambda: _inputs.Call((x,), None, (), 0, False),
+            "tensor via set_": lambda: torch.empty(0, device=dev).set_(st, 0, meta["size"], meta["stride"]),
+            "layer 1: node.replay": lambda: node.replay((x,), -1),
+            "layer 2: tree.call (new step)": lambda: tree.call(step, call),
+            "layer 3: manager.run": lambda: _manager.run(step, call, 0),
+            "layer 4: read_call + run": lambda: _manager.run(step, _inputs.read_call((x,), {}, None), 0),
+            "layer 5: step(x)": lambda: step(x),
+        }
+    )
     rows.update(_memcpy_variants(sx, x))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("fast tensor ctor:", _torch.tensor_on is not _torch._tensor_on_slow)
     for k, fn in rows.items():
-        print(f"{k:24} {_us(fn):8.2f} us")
+        print(f"{k:34} {_us(fn):8.2f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(5000):
