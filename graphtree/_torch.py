@@ -255,17 +255,28 @@ def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
-class MutationWatch(TorchDispatchMode):
-    """Notes which of the watched storages an operation writes to, while the mode is active.
+class StateWatch(TorchDispatchMode):
+    """While active, notes what the operations of a warm-up or capture do to memory.
 
-    Reads the operators' schemas (an argument whose alias info says it is written), so it
-    works for inference tensors too, which keep no version counter.
+    - ``written``: which of the ``watched`` storages (data_ptr -> leaf index) an operation
+      writes to. Read from the operators' schemas (an argument whose alias info says it is
+      written), so it works for inference tensors too, which keep no version counter.
+    - ``made``: weak references (:func:`weak_ref`) to the storages the operations allocated
+      (returned, and not one of those they were given: in-place and view results are not
+      new), by address: :meth:`kept` says which are still alive after the call.
+    - ``read`` (only with ``track_reads``): ``(weak ref, nbytes)`` of every CUDA storage an
+      operation was given, by address: what a graph captured under this watch reads.
+
+    Release the weak references with :meth:`close`.
     """
 
-    def __init__(self, watched: dict[int, int]) -> None:
+    def __init__(self, watched: dict[int, int], track_reads: bool = False) -> None:
         super().__init__()
-        self.watched = watched  # storage data_ptr -> leaf index
+        self.watched = watched
         self.written: list[int] = []
+        self.made: dict[int, int] = {}
+        self.read: dict[int, tuple[int, int]] = {}
+        self._track_reads = track_reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -279,7 +290,51 @@ class MutationWatch(TorchDispatchMode):
                     idx = self.watched.get(val.untyped_storage().data_ptr())
                     if idx is not None and idx not in self.written:
                         self.written.append(idx)
-        return func(*args, **kwargs)
+        given: set[int] = set()  # storages the operation was given: what it returns of them is not new
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    st = t.untyped_storage()
+                    ptr = st.data_ptr()
+                    given.add(ptr)
+                    if self._track_reads and ptr and ptr not in self.read:
+                        self.read[ptr] = (weak_ref(st), st.nbytes())
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in given:
+                    old = self.made.get(ptr)
+                    if old is None or weak_expired(old):
+                        if old is not None:
+                            weak_free(old)
+                        self.made[ptr] = weak_ref(st)
+        return out
+
+    def kept(self, known: set[int]) -> list[int]:
+        """Addresses of storages the operations made that are still alive, other than ``known``
+        (the ``StorageImpl`` pointers of :func:`storage_id` of the outputs and inputs)."""
+        return [ptr for ptr, r in self.made.items() if not weak_expired(r) and r not in known]
+
+    def close(self) -> None:
+        """Release every weak reference the watch holds."""
+        for r in self.made.values():
+            weak_free(r)
+        for r, _ in self.read.values():
+            weak_free(r)
+        self.made.clear()
+        self.read.clear()
+
+
+def weak_data_ptr(ref: int) -> int:
+    """The data address of a live storage known by its weak reference (0 if it died).
+
+    (``UntypedStorage._new_with_weak_ptr``, as torch's cudagraph trees read theirs.)
+    """
+    if weak_expired(ref):
+        return 0
+    return torch.UntypedStorage._new_with_weak_ptr(ref).data_ptr()  # type: ignore[attr-defined]
 
 
 @functools.cache

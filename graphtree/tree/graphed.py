@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from graphtree.tree import manager as _manager
-from graphtree.tree.inputs import Bucketing, Call, Unsupported, flatten, read_call, unflatten
+from graphtree.tree.inputs import Bucketing, Call, Unsupported, flatten, read_call, unflatten, watch_parameter_changes
 from graphtree.tree.recorder import user_code
 
 _ids = itertools.count(1)
@@ -78,10 +78,14 @@ class GraphedCallable:
         self.warmup = warmup
         self.max_rerecords = max_rerecords
         self.disabled_reason: str | None = None
+        # Signatures never to graph, with the reason (a host sync, a mutated input, a failed
+        # capture, the re-record limit, ...): other signatures of the function still are.
+        self.given_up: dict[Any, str] = {}
+        self._kept_state: dict[Any, int] = {}
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)
         if self._module is not None:
-            _manager.watch_parameter_changes()
+            watch_parameter_changes()
         functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -106,6 +110,8 @@ class GraphedCallable:
             return self._eager(args, kwargs, str(e))
         if (call.needs_grad or (self._has_state and self._params_need_grad())) and torch.is_grad_enabled():
             return self._eager(args, kwargs, "autograd")
+        if self._module is not None:  # train() and eval() record apart (dropout, batch norm)
+            call.key = (*call.key, self._module.training)
         device = call.device
         if device < 0:
             device = self._state_device()
@@ -126,6 +132,20 @@ class GraphedCallable:
     def disable(self, reason: str) -> None:
         """Run eagerly from now on, for the reason given (shown in ``stats()`` and logged once)."""
         self.disabled_reason = reason
+
+    def give_up(self, key: Any, reason: str) -> None:
+        """Run calls with signature ``key`` eagerly from now on, for the reason given."""
+        self.given_up[key] = reason
+
+    def note_kept_state(self, key: Any) -> bool:
+        """Count a warm-up of ``key`` that kept tensors it allocated; True once that looks
+        like every call (three times), not a cache filled on first use."""
+        n = self._kept_state[key] = self._kept_state.get(key, 0) + 1
+        return n >= 3
+
+    def module(self) -> torch.nn.Module | None:
+        """The module whose parameters and buffers the function reads in place, if any."""
+        return self._module
 
     # --- state the function reads in place ----------------------------------------------------
     def static_tensors(self) -> list[torch.Tensor]:
@@ -187,6 +207,103 @@ class GraphedCallable:
         _manager.begin_internal_step()
 
 
+class GraphedModule(torch.nn.Module):
+    """What :func:`graphed` returns for an ``nn.Module``: the same module, its calls recorded
+    and replayed as CUDA graphs.
+
+    It shares the wrapped module's parameters, buffers and submodules (the very same objects,
+    so ``state_dict()`` has the same keys and ``load_state_dict`` loads into the original);
+    ``.to()``, ``.eval()``, ``.train()`` act on the original too; attributes it does not have
+    itself are read from and written to the original. Moving the module to another device or
+    dtype moves its parameters' memory: the next call records again (a replay checks every
+    address it reads in place). The original's own methods (``model.generate``) still call the
+    original's ``forward``; graph that with ``model.forward = graphtree.graphed(model.forward)``.
+
+    Example::
+
+        model = graphtree.graphed(MyModel().cuda().eval())
+        model.load_state_dict(torch.load("weights.pt"))
+        with torch.inference_mode():
+            y = model(x)
+    """
+
+    def __init__(self, module: torch.nn.Module, call: GraphedCallable) -> None:
+        super().__init__()
+        for name in _SHARED:
+            object.__setattr__(self, name, getattr(module, name))
+        object.__setattr__(self, "_graphtree_module", module)
+        object.__setattr__(self, "_graphtree_call", call)
+        object.__setattr__(self, "training", module.training)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._graphtree_call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_graphtree_module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        module = self.__dict__.get("_graphtree_module")
+        if module is None or name == "training":
+            super().__setattr__(name, value)
+        else:
+            setattr(module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._graphtree_module, name)
+
+    # Containers (nn.Sequential, nn.ModuleList, ...): indexing, length and iteration are the original's.
+    def __getitem__(self, index: Any) -> Any:
+        return self._graphtree_module[index]
+
+    def __len__(self) -> int:
+        return len(self._graphtree_module)
+
+    def __iter__(self) -> Any:
+        return iter(self._graphtree_module)
+
+    def train(self, mode: bool = True) -> GraphedModule:
+        self._graphtree_module.train(mode)
+        object.__setattr__(self, "training", mode)
+        return self
+
+    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._graphtree_module._save_to_state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._graphtree_module._load_from_state_dict(*args, **kwargs)
+
+    def warm_up(self, *example_args: Any, sizes: Sequence[int] | None = None, **example_kwargs: Any) -> None:
+        """See :meth:`GraphedCallable.warm_up`."""
+        self._graphtree_call.warm_up(*example_args, sizes=sizes, **example_kwargs)
+
+    @property
+    def graphed_callable(self) -> GraphedCallable:
+        """The graphed call behind this module (its name, buckets and options)."""
+        return self._graphtree_call
+
+    def __repr__(self) -> str:
+        return f"graphed({self._graphtree_module!r})"
+
+
+# The state a GraphedModule shares with the module it wraps: the same dicts, not copies.
+_SHARED = (
+    "_parameters",
+    "_buffers",
+    "_non_persistent_buffers_set",
+    "_modules",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
 def _find_state(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[torch.Tensor]]:
     """The module a callable belongs to, and tensors its closure holds."""
     if isinstance(fn, torch.nn.Module):
@@ -218,7 +335,9 @@ def graphed(
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
-    Works on functions, ``nn.Module`` s and bound methods, as a call or a decorator. Results
+    Works on functions, ``nn.Module`` s (returning a :class:`GraphedModule`, itself an
+    ``nn.Module`` sharing the original's parameters), bound methods and methods (as a decorator
+    in a class body: each instance gets recordings of its own), as a call or a decorator. Results
     equal eager execution. Tensor inputs are copied into the graph's placeholders, except
     parameters, buffers, tensors marked with :func:`mark_static` and outputs of earlier calls
     still held, which are read in place. One recording per input signature (shapes, dtypes,
@@ -254,9 +373,12 @@ def graphed(
     """
     if fn is None:
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name)
-        return lambda f: GraphedCallable(
+        return lambda f: graphed(
             f, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
         )
-    return GraphedCallable(
+    call = GraphedCallable(
         fn, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
     )
+    if isinstance(fn, torch.nn.Module):
+        return GraphedModule(fn, call)
+    return call

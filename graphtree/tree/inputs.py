@@ -12,6 +12,8 @@ itself, with its type. Each tensor input then reaches the graph one of two ways:
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -77,9 +79,14 @@ class Bucketing:
 
 
 class Call:
-    """One call, read once: its leaves, the recording key, the device and the padding."""
+    """One call, read once: its leaves, the recording key, the device and the padding.
 
-    __slots__ = ("bucket", "device", "key", "leaves", "n", "needs_grad", "padded", "spec")
+    ``leaves[:n_args]`` are the call's own leaves (what :meth:`arguments` rebuilds the call
+    from); the leaves after them are tensors held by objects among the arguments (a module's
+    parameters, a cache's buffers), which the graph always reads in place.
+    """
+
+    __slots__ = ("bucket", "device", "key", "leaves", "n", "n_args", "needs_grad", "padded", "spec")
 
     def __init__(
         self,
@@ -88,34 +95,40 @@ class Call:
         key: tuple,
         device: int,
         needs_grad: bool,
-        n: int = -1,
-        bucket: int = -1,
-        padded: tuple[int, ...] = (),
+        n: int,
+        bucket: int,
+        padded: tuple[int, ...],
+        n_args: int,
     ) -> None:
         self.leaves = leaves
         self.spec = spec  # None: plain positional (see flatten)
         self.key = key
-        self.device = device  # -2: no tensor among the leaves
+        self.device = device  # -2: no CUDA tensor among the leaves
         self.needs_grad = needs_grad
         self.n = n  # the real size of the bucketed dimension (-1: no bucketing)
         self.bucket = bucket
         self.padded = padded  # indices of leaves padded to the bucket
+        self.n_args = n_args
 
     def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of this call, optionally with other leaves in place of its own."""
-        return unflatten(self.leaves if leaves is None else leaves, self.spec)
+        leaves = self.leaves if leaves is None else leaves
+        return unflatten(leaves if len(leaves) == self.n_args else leaves[: self.n_args], self.spec)
 
 
 def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
     """Flatten a call, build its recording key and check that it can be graphed at all.
 
-    Raises :class:`Unsupported` for CPU tensors among CUDA ones, tensors on several GPUs,
-    an argument of a type that has no stable value, or a batch larger than every bucket.
+    Tensors and plain values (int, float, bool, str, None, dtype, device) are keyed as they are.
+    Other objects among the arguments (a module, a cache, a dataclass) are read: see
+    :func:`read_object`. Raises :class:`Unsupported` for CPU tensors among CUDA ones, tensors on
+    several GPUs, an object whose state cannot be read, or a batch larger than every bucket.
     """
     leaves, spec = flatten(args, kwargs)
     parts: list[Any] = []
     device = -2
     needs_grad = False
+    held = HeldTensors()  # tensors inside objects
     if bucketing is None:  # the common case, kept lean: it runs on every call
         for x in leaves:
             if isinstance(x, _Tensor):
@@ -132,8 +145,10 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
             elif type(x) in _PLAIN:
                 parts.append((type(x), x))
             else:
-                raise _unsupported_type(x)
-        return Call(leaves, spec, tuple(parts), device, needs_grad)
+                parts.append(read_object(x, held))
+        if not held:
+            return Call(leaves, spec, tuple(parts), device, needs_grad, -1, -1, (), len(leaves))
+        return _with_held(leaves, spec, parts, device, needs_grad, -1, -1, (), held)
     n = bucket = -1
     padded: list[int] = []
     dim = bucketing.dim
@@ -166,12 +181,217 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
         elif type(x) in _PLAIN:
             parts.append((type(x), x))
         else:
-            raise _unsupported_type(x)
-    return Call(leaves, spec, tuple(parts), device, needs_grad, n, bucket, tuple(padded))
+            parts.append(read_object(x, held))
+    return _with_held(leaves, spec, parts, device, needs_grad, n, bucket, tuple(padded), held)
 
 
-def _unsupported_type(x: Any) -> Unsupported:
-    return Unsupported(f"argument of type {type(x).__name__} (graphtree keys recordings on tensors and plain values)")
+class HeldTensors:
+    """The tensors that object arguments hold, gathered while a call is read."""
+
+    __slots__ = ("device", "needs_grad", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.device = -2
+        self.needs_grad = False
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def add(self, t: torch.Tensor, device: int, needs_grad: bool) -> None:
+        if device != self.device:
+            if self.device != -2:
+                raise Unsupported(f"mixed-device inputs (cuda:{self.device} and cuda:{device}, in an object argument)")
+            self.device = device
+        self.tensors.append(t)
+        self.needs_grad = self.needs_grad or needs_grad
+
+    def add_module(self, state: _ModuleState) -> None:
+        if state.tensors:
+            self.add(state.tensors[0], state.device, state.needs_grad)
+            self.tensors.extend(state.tensors[1:])
+
+
+def _with_held(
+    leaves: Sequence[Any],
+    spec: Any,
+    parts: list[Any],
+    device: int,
+    needs_grad: bool,
+    n: int,
+    bucket: int,
+    padded: tuple[int, ...],
+    held: HeldTensors,
+) -> Call:
+    """A :class:`Call` whose objects hold CUDA tensors: they become in-place leaves after the
+    call's own (keyed by their objects' parts, not one by one)."""
+    if held.device != -2 and device not in (-2, held.device):
+        raise Unsupported(f"mixed-device inputs (cuda:{device} and cuda:{held.device}, in an object argument)")
+    if device == -2:
+        device = held.device
+    return Call(
+        [*leaves, *held.tensors],
+        spec,
+        tuple(parts),
+        device,
+        needs_grad or held.needs_grad,
+        n,
+        bucket,
+        padded,
+        len(leaves),
+    )
+
+
+# --- objects among the arguments -----------------------------------------------------------------
+_MAX_DEPTH = 6
+_MAX_TENSORS = 4096
+_SKIP_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+
+
+def read_object(obj: Any, held: HeldTensors) -> tuple:
+    """The key part of an object argument; appends the tensors it holds to ``held``.
+
+    - An ``nn.Module`` (``self`` of a graphed method, say) is keyed by its type, identity and
+      ``training`` flag; its parameters and buffers are read in place.
+    - Another object (a cache, a dataclass, any object with a ``__dict__`` or ``__slots__``) is
+      keyed by its type and, attribute by attribute, by its plain values and the shape, dtype
+      and strides of its tensors, which are read in place; lists, tuples, dicts and objects in
+      it are read the same way.
+
+    Raises :class:`Unsupported` naming the type and what to do when the state cannot be read.
+    """
+    if isinstance(obj, torch.nn.Module):
+        state = module_state(obj)
+        held.add_module(state)
+        return (type(obj), id(obj), obj.training, len(state.tensors))
+    out: list[Any] = []
+    _read_state(obj, out, held, 0, type(obj))
+    return (type(obj), tuple(out))
+
+
+def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type) -> None:
+    if isinstance(x, _Tensor):
+        if len(held.tensors) >= _MAX_TENSORS:
+            raise _unreadable(top, f"it holds more than {_MAX_TENSORS} tensors")
+        d = x.get_device()
+        out.append((x.shape, x.dtype, x.stride(), d))
+        if d >= 0:  # a CPU tensor is keyed, never read in place
+            held.add(x, d, x.requires_grad)
+        return
+    if type(x) in _PLAIN:
+        out.append(x)
+        return
+    if depth >= _MAX_DEPTH:
+        raise _unreadable(top, f"its attributes nest deeper than {_MAX_DEPTH} levels")
+    if isinstance(x, (list, tuple)):
+        out.append((type(x), len(x)))
+        for v in x:
+            _read_state(v, out, held, depth + 1, top)
+        return
+    if isinstance(x, dict):
+        out.append((dict, len(x)))
+        for k, v in x.items():
+            if type(k) not in _PLAIN:
+                raise _unreadable(top, f"a dict in it has a key of type {type(k).__name__}")
+            out.append(k)
+            _read_state(v, out, held, depth + 1, top)
+        return
+    if isinstance(x, torch.nn.Module):
+        state = module_state(x)
+        held.add_module(state)
+        out.append((type(x), id(x), x.training, len(state.tensors)))
+        return
+    if isinstance(x, _SKIP_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
+        out.append(type(x))  # code, not state
+        return
+    state = _attributes(x)
+    if state is None:
+        raise _unreadable(top, f"an attribute of type {type(x).__name__} has no readable state")
+    out.append(type(x))
+    for name, v in state:
+        out.append(name)
+        _read_state(v, out, held, depth + 1, top)
+
+
+def _attributes(x: Any) -> list[tuple[str, Any]] | None:
+    """``(name, value)`` of an object's instance attributes (``__dict__`` and ``__slots__``)."""
+    found: list[tuple[str, Any]] = []
+    d = getattr(x, "__dict__", None)
+    if isinstance(d, dict):
+        found.extend(d.items())
+    for cls in type(x).__mro__:
+        for name in cls.__dict__.get("__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                found.append((name, getattr(x, name)))
+    if d is None and not found:
+        return None
+    return found
+
+
+def _unreadable(t: type, why: str) -> Unsupported:
+    return Unsupported(
+        f"argument of type {t.__name__}: graphtree cannot read its state ({why}); pass the tensors "
+        f"it holds as arguments, or register the type as a pytree node"
+    )
+
+
+# --- modules' parameters and buffers ---------------------------------------------------------------
+# The epoch is bumped whenever any nn.Module registers a parameter or buffer: a cheap signal that
+# state read in place may have been replaced (one int compare on replay). torch has no
+# per-module registration hook, so the hooks are global; they are installed only once graphtree
+# reads a module's state in place.
+_epoch = [0]
+_hooks_installed = False
+
+
+def _bump_epoch(*_: object) -> None:
+    _epoch[0] += 1
+
+
+def watch_parameter_changes() -> None:
+    """Install the global parameter/buffer registration hooks (once per process)."""
+    global _hooks_installed
+    if not _hooks_installed:
+        _hooks_installed = True
+        torch.nn.modules.module.register_module_parameter_registration_hook(_bump_epoch)
+        torch.nn.modules.module.register_module_buffer_registration_hook(_bump_epoch)
+
+
+def param_epoch() -> int:
+    """The current parameter-registration epoch (see :func:`watch_parameter_changes`)."""
+    return _epoch[0]
+
+
+class _ModuleState(NamedTuple):
+    """A module's CUDA parameters and buffers, their device and whether any requires grad."""
+
+    epoch: int
+    tensors: list[torch.Tensor]
+    device: int
+    needs_grad: bool
+
+
+_module_cache: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
+
+
+def module_state(m: torch.nn.Module) -> _ModuleState:
+    """The CUDA parameters and buffers of ``m``, read again only after a module registers a new
+    one (``.to()`` moves their data, which the address checks of a replay see).
+
+    Raises :class:`Unsupported` when they lie on several devices.
+    """
+    watch_parameter_changes()
+    epoch = _epoch[0]
+    hit = _module_cache.get(m)
+    if hit is not None and hit.epoch == epoch:
+        return hit
+    tensors = [t for t in (*m.parameters(), *m.buffers()) if t.is_cuda]
+    devices = {t.get_device() for t in tensors}
+    if len(devices) > 1:
+        raise Unsupported(f"argument of type {type(m).__name__}: its parameters lie on several GPUs {sorted(devices)}")
+    state = _ModuleState(epoch, tensors, devices.pop() if devices else -2, any(t.requires_grad for t in tensors))
+    _module_cache[m] = state
+    return state
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -263,11 +483,11 @@ def place_inputs(
 ) -> tuple[InputPlan, list[Any], list[torch.Tensor]]:
     """Decide how each tensor input of ``call`` reaches the graph about to be captured.
 
-    Static-marked tensors, parameters and inputs whose storage address is in ``held`` (outputs
-    of the current path) are read in place; the others get a placeholder, allocated here from
-    the current allocation context (the tree's pool). Returns the plan, the leaves the capture
-    runs on (placeholders in place of copied inputs) and the placeholders themselves, which the
-    caller keeps alive until the capture is over.
+    Static-marked tensors, parameters, tensors held by object arguments and inputs whose
+    storage address is in ``held`` (outputs of the current path) are read in place; the others
+    get a placeholder, allocated here from the current allocation context (the tree's pool).
+    Returns the plan, the leaves the capture runs on (placeholders in place of copied inputs)
+    and the placeholders themselves, which the caller keeps alive until the capture is over.
     """
     leaves = call.leaves
     dev = torch.device("cuda", device)
@@ -280,7 +500,8 @@ def place_inputs(
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
             continue
-        if i not in call.padded and (is_marked_static(x) or x.untyped_storage().data_ptr() in held):
+        in_place = i >= call.n_args or is_marked_static(x) or x.untyped_storage().data_ptr() in held
+        if in_place and i not in call.padded:
             inplace_idx.append(i)
             inplace_ptrs[i] = x.data_ptr()
             continue
@@ -304,6 +525,13 @@ def place_inputs(
     return plan, graph_leaves, owning
 
 
-def mutation_watch(leaves: Sequence[Any], idx: Sequence[int]) -> _torch.MutationWatch:
-    """A dispatch mode that notes which of ``leaves[i]`` (i in idx) an operation writes to."""
-    return _torch.MutationWatch({leaves[i].untyped_storage().data_ptr(): i for i in idx if leaves[i].numel()})
+def copied_inputs(call: Call) -> list[int]:
+    """Indices of the leaves a recording of ``call`` would copy (the writes to watch for)."""
+    return [i for i, x in enumerate(call.leaves[: call.n_args]) if isinstance(x, _Tensor) and not is_marked_static(x)]
+
+
+def state_watch(leaves: Sequence[Any], idx: Sequence[int], track_reads: bool = False) -> _torch.StateWatch:
+    """A dispatch mode that notes writes to ``leaves[i]`` (i in idx), tensors made and (optionally)
+    every CUDA storage read (see :class:`graphtree._torch.StateWatch`)."""
+    watched = {leaves[i].untyped_storage().data_ptr(): i for i in idx if leaves[i].numel()}
+    return _torch.StateWatch(watched, track_reads)

@@ -31,7 +31,7 @@ import torch
 from graphtree import _torch
 from graphtree.tree import recorder
 from graphtree.tree.capture import CaptureFailed
-from graphtree.tree.inputs import Call
+from graphtree.tree.inputs import Call, param_epoch
 from graphtree.tree.node import Node, Root
 from graphtree.tree.pool import Pool
 from graphtree.tree.stats import Counters, Stats, log, log_fallback
@@ -46,28 +46,6 @@ _tls = threading.local()
 _all_managers: weakref.WeakSet[TreeManager] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 _untreed = Counters()  # eager runs that never reached a tree (no CUDA, CPU inputs, ...)
-
-
-# --- parameters replaced behind a recording's back --------------------------------------------------
-# Bumped whenever any nn.Module registers a parameter or buffer: a cheap signal that a
-# recording's parameters may have been replaced (checked on replay with one int compare). The
-# hooks are global (torch has no per-module registration hook), so they are installed only once
-# a graphed callable reads a module's state in place.
-_param_epoch = [0]
-_hooks_installed = False
-
-
-def _bump_epoch(*_: object) -> None:
-    _param_epoch[0] += 1
-
-
-def watch_parameter_changes() -> None:
-    """Install the global parameter/buffer registration hooks (once per process)."""
-    global _hooks_installed
-    if not _hooks_installed:
-        _hooks_installed = True
-        torch.nn.modules.module.register_module_parameter_registration_hook(_bump_epoch)
-        torch.nn.modules.module.register_module_buffer_registration_hook(_bump_epoch)
 
 
 # --- the calling thread's trees ---------------------------------------------------------------------
@@ -131,10 +109,9 @@ class TreeManager:
         self.warming = False
         self.bookkeeping_live = True  # the allocator's view of the pool is exact
         self.called: set[int] = set()  # graphed functions called in this step
-        self.warm_refs: list[tuple[int, str]] = []  # weak refs to pool outputs of warm-ups in this step
         # Trees given up after a failed capture, kept until the step ends: their outputs may still
         # be held. (torch leaves a pool it failed to capture into unable to take another capture.)
-        self.retired: list[tuple[Pool | None, list[Node], list[tuple[int, str]]]] = []
+        self.retired: list[tuple[Pool | None, list[Node]]] = []
 
     @property
     def pool(self) -> Pool:
@@ -184,6 +161,9 @@ class TreeManager:
                         self.bookkeeping_live = False
                         self.counters.replays += 1
                         return out
+            reason = gc.given_up.get(call.key)
+            if reason is not None:
+                return gc.run_eager(call, reason)
             if self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup:
                 return self._warm_up(gc, call)
             return self._record(gc, call)
@@ -195,27 +175,20 @@ class TreeManager:
 
     def _held_outputs(self) -> list[tuple[int, str]]:
         """(weak ref, message) of every output of this step the caller still holds."""
-        held = _held_in(self.path, self.warm_refs)
-        for _pool, path, warm in self.retired:
-            held.extend(_held_in(path, warm))
+        held = _held_in(self.path)
+        for _pool, path in self.retired:
+            held.extend(_held_in(path))
         return held
 
     def _new_step(self, leaves: Sequence[Any]) -> Sequence[Any]:
         """Go back to the root; invalidate outputs of the step that ends (cloning inputs among them)."""
-        held: list[tuple[int, str]] = []  # invalidated below; weak refs of the path and warm-ups freed too
+        held: list[tuple[int, str]] = []  # invalidated below; the weak refs of the path's are freed too
         for node in self.path:
             node.release_outputs(held)
-        if self.warm_refs:
-            for r, msg in self.warm_refs:
-                if _torch.weak_expired(r):
-                    _torch.weak_free(r)
-                else:
-                    held.append((r, msg))
-            self.warm_refs = []
         release = [r for r, _ in held]
         if self.retired:  # their nodes release their own refs when they are dropped
-            for _pool, path, warm in self.retired:
-                held.extend(_held_in(path, warm))
+            for _pool, path in self.retired:
+                held.extend(_held_in(path))
             self.retired = []
         if held:
             doomed = {r for r, _ in held}
@@ -237,19 +210,18 @@ class TreeManager:
 
     def _retire_pool(self) -> None:
         """Move to a fresh pool and an empty tree; keep the old ones until this step ends."""
-        self.retired.append((self._pool, self.path, self.warm_refs))
+        self.retired.append((self._pool, self.path))
         self._pool = None
         self.root = Root()
         self.current = self.root
         self.path = []
-        self.warm_refs = []
         self.bookkeeping_live = True
         log.warning("graphtree: a capture failed on cuda:%d; recordings start again in a new memory pool", self.device)
 
     # --- replay ---------------------------------------------------------------------------
     def _replayable(self, gc: GraphedCallable, kids: list[Node], leaves: Sequence[Any]) -> Node | None:
         """The first recording among ``kids`` that can be replayed for these inputs, if any."""
-        epoch = _param_epoch[0]
+        epoch = param_epoch()
         for node in kids:
             if node.epoch != epoch:
                 now = gc.static_tensors()
@@ -282,27 +254,30 @@ class TreeManager:
 
     # --- warm-up and record -------------------------------------------------------------------
     def _warm_up(self, gc: GraphedCallable, call: Call) -> Any:
-        self._sync_bookkeeping()
         self.warming = True
-        done = recorder.warm_up(gc, call, self.pool, self.stream, self.device)
+        done = recorder.warm_up(gc, call, self.stream, self.device)
         self.counters.warmups += 1
         key = (gc.id, call.key)
-        self.warmed[key] = self.warmed.get(key, 0) + 1
-        if done.disable_reason:
-            gc.disable(done.disable_reason)
-        self.warm_refs.extend(done.held)
+        if done.give_up:
+            gc.give_up(call.key, done.give_up)
+        elif done.kept:  # it allocated state (a cache filled on first use): warm up again next time
+            if gc.note_kept_state(call.key):
+                gc.give_up(call.key, KEEPS_STATE.format(name=gc.name))
+        else:
+            self.warmed[key] = self.warmed.get(key, 0) + 1
         return done.out
 
     def _record(self, gc: GraphedCallable, call: Call) -> Any:
         self._sync_bookkeeping()
         key = (gc.id, call.key)
-        siblings = self.current.children.get(key, [])
+        siblings = self._alive_siblings(key)
         if len(siblings) > gc.max_rerecords:
-            gc.disable(
+            reason = (
                 f"re-record limit reached: recorded {len(siblings)} times at the same place "
                 f"(in-place inputs or parameters keep moving, or held outputs keep changing)"
             )
-            return gc.run_eager(call, gc.disabled_reason or "")
+            gc.give_up(call.key, reason)
+            return gc.run_eager(call, reason)
         try:
             node, out = recorder.record(
                 gc,
@@ -312,10 +287,10 @@ class TreeManager:
                 pool=self.pool,
                 stream=self.stream,
                 device=self.device,
-                epoch=_param_epoch[0],
+                epoch=param_epoch(),
             )
         except CaptureFailed as e:
-            gc.disable(str(e))
+            gc.give_up(call.key, str(e))
             if e.pool_tainted:
                 self._retire_pool()
             return gc.run_eager(call, str(e))
@@ -326,6 +301,19 @@ class TreeManager:
         self.current = node
         self.counters.recordings += 1
         return out
+
+    def _alive_siblings(self, key: Any) -> list[Node]:
+        """The recordings of ``key`` under the current node, dropping dead ones (see
+        :meth:`Node.dead_reason`): they are replaced without counting as re-recordings, and the
+        new recording reuses their memory (it starts from the same checkpoint)."""
+        kids = self.current.children.get(key)
+        if not kids:
+            return []
+        alive = [n for n in kids if n.dead_reason() is None]
+        if len(alive) < len(kids):
+            self.counters.replaced += len(kids) - len(alive)
+            self.current.children[key] = alive
+        return alive
 
     # --- reporting and reset ----------------------------------------------------------------
     def nodes(self) -> list[Node]:
@@ -353,11 +341,15 @@ class TreeManager:
             torch.cuda.empty_cache()
 
 
-def _held_in(path: list[Node], warm_refs: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """(weak ref, message) of the outputs of ``path`` and warm-ups the caller still holds."""
-    held = [pair for node in path for pair in node.held_outputs()]
-    held.extend((r, m) for r, m in warm_refs if not _torch.weak_expired(r))
-    return held
+def _held_in(path: list[Node]) -> list[tuple[int, str]]:
+    """(weak ref, message) of the outputs of ``path`` the caller still holds."""
+    return [pair for node in path for pair in node.held_outputs()]
+
+
+KEEPS_STATE = (
+    "`{name}` keeps tensors it allocates beyond its outputs on every call (a cache created "
+    "inside the call?): allocate that state before the first call, or pass it in"
+)
 
 
 def _managers() -> list[TreeManager]:

@@ -29,6 +29,7 @@ def next_node_id() -> str:
 
 _storage_at, _tensor_on = _torch.storage_at, _torch.tensor_on
 _weak_ref, _weak_free, _weak_expired = _torch.weak_ref, _torch.weak_free, _torch.weak_expired
+_weak_data_ptr = _torch.weak_data_ptr
 
 
 class OutputRef(NamedTuple):
@@ -36,6 +37,15 @@ class OutputRef(NamedTuple):
 
     depth: int
     group: int
+
+
+class External(NamedTuple):
+    """A CUDA tensor a graph reads that was not passed in (a global, a closure, an attribute)."""
+
+    ref: int  # weak reference to its storage
+    ptr: int  # its data address at the recording
+    nbytes: int
+    origin: str  # where it was found, for messages ("global `W` of module m")
 
 
 class Root:
@@ -66,6 +76,10 @@ class Node:
         statics: parameters and buffers read in place (their addresses are checked).
         epoch: the parameter-registration epoch in which ``statics`` were read.
         capture_seconds: how long the capture took.
+        input_refs: weak references to the storages of inputs read in place (static-marked
+            tensors, tensors of object arguments): when all have died, the node is dead.
+        externals: tensors the graph reads that were not passed in (globals, closures,
+            attributes); when one dies or moves, the node is dead.
     """
 
     def __init__(
@@ -86,6 +100,8 @@ class Node:
         statics: list[torch.Tensor],
         epoch: int,
         capture_seconds: float,
+        input_refs: list[int],
+        externals: Sequence[External],
     ) -> None:
         self.id = id
         self.parent = parent
@@ -105,10 +121,13 @@ class Node:
         self.static_idx = list(range(len(statics)))
         self.epoch = epoch
         self.capture_seconds = capture_seconds
+        self.input_refs = input_refs
+        self.externals = externals
         self.replays = 0
         # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
-        # ancestor output that had to be dead. Such a node is always replayable under its parent.
-        self.unconditional = not (inputs.inplace_idx or statics or dead_before)
+        # tensor read from outside, no ancestor output that had to be dead. Such a node is always
+        # replayable under its parent.
+        self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals)
         self._device = torch.device("cuda", inputs.device)
         self._launch = _torch.graph_launcher(graph)
         self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
@@ -125,7 +144,20 @@ class Node:
             ref = path[d].refs[g]
             if ref and not _weak_expired(ref):
                 return False
-        return True
+        return not self.externals or self._externals_in_place()
+
+    def _externals_in_place(self) -> bool:
+        return all(_weak_data_ptr(e.ref) == e.ptr for e in self.externals)
+
+    def dead_reason(self) -> str | None:
+        """Why this node can never be replayed again, or ``None``: all its in-place inputs died
+        (a cache that was dropped), or a tensor it reads from outside died or moved."""
+        for e in self.externals:
+            if _weak_data_ptr(e.ref) != e.ptr:
+                return f"{e.origin} was freed or moved since the recording"
+        if self.input_refs and all(_weak_expired(r) for r in self.input_refs):
+            return "every tensor it read in place was freed"
+        return None
 
     def replay(self, leaves: Sequence[Any], n: int) -> Any:
         """Copy inputs in, launch the graph, hand out fresh output tensors.
@@ -177,7 +209,7 @@ class Node:
 
     def __del__(self) -> None:
         try:
-            for r in self.refs:
+            for r in (*self.refs, *self.input_refs, *(e.ref for e in self.externals)):
                 if r:
                     _weak_free(r)
         except Exception:  # noqa: BLE001 - interpreter shutdown: torch may be gone

@@ -17,6 +17,32 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
+from graphtree.tree.capture import CaptureFailed
+from graphtree.tree.inputs import HeldTensors, Unsupported, read_object
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _check_constant(value: Any, in_pool: Callable[[int], bool], fn_name: str) -> None:
+    """Refuse an output object that holds tensors of this recording: a replay could not rebuild it."""
+    if type(value) in _PLAIN:
+        return
+    held = HeldTensors()
+    try:
+        read_object(value, held)
+    except Unsupported:
+        return  # not state graphtree can see into; it is returned as it was
+    mine = [
+        t
+        for t in held.tensors
+        if t.is_cuda and t.untyped_storage().nbytes() and in_pool(t.untyped_storage().data_ptr())
+    ]
+    if mine:
+        raise CaptureFailed(
+            f"`{fn_name}` returns a {type(value).__name__} holding {len(mine)} tensor(s) it computed, which a "
+            f"replay cannot rebuild: return tensors, tuples, lists or dicts of them, or register "
+            f"{type(value).__name__} as a pytree node (torch.utils._pytree.register_pytree_node)"
+        )
 
 
 def stale_message(fn_name: str, outputs: Sequence[int], where: str) -> str:
@@ -66,6 +92,15 @@ class Constant(NamedTuple):
         return self.value
 
 
+class SameObject(NamedTuple):
+    """The object the caller passed as leaf ``leaf`` (a cache, a module the function returns)."""
+
+    leaf: int
+
+    def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
+        return in_leaves[self.leaf]
+
+
 class Repeat(NamedTuple):
     """The same object as output leaf ``index`` (returned twice)."""
 
@@ -85,7 +120,7 @@ class Empty(NamedTuple):
         return torch.empty_strided(m["size"], m["stride"], dtype=m["dtype"], device=m["device"])
 
 
-Kind = FromPool | FromInput | Constant | Repeat | Empty
+Kind = FromPool | FromInput | Constant | SameObject | Repeat | Empty
 
 
 class Group(NamedTuple):
@@ -153,9 +188,13 @@ class OutputPlan:
         else:
             leaves, spec = _torch.tree_flatten(out)
         input_storage: dict[int, int] = {}
+        input_objects: dict[int, int] = {}
         for i, x in enumerate(in_leaves):
-            if isinstance(x, torch.Tensor) and x.numel():
-                input_storage.setdefault(x.untyped_storage().data_ptr(), i)
+            if isinstance(x, torch.Tensor):
+                if x.numel():
+                    input_storage.setdefault(x.untyped_storage().data_ptr(), i)
+            elif type(x) not in _PLAIN:
+                input_objects.setdefault(id(x), i)
         kinds: list[Kind] = []
         slice_idx: list[int] = []
         group_of: dict[int, int] = {}  # storage address -> group
@@ -163,7 +202,11 @@ class OutputPlan:
         seen: dict[int, int] = {}
         for j, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):
-                kinds.append(Constant(t))
+                if id(t) in input_objects:
+                    kinds.append(SameObject(input_objects[id(t)]))
+                else:
+                    _check_constant(t, in_pool, fn_name)
+                    kinds.append(Constant(t))
                 continue
             if id(t) in seen:
                 kinds.append(Repeat(seen[id(t)]))
@@ -196,7 +239,7 @@ class OutputPlan:
         """Point outputs that alias an input at the caller's tensor, not at its placeholder."""
         leaves = list(leaves)
         for j, k in enumerate(self.kinds):
-            if isinstance(k, (FromInput, Repeat)):
+            if isinstance(k, (FromInput, SameObject, Repeat)):
                 leaves[j] = k.make([], caller_leaves, leaves)
         return leaves
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphtree import _events, _torch
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
-from graphtree.tree.inputs import Call, is_marked_static, mutation_watch, place_inputs
-from graphtree.tree.node import Node, OutputRef, Root, next_node_id
-from graphtree.tree.outputs import OutputPlan, stale_message
+from graphtree.tree.inputs import Call, copied_inputs, place_inputs, state_watch
+from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
+from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.pool import Pool
 
 if TYPE_CHECKING:
@@ -60,56 +60,44 @@ class _Inside:
 
 
 class WarmUp:
-    """The result of one warm-up run: its outputs, a reason to stop graphing, held pool outputs."""
+    """The result of one warm-up run: its outputs, and what it showed about the signature."""
 
-    def __init__(self, out: Any, disable_reason: str | None, held: list[tuple[int, str]]) -> None:
+    def __init__(self, out: Any, give_up: str | None, kept: int) -> None:
         self.out = out
-        self.disable_reason = disable_reason  # None: the function can be recorded
-        self.held = held  # (weak ref, stale message) of outputs on pool memory
+        self.give_up = give_up  # a reason never to graph this signature, or None
+        self.kept = kept  # storages the function made and kept beyond its outputs (state it allocated)
 
 
-def warm_up(gc: GraphedCallable, call: Call, pool: Pool, stream: torch.cuda.Stream, device: int) -> WarmUp:
-    """Run ``gc``'s function eagerly with its memory in ``pool``, watching for what a graph cannot hold.
+def warm_up(gc: GraphedCallable, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
+    """Run ``gc``'s function eagerly, watching for what a graph cannot hold.
 
-    Host synchronisations and writes to inputs that would be copied make the result name a
-    reason to run eagerly for good. Exceptions of the function propagate unchanged.
+    Warm-ups allocate from the ordinary caching allocator, not the tree's pool: whatever the
+    function keeps (a cache it fills on first use) can never be overwritten by a recording.
+    Host synchronisations and writes to inputs that would be copied name a reason never to graph
+    this signature; tensors the function made and kept (other than its outputs) are counted.
+    Exceptions of the function propagate unchanged.
     """
-    leaves = call.leaves
-    copied = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and not is_marked_static(x)]
-    watch = mutation_watch(leaves, copied)
+    watch = state_watch(call.leaves, copied_inputs(call))
     args, kwargs = call.arguments()
     tracker = OpTracker()
     sync = SyncWatch(tracker, gc.name)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
-        with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating(), sync, tracker, watch:
+        with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream), sync, tracker, watch:
             out = gc.fn(*args, **kwargs)
+        reason = _mutation_reason(watch.written) if watch.written else (sync.found or None)
+        kept = len(watch.kept(_storages(call.leaves, out) | {_torch.storage_id(t) for t in gc.static_tensors()}))
     finally:
         current.wait_stream(stream)
-    reason = _mutation_reason(watch.written) if watch.written else (sync.found or None)
-    return WarmUp(out, reason, _pool_outputs(gc.name, out, leaves, pool, device))
+        watch.close()
+    return WarmUp(out, reason, kept)
 
 
-def _pool_outputs(name: str, out: Any, leaves: Sequence[Any], pool: Pool, device: int) -> list[tuple[int, str]]:
-    """(weak ref, stale message) of each warm-up output storage that lives in the pool."""
+def _storages(leaves: Sequence[Any], out: Any) -> set[int]:
+    """Storage ids of the tensors among ``leaves`` and the tensor leaves of ``out``."""
     outs, _ = _torch.tree_flatten(out)
-    inputs = {_torch.storage_id(x) for x in leaves if isinstance(x, torch.Tensor)}
-    seen: set[int] = set()
-    in_pool = pool.address_test()
-    held = []
-    for j, t in enumerate(outs):
-        if not isinstance(t, torch.Tensor) or t.get_device() != device:
-            continue
-        c = _torch.storage_id(t)
-        storage = t.untyped_storage()
-        if c in seen or c in inputs or not storage.nbytes():
-            continue
-        seen.add(c)
-        if in_pool(storage.data_ptr()):
-            where = f"{t.dtype} {list(t.shape)}, a warm-up run".replace("torch.", "")
-            held.append((_torch.weak_ref(storage), stale_message(name, [j], where)))
-    return held
+    return {_torch.storage_id(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor)}
 
 
 def record(
@@ -140,86 +128,151 @@ def record(
                 held[group.ptr] = OutputRef(d, g)
             else:
                 dead_before.append(OutputRef(d, g))
-    pad_dim = gc.bucketing.dim if gc.bucketing else 0
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     with torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating():
-        inputs, graph_leaves, owning = place_inputs(call, set(held), device, pad_dim)
+        inputs, graph_leaves, owning = place_inputs(call, set(held), device, pad_dim_of(gc))
     statics = gc.static_tensors()
-    watch = mutation_watch(graph_leaves, inputs.copy_idx)
-    args, kwargs = call.arguments(graph_leaves)
-    graph = torch.cuda.CUDAGraph()
-    tracker = OpTracker()
-    node_id = next_node_id()
-    _events.publish("record_begin", name=gc.name, node=node_id)
-    t0 = time.perf_counter()
-    user_error: BaseException | None = None
-    end_error: Exception | None = None
-    began = False
+    watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
-        with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
-            began = True
-            try:
-                with tracker, watch:
-                    out = gc.fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
-                user_error = e
-            try:
-                graph.capture_end()
-            except Exception as e:  # noqa: BLE001 - whatever ended the capture, it is explained below
-                end_error = e
-    except Exception as e:  # noqa: BLE001 - capture_begin itself failed: explained below
-        end_error = e
+        args, kwargs = call.arguments(graph_leaves)
+        graph = torch.cuda.CUDAGraph()
+        tracker = OpTracker()
+        node_id = next_node_id()
+        _events.publish("record_begin", name=gc.name, node=node_id)
+        t0 = time.perf_counter()
+        user_error: BaseException | None = None
+        end_error: Exception | None = None
+        began = False
+        try:
+            with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+                began = True
+                try:
+                    with tracker, watch:
+                        out = gc.fn(*args, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
+                    user_error = e
+                try:
+                    graph.capture_end()
+                except Exception as e:  # noqa: BLE001 - whatever ended the capture, it is explained below
+                    end_error = e
+        except Exception as e:  # noqa: BLE001 - capture_begin itself failed: explained below
+            end_error = e
+        finally:
+            current.wait_stream(stream)
+        if end_error is not None:  # the stream capture broke: torch will not capture into this pool again
+            err = user_error if isinstance(user_error, Exception) else end_error
+            msg = explain_capture_error(err, tracker, gc.name)
+            for e in (user_error, end_error):
+                if e is not None:
+                    clear_traceback(e)
+            del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph
+            _torch.end_failed_capture(device, pool.id, began)
+            raise CaptureFailed(msg, pool_tainted=True)
+        if user_error is not None:
+            # The capture itself ended well: the graph is dropped (its destructor gives back its
+            # reference on the pool) and the function's error reaches the caller as it was raised.
+            del args, kwargs, graph_leaves, owning, graph
+            raise user_error
+        capture_seconds = time.perf_counter() - t0
+        if watch.written:  # the graph would write into a placeholder, not the caller's tensor
+            del out, owning, graph
+            raise CaptureFailed(_mutation_reason(watch.written))
+        kept = watch.kept(_storages(graph_leaves, out) | {_torch.storage_id(t) for t in statics})
+        if kept:  # state allocated inside the pool would be overwritten by later recordings
+            del out, owning, graph
+            raise CaptureFailed(_KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
+        in_pool = pool.address_test()
+        outputs, out_leaves = OutputPlan.from_recording(
+            out, graph_leaves, in_pool, gc.name, call.bucket, pad_dim_of(gc)
+        )
+        externals = _externals(gc, watch, graph_leaves, statics, in_pool)
+        del out, owning, graph_leaves  # placeholders go back to the pool: only replays read them
+        # The capture ran nothing: replay once to compute this call's outputs.
+        inputs.copy_in(call.leaves, call.n)
+        graph.replay()
+        out_leaves = outputs.adopt(out_leaves, call.leaves)
+        depth = len(path)
+        node = Node(
+            id=node_id,
+            parent=parent,
+            key=(gc.id, call.key),
+            name=gc.name,
+            depth=depth,
+            graph=graph,
+            inputs=inputs,
+            outputs=outputs,
+            refs=outputs.refs_of(out_leaves),
+            checkpoint=pool.checkpoint(),
+            alive_at_checkpoint=[*held.values(), *(OutputRef(depth, g) for g in range(len(outputs.groups)))],
+            dead_before=dead_before,
+            statics=statics,
+            epoch=epoch,
+            capture_seconds=capture_seconds,
+            input_refs=[
+                _torch.weak_ref(call.leaves[i].untyped_storage())
+                for i in inputs.inplace_idx
+                if call.leaves[i].untyped_storage().data_ptr() not in held
+            ],
+            externals=externals,
+        )
+        _events.publish("record_end", name=gc.name, node=node.id, graph=graph)
+        return node, outputs.finish(out_leaves, call.n)
     finally:
-        current.wait_stream(stream)
-    if end_error is not None:  # the stream capture broke: torch will not capture into this pool again
-        err = user_error if isinstance(user_error, Exception) else end_error
-        msg = explain_capture_error(err, tracker, gc.name)
-        for e in (user_error, end_error):
-            if e is not None:
-                clear_traceback(e)
-        del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph
-        _torch.end_failed_capture(device, pool.id, began)
-        raise CaptureFailed(msg, pool_tainted=True)
-    if user_error is not None:
-        # The capture itself ended well: the graph is dropped (its destructor gives back its
-        # reference on the pool) and the function's error reaches the caller as it was raised.
-        del args, kwargs, graph_leaves, owning, graph
-        raise user_error
-    capture_seconds = time.perf_counter() - t0
-    if watch.written:  # the graph would write into a placeholder, not the caller's tensor
-        del out, owning, graph
-        raise CaptureFailed(_mutation_reason(watch.written))
-    outputs, out_leaves = OutputPlan.from_recording(
-        out, graph_leaves, pool.address_test(), gc.name, call.bucket, pad_dim
-    )
-    del out, owning, graph_leaves  # placeholders go back to the pool: only replays read them
-    # The capture ran nothing: replay once to compute this call's outputs.
-    inputs.copy_in(call.leaves, call.n)
-    graph.replay()
-    out_leaves = outputs.adopt(out_leaves, call.leaves)
-    refs = outputs.refs_of(out_leaves)
-    depth = len(path)
-    node = Node(
-        id=node_id,
-        parent=parent,
-        key=(gc.id, call.key),
-        name=gc.name,
-        depth=depth,
-        graph=graph,
-        inputs=inputs,
-        outputs=outputs,
-        refs=refs,
-        checkpoint=pool.checkpoint(),
-        alive_at_checkpoint=[*held.values(), *(OutputRef(depth, g) for g in range(len(outputs.groups)))],
-        dead_before=dead_before,
-        statics=statics,
-        epoch=epoch,
-        capture_seconds=capture_seconds,
-    )
-    _events.publish("record_end", name=gc.name, node=node.id, graph=graph)
-    return node, outputs.finish(out_leaves, call.n)
+        watch.close()
+
+
+def pad_dim_of(gc: GraphedCallable) -> int:
+    return gc.bucketing.dim if gc.bucketing else 0
+
+
+_KEPT_REASON = (
+    "`{name}` keeps {n} tensor(s) it allocates beyond its outputs (a cache filled on first use?): "
+    "a graph's memory is reused by later recordings, so such state cannot be recorded"
+)
+
+
+def _externals(
+    gc: GraphedCallable,
+    watch: _torch.StateWatch,
+    graph_leaves: Sequence[Any],
+    statics: list[torch.Tensor],
+    in_pool: Callable[[int], bool],
+) -> list[External]:
+    """The CUDA storages the capture read that are neither inputs, nor state read in place, nor pool memory."""
+    known = {t.untyped_storage().data_ptr() for t in (*graph_leaves, *statics) if isinstance(t, torch.Tensor)}
+    found = []
+    for ptr, (ref, nbytes) in list(watch.read.items()):
+        if ptr in known or in_pool(ptr) or _torch.weak_expired(ref):
+            continue
+        del watch.read[ptr]  # the node owns this weak reference now
+        found.append(External(ref, ptr, nbytes, _origin(gc, ptr)))
+    return found
+
+
+def _origin(gc: GraphedCallable, ptr: int) -> str:
+    """Where the function finds the tensor whose storage is at ``ptr``, as far as can be seen."""
+    fn = getattr(gc.fn, "__func__", gc.fn)
+    fn = getattr(fn, "forward", fn) if isinstance(fn, torch.nn.Module) else fn
+    places: list[tuple[str, Any]] = []
+    for name, v in (getattr(fn, "__globals__", None) or {}).items():
+        places.append((f"global `{name}` of {getattr(fn, '__module__', '?')}", v))
+    code = getattr(fn, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+        try:
+            places.append((f"closure variable `{name}`", cell.cell_contents))
+        except ValueError:
+            continue
+    module = gc.module()
+    if module is not None:
+        for mod_name, sub in module.named_modules():
+            for name, v in vars(sub).items():
+                places.append((f"attribute `{(mod_name + '.' if mod_name else '') + name}` of the module", v))
+    for where, v in places:
+        if isinstance(v, torch.Tensor) and v.is_cuda and v.untyped_storage().data_ptr() == ptr:
+            return where
+    return "a tensor the function reads from outside its arguments"
 
 
 def _mutation_reason(written: list[int]) -> str:

@@ -29,6 +29,7 @@ class Stats:
     replays: int = 0
     warmups: int = 0
     rerecordings: int = 0
+    replaced: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     pool_bytes: int = 0
     trees: int = 0
@@ -41,7 +42,8 @@ class Stats:
     def __str__(self) -> str:
         eager = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager.items())) or "none"
         s = (
-            f"graphtree: {self.recordings} recordings ({self.rerecordings} re-recordings), "
+            f"graphtree: {self.recordings} recordings ({self.rerecordings} re-recordings, "
+            f"{self.replaced} dead ones replaced), "
             f"{self.replays} replays, {self.warmups} warm-ups; eager runs: {eager}; "
             f"pool {self.pool_bytes / 2**20:.1f} MiB in {self.trees} tree(s)"
         )
@@ -51,13 +53,14 @@ class Stats:
 class Counters:
     """Mutable counters one tree (or the process, for calls with no tree) keeps."""
 
-    __slots__ = ("recordings", "replays", "warmups", "rerecordings", "eager")
+    __slots__ = ("eager", "recordings", "replaced", "replays", "rerecordings", "warmups")
 
     def __init__(self) -> None:
         self.recordings = 0
         self.replays = 0
         self.warmups = 0
         self.rerecordings = 0
+        self.replaced = 0  # dead recordings replaced (everything they read in place had died)
         self.eager: Counter[str] = Counter()
 
     def add_to(self, s: Stats) -> None:
@@ -65,6 +68,7 @@ class Counters:
         s.replays += self.replays
         s.warmups += self.warmups
         s.rerecordings += self.rerecordings
+        s.replaced += self.replaced
         for k, v in self.eager.items():
             s.eager[k] = s.eager.get(k, 0) + v
 
