@@ -1,4 +1,4 @@
-"""The five measured scenarios; correctness against eager is checked inside each of them.
+"""The six measured scenarios; correctness against eager is checked inside each of them.
 
 Each scenario builds every selected contender (see :mod:`graphtree.bench.contenders`), checks
 its output against eager's, measures, and returns :class:`~graphtree.bench.harness.Result` rows.
@@ -16,6 +16,8 @@ error and the scenario goes on with the others. Timings are interleaved across c
 - ``capture`` -- seconds to record each bucket (1, 8, 32 reported) and the total for 32 buckets.
 - ``branching`` -- A->B, then A->B' in the same tree: memory after each, against the sum of
   separate graphs for A, B and B'.
+- ``generate`` -- Hugging Face ``generate()`` of a random-weight Llama with a static KV cache:
+  time per token (see :mod:`graphtree.bench.generate`; skipped without transformers).
 
 Example::
 
@@ -70,10 +72,17 @@ from graphtree.bench.harness import (
 from graphtree.bench.workloads import MLP, MMChain
 from graphtree.demo.gpt import GPTConfig
 
-SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching")
+SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate")
 """Scenario names, in the order they run."""
 
-BUDGET_WEIGHTS: dict[str, float] = {"overhead": 2.0, "decode": 4.0, "memory": 1.0, "capture": 1.5, "branching": 1.0}
+BUDGET_WEIGHTS: dict[str, float] = {
+    "overhead": 2.0,
+    "decode": 4.0,
+    "memory": 1.0,
+    "capture": 1.5,
+    "branching": 1.0,
+    "generate": 2.0,
+}
 """Relative share of the time budget per scenario (unused time rolls over to later ones)."""
 
 MIN_REPEATS = 3
@@ -954,6 +963,12 @@ def _branch_contender(
     raise ValueError(f"unknown contender {name!r}")
 
 
+def _run_generate(ctx: _Ctx) -> list[Result]:
+    from graphtree.bench.generate import run_generate  # imports transformers only when it runs
+
+    return run_generate(ctx)
+
+
 # --------------------------------------------------------------------------------------------
 # the run
 
@@ -964,6 +979,7 @@ RUNNERS: dict[str, Callable[[_Ctx], list[Result]]] = {
     "memory": run_memory,
     "capture": run_capture,
     "branching": run_branching,
+    "generate": _run_generate,
 }
 
 

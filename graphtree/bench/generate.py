@@ -1,0 +1,189 @@
+"""The ``generate`` scenario: Hugging Face ``generate()`` with a static KV cache, per contender.
+
+A randomly initialised ``LlamaForCausalLM`` (nothing downloaded; transformers is an optional
+extra: without it the scenario reports one "not applicable" row and a hint) decodes greedily
+with ``cache_implementation="static"``. Contenders replace ``model.forward``:
+
+- ``eager``: the model as it is;
+- ``graphtree``: ``model.forward = graphtree.graphed(model.forward)``;
+- ``compile-reduce-overhead``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``.
+
+Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticCache`` per call,
+so graphtree records the decode step again each call, at a new address) and ``one cache`` (one
+``StaticCache`` passed as ``past_key_values`` and reset between calls: every decode step replays).
+Reported: time per generated token (a whole ``generate()`` call / tokens), the first call's time
+(warm-up and recording), and for graphtree the share of decode steps that replayed. Tokens are
+compared with eager's.
+
+Example::
+
+    rows = run_generate(ctx)   # from graphtree.bench.scenarios
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import graphtree
+from graphtree.bench import timing
+from graphtree.bench.contenders import COMPILED, EAGER, GRAPHTREE, reset_all
+from graphtree.bench.harness import Result, failed, interleaved
+
+if TYPE_CHECKING:
+    from graphtree.bench.scenarios import _Ctx
+
+SCENARIO = "generate"
+REDUCE_OVERHEAD = "compile-reduce-overhead"
+APPLICABLE = (EAGER, GRAPHTREE, REDUCE_OVERHEAD)
+
+
+def tiny_llama(hidden: int, layers: int, vocab: int, max_positions: int) -> Any:
+    """A randomly initialised ``LlamaForCausalLM`` on the GPU, in eval mode (seed 0)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=max_positions,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to("cuda").eval()
+
+
+def run_generate(ctx: _Ctx) -> list[Result]:
+    """Time per generated token of ``generate()`` for each applicable contender, both cases."""
+    cfg = ctx.cfg
+    results: list[Result] = []
+    names = [n for n in cfg.contenders if n in APPLICABLE]
+    for n in cfg.contenders:
+        if n not in APPLICABLE:
+            results.append(Result(SCENARIO, "all", n, "time_per_token", None, "s", note="not applicable to generate()"))
+    try:
+        import transformers
+    except ImportError:
+        for n in names:
+            results.append(
+                Result(
+                    SCENARIO,
+                    "all",
+                    n,
+                    "time_per_token",
+                    None,
+                    "s",
+                    note="transformers is not installed (pip install 'graphtree[hf]'): scenario skipped",
+                )
+            )
+        ctx.log("generate: transformers is not installed: skipped")
+        return results
+    quick = cfg.quick
+    model = tiny_llama(
+        hidden=128 if quick else 512, layers=2 if quick else 8, vocab=1024 if quick else 32000, max_positions=256
+    )
+    tokens = 16 if quick else 64
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    original = model.forward
+    forwards: dict[str, Callable[..., Any]] = {EAGER: original}
+    for name in names:
+        if name == GRAPHTREE:
+            forwards[name] = graphtree.graphed(original, name="LlamaForCausalLM.forward")
+        elif name == REDUCE_OVERHEAD:
+            forwards[name] = torch.compile(original, mode="reduce-overhead")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + tokens)
+    cases: dict[str, dict[str, Any]] = {
+        "fresh cache": {"cache_implementation": "static"},
+        "one cache": {"past_key_values": cache},
+    }
+    for case, extra in cases.items():
+        kw = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "disable_compile": True, **extra}
+
+        n_calls = dict.fromkeys(names, 0)
+
+        def generate(name: str, kw: dict[str, Any] = kw, n_calls: dict[str, int] = n_calls) -> torch.Tensor:
+            n_calls[name] = n_calls.get(name, 0) + 1
+            model.forward = forwards[name]
+            if "past_key_values" in kw:
+                kw["past_key_values"].reset()
+            try:
+                return model.generate(ids, **kw)
+            finally:
+                model.forward = original
+
+        expected = generate(EAGER)
+        first: dict[str, float] = {}
+        equal: dict[str, bool] = {}
+        before = graphtree.stats()
+        for name in names:
+            if name in COMPILED:  # only compiling is slow enough to skip
+                ctx.budget.check(f"{name} in generate/{case}")
+            try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = generate(name)
+                torch.cuda.synchronize()
+                first[name] = time.perf_counter() - t0
+                equal[name] = bool(torch.equal(out, expected))
+            except Exception as exc:  # noqa: BLE001 - a contender that fails is reported, the others go on
+                results.append(failed(SCENARIO, case, name, exc, "time_per_token"))
+                ctx.log(f"generate: {case}: {name} FAILED: {exc}")
+        ok = [n for n in names if n in first]
+        t = interleaved(
+            {n: partial(generate, n) for n in ok},
+            repeats=3 if quick else 5,
+            warmup=1,
+            timer=timing.per_unit(partial(timing.wall_per_call, calls=1, sync=torch.cuda.synchronize), tokens),
+            stop=ctx.budget.expired,
+            min_repeats=2,
+        )
+        after = graphtree.stats()
+        medians = {}
+        for name in ok:
+            s = t.summary(name)
+            if s is None:
+                results.append(failed(SCENARIO, case, name, t.errors.get(name, "NoSamples"), "time_per_token"))
+                continue
+            medians[name] = s["median"]
+            extra_info: dict[str, Any] = {"first_call_s": first[name]}
+            note = f"{tokens} tokens per generate(), greedy, batch 1"
+            if name == GRAPHTREE:
+                decode = n_calls[GRAPHTREE] * (tokens - 1)  # every call: one prefill, then decode steps
+                extra_info["replayed_decode_share"] = (after.replays - before.replays) / decode
+                extra_info["recordings"] = after.recordings - before.recordings
+                extra_info["eager"] = dict(after.eager)
+                note += f"; {extra_info['replayed_decode_share']:.0%} of decode steps replayed"
+            results.append(
+                Result(
+                    SCENARIO,
+                    case,
+                    name,
+                    "time_per_token",
+                    s["median"],
+                    "s",
+                    equal_to_eager=equal[name],
+                    stats=s,
+                    note=note,
+                    extra=extra_info,
+                )
+            )
+            results.append(
+                Result(
+                    SCENARIO,
+                    case,
+                    name,
+                    "first_call_s",
+                    first[name],
+                    "s",
+                    note="the first generate(): warm-up, recording or compiling included",
+                )
+            )
+        ctx.log(f"generate: {case}: per token: " + " | ".join(f"{n} {v * 1e3:.3f} ms" for n, v in medians.items()))
+    reset_all()
+    return results
