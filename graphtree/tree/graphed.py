@@ -359,9 +359,16 @@ def graphed(
     Raises ``TypeError`` for a ``fn`` that is not callable and ``ValueError`` for an option
     out of range, naming the option, the value and what is allowed.
 
-    Constraints: tensors read from globals are baked in by address; pass them as arguments,
-    keep them in a module, or update them in place. Under autograd (grad mode on and an input
-    or parameter requiring grad) the call runs eagerly.
+    Objects among the arguments (a module, ``self`` of a method, a cache, a dataclass) are read:
+    their tensors are used in place and their plain attributes are part of the signature.
+
+    Constraints: a graph reads tensors it was not given (globals, closures, attributes that are
+    not parameters or buffers) at the address they had when it was recorded. graphtree finds
+    them while recording and records again when one is freed or moves; but rebinding a name to
+    a *new* tensor while the old one stays alive cannot be seen: the replay keeps reading the
+    old one. Update such tensors in place (``W.copy_(new)``), mark them with
+    :func:`mark_static` and pass them as arguments, or keep them in a module. Under autograd
+    (grad mode on and an input or parameter requiring grad) the call runs eagerly.
 
     Example::
 

@@ -16,7 +16,9 @@ class Stats:
 
     ``eager`` counts calls that ran eagerly, by reason (for example ``"autograd"``,
     ``"no CUDA"``, ``"capture failed: ..."``); warm-up runs are counted in ``warmups``, not there.
-    ``pool_bytes`` is the memory the trees' pools hold on the GPU.
+    ``pool_bytes`` is the memory the trees' pools hold on the GPU. ``replaced`` counts dead
+    recordings (everything they read in place had died, such as a cache of an earlier call)
+    recorded again; ``rerecordings`` counts recordings made because live inputs moved.
 
     Example::
 
