@@ -21,7 +21,7 @@ Without CUDA every graphed callable simply runs eagerly.
 """
 
 from graphtree import profile  # a module you can call: graphtree.profile() (CUPTI loads on start)
-from graphtree.tree.graphed import GraphedCallable, graphed, mark_static
+from graphtree.tree.graphed import GraphedCallable, GraphedModule, graphed, mark_static
 from graphtree.tree.manager import describe, mark_step, reset, stats
 from graphtree.tree.stats import Stats
 
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GraphedCallable",
+    "GraphedModule",
     "Stats",
     "__version__",
     "describe",

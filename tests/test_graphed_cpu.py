@@ -1,5 +1,6 @@
 """The core on a machine without CUDA (CI), and the parts of it that need no GPU."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -193,3 +194,80 @@ def test_private_apis_are_version_gated(monkeypatch):
         pytest.raises(_torch.PrivateAPIMissing, match="_no_such_api"),
     ):
         _torch._private("_no_such_api")
+
+
+# --- modules, methods and objects (issue: the models people run) ----------------------------------
+def test_graphed_module_is_the_module_it_wraps():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    g = graphtree.graphed(net)
+    assert isinstance(g, torch.nn.Module) and isinstance(g, graphtree.GraphedModule)
+    assert list(g.state_dict()) == list(net.state_dict())  # no prefix
+    assert all(p is q for p, q in zip(g.parameters(), net.parameters()))
+    assert g[0] is net[0] and len(g) == 3 and [n for n, _ in g.named_modules()] == ["", "0", "1", "2"]
+    assert g.eval() is g and not net.training and not net[0].training
+    g.train()
+    assert net.training
+    g.load_state_dict({k: torch.zeros_like(v) for k, v in net.state_dict().items()})
+    assert net[0].weight.abs().sum() == 0  # loaded into the original
+    g.extra = 7  # plain attributes live on the original
+    assert net.extra == 7 and g.extra == 7
+    g.to(torch.float64)
+    assert net[0].weight.dtype == torch.float64
+    x = torch.randn(2, 4, dtype=torch.float64)
+    assert torch.equal(g(x), net(x))
+    assert "graphed(Sequential" in repr(g)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = torch.nn.Parameter(torch.tensor(k))
+
+    @graphtree.graphed
+    def forward(self, x):
+        return x * self.k
+
+
+@needs_no_cuda
+def test_a_decorated_method_runs_eagerly_and_correctly_without_cuda():
+    a, b = _Scaled(2.0), _Scaled(3.0)
+    x = torch.ones(3)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(a(x), x * 2) and torch.equal(b(x), x * 3)
+    assert graphtree.stats().eager == {"no CUDA": 6}
+
+
+def test_object_arguments_are_keyed_by_type_and_plain_state():
+    from graphtree.tree.inputs import HeldTensors, read_object
+
+    @dataclasses.dataclass
+    class State:
+        t: torch.Tensor
+        n: int
+        items: list
+
+    def key(obj):
+        return read_object(obj, HeldTensors())
+
+    a = State(torch.zeros(2, 3), 1, [1.0, "x"])
+    assert key(a) == key(State(torch.ones(2, 3), 1, [1.0, "x"]))  # values are not keyed: layouts are
+    assert key(a) != key(State(torch.zeros(3, 2), 1, [1.0, "x"]))
+    assert key(a) != key(State(torch.zeros(2, 3), 2, [1.0, "x"]))
+    assert key(a) != key(State(torch.zeros(2, 3), 1, [1.0, "y"]))
+    lin = torch.nn.Linear(2, 2)
+    k_train = key(lin)
+    lin.eval()
+    assert key(lin) != k_train  # training flag
+    assert key(lin) != key(torch.nn.Linear(2, 2).eval())  # another instance: its own recordings
+
+    class Opaque:
+        __slots__ = ()
+
+    with pytest.raises(Unsupported, match="argument of type Opaque"):
+        key(Opaque())
+    deep: list = []
+    for _ in range(10):
+        deep = [deep]
+    with pytest.raises(Unsupported, match="nest deeper"):
+        read_call((State(torch.zeros(1), 0, deep),), {}, None)
