@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -243,13 +244,25 @@ def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True
         removed += 1
     if began:
         _private("_cuda_releasePool")(device, pool_id)
-    scratch = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-            scratch.capture_begin(capture_error_mode="thread_local")
-            scratch.capture_end()
+    capture_empty(torch.cuda.CUDAGraph(), device)
     return removed
+
+
+_empty_capture_lock = threading.Lock()
+
+
+def capture_empty(graph: torch.cuda.CUDAGraph, device: int, pool: tuple[int, int] | None = None) -> None:
+    """Capture nothing into ``graph`` on a scratch stream of ``device`` (into ``pool`` if given).
+
+    torch warns "The CUDA Graph is empty", which is meant here: the warning is silenced, one
+    thread at a time (``warnings.catch_warnings`` is process-wide state; two threads inside it
+    at once restore each other's filters, and the warning leaks).
+    """
+    with _empty_capture_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            graph.capture_end()
 
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

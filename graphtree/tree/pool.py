@@ -13,7 +13,6 @@ allocator which of that recording's outputs the caller still holds (:meth:`Pool.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,11 +38,7 @@ class Pool:
         # An empty recording holds the pool open for as long as this object lives; once it and
         # every node's graph are gone, torch.cuda.empty_cache() can give the memory back.
         self._keepalive = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
-        with warnings.catch_warnings(), torch.cuda.device(device), torch.cuda.stream(stream):
-            warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
-            self._keepalive.capture_begin(pool=self.id, capture_error_mode="thread_local")
-            self._keepalive.capture_end()
+        _torch.capture_empty(self._keepalive, device, self.id)
         self._root_state: Any = None
 
     @contextlib.contextmanager
