@@ -11,7 +11,16 @@ from typing import Any
 import torch
 
 from graphtree.tree import manager as _manager
-from graphtree.tree.inputs import Bucketing, Call, Unsupported, flatten, read_call, unflatten, watch_parameter_changes
+from graphtree.tree.inputs import (
+    Bucketing,
+    Call,
+    Unsupported,
+    flatten,
+    param_epoch,
+    read_call,
+    unflatten,
+    watch_parameter_changes,
+)
 from graphtree.tree.recorder import user_code
 
 _ids = itertools.count(1)
@@ -86,6 +95,8 @@ class GraphedCallable:
         self._has_state = self._module is not None or bool(self._closure)
         if self._module is not None:
             watch_parameter_changes()
+        self._statics: list[torch.Tensor] = []
+        self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -149,13 +160,21 @@ class GraphedCallable:
 
     # --- state the function reads in place ----------------------------------------------------
     def static_tensors(self) -> list[torch.Tensor]:
-        """Parameters and buffers of the module (and closure tensors) the graph reads in place."""
-        out: list[torch.Tensor] = []
-        if self._module is not None:
-            out.extend(self._module.parameters())
-            out.extend(self._module.buffers())
-        out.extend(self._closure)
-        return out
+        """Parameters and buffers of the module (and closure tensors) the graph reads in place.
+
+        Read again only after a module registered a parameter, buffer or submodule (see
+        :func:`~graphtree.tree.inputs.param_epoch`): walking a large module on every call
+        would cost more than the replay.
+        """
+        epoch = param_epoch()
+        if self._statics_epoch != epoch:
+            out: list[torch.Tensor] = []
+            if self._module is not None:
+                out.extend(self._module.parameters())
+                out.extend(self._module.buffers())
+            out.extend(self._closure)
+            self._statics, self._statics_epoch = out, epoch
+        return self._statics
 
     def _params_need_grad(self) -> bool:
         return any(t.requires_grad for t in self.static_tensors())

@@ -336,7 +336,7 @@ def _unreadable(t: type, why: str) -> Unsupported:
 
 
 # --- modules' parameters and buffers ---------------------------------------------------------------
-# The epoch is bumped whenever any nn.Module registers a parameter or buffer: a cheap signal that
+# The epoch is bumped whenever any nn.Module registers a parameter, buffer or submodule: a cheap signal that
 # state read in place may have been replaced (one int compare on replay). torch has no
 # per-module registration hook, so the hooks are global; they are installed only once graphtree
 # reads a module's state in place.
@@ -355,6 +355,7 @@ def watch_parameter_changes() -> None:
         _hooks_installed = True
         torch.nn.modules.module.register_module_parameter_registration_hook(_bump_epoch)
         torch.nn.modules.module.register_module_buffer_registration_hook(_bump_epoch)
+        torch.nn.modules.module.register_module_module_registration_hook(_bump_epoch)
 
 
 def param_epoch() -> int:

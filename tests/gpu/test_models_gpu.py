@@ -120,6 +120,9 @@ def test_graphed_module_is_the_module():
         for _ in range(3):
             graphtree.mark_step()
             assert torch.equal(g(x.double()), net(x.double()))
+        net[2] = torch.nn.Linear(64, 8).to(DEV, torch.float64)  # a new submodule: never its predecessor's weights
+        graphtree.mark_step()
+        assert torch.equal(g(x.double()), net(x.double()))
         g.train()  # dropout on: a recording of its own, with fresh randomness per replay
         outs = []
         for _ in range(4):
