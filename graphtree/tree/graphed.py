@@ -119,7 +119,7 @@ class GraphedCallable:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
-        if (call.needs_grad or (self._has_state and self._params_need_grad())) and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
             return self._eager(args, kwargs, "autograd")
         if self._module is not None:  # train() and eval() record apart (dropout, batch norm)
             call.key = (*call.key, self._module.training)
