@@ -215,23 +215,15 @@ def test_a_closure_tensor_resized_records_again():
 
 # 2. Hugging Face generate() --------------------------------------------------------------------------
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+    pytest.importorskip("transformers")
+    from graphtree.bench.generate import tiny_llama
+
+    return tiny_llama(hidden=128, layers=2, vocab=512, max_positions=256)
 
 
 def test_hugging_face_generate_with_a_static_cache():
     model = _tiny_llama()
-    ids = torch.randint(0, 512, (1, 5), device=DEV)
+    ids = torch.randint(0, 512, (1, 5), device=DEV)  # the vocabulary of _tiny_llama
     kw = {"max_new_tokens": 40, "do_sample": False, "cache_implementation": "static", "disable_compile": True}
     expected = [model.generate(ids, **kw) for _ in range(2)]
     model.forward = graphtree.graphed(model.forward)
