@@ -21,7 +21,9 @@ import torch
 
 from graphtree import _torch
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+"""Types of arguments keyed by value (a recording per value)."""
+_PLAIN = PLAIN_TYPES
 _Tensor = torch.Tensor
 
 

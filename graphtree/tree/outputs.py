@@ -18,9 +18,8 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree.capture import CaptureFailed
+from graphtree.tree.inputs import PLAIN_TYPES as _PLAIN
 from graphtree.tree.inputs import HeldTensors, Unsupported, read_object
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
 def _check_constant(value: Any, in_pool: Callable[[int], bool], fn_name: str) -> None:

@@ -131,7 +131,7 @@ def record(
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     with torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating():
-        inputs, graph_leaves, owning = place_inputs(call, set(held), device, pad_dim_of(gc))
+        inputs, graph_leaves, owning = place_inputs(call, set(held), device, _pad_dim(gc))
     statics = gc.static_tensors()
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
@@ -184,9 +184,7 @@ def record(
             del out, owning, graph
             raise CaptureFailed(_KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
         in_pool = pool.address_test()
-        outputs, out_leaves = OutputPlan.from_recording(
-            out, graph_leaves, in_pool, gc.name, call.bucket, pad_dim_of(gc)
-        )
+        outputs, out_leaves = OutputPlan.from_recording(out, graph_leaves, in_pool, gc.name, call.bucket, _pad_dim(gc))
         externals = _externals(gc, watch, graph_leaves, statics, in_pool)
         del out, owning, graph_leaves  # placeholders go back to the pool: only replays read them
         # The capture ran nothing: replay once to compute this call's outputs.
@@ -223,7 +221,8 @@ def record(
         watch.close()
 
 
-def pad_dim_of(gc: GraphedCallable) -> int:
+def _pad_dim(gc: GraphedCallable) -> int:
+    """The dimension bucket padding pads (0 without buckets)."""
     return gc.bucketing.dim if gc.bucketing else 0
 
 
