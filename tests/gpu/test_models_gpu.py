@@ -234,3 +234,17 @@ def test_hugging_face_generate_with_a_static_cache():
     decode_calls = 2 * (kw["max_new_tokens"] - 1)
     print(s, f"replayed {s.replays} of {decode_calls} decode steps")
     assert s.replays >= 0.9 * decode_calls, s
+
+
+def test_a_torchvision_model_graphed_as_a_module():
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(weights=None).to(DEV).eval()
+    g = graphtree.graphed(model)
+    assert list(g.state_dict()) == list(model.state_dict())
+    with torch.inference_mode():
+        for i in range(4):
+            graphtree.mark_step()
+            x = torch.randn(2, 3, 64, 64, device=DEV)
+            assert torch.equal(g(x), model(x)), i
+    s = graphtree.stats()
+    assert s.replays == 2 and not s.eager, s
