@@ -135,7 +135,8 @@ def _probe_cuda_available() -> list[Row]:
     return rows
 
 
-def _nvidia_smi_driver() -> str | None:
+def nvidia_smi_driver() -> str | None:
+    """The driver version(s) ``nvidia-smi`` reports, or ``None`` without it (10 s timeout)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -166,7 +167,7 @@ def _probe_driver() -> list[Row]:
         except Exception:  # noqa: BLE001 - fall back to nvidia-smi
             pass
     try:
-        v = _nvidia_smi_driver()
+        v = nvidia_smi_driver()
     except Exception:  # noqa: BLE001 - timeout, permission, ...
         v = None
     return [("driver", f"{v} (nvidia-smi)" if v else "unknown")]

@@ -1,0 +1,264 @@
+"""Durable dumps of a failing call: what a fresh process needs to run it again.
+
+A dump holds the call's arguments (tensors with dtype, shape, strides and device, their values
+copied to the host), the callable's import path (``module:qualname``) or why it cannot be
+imported, the random-number states, the versions of torch, CUDA and the driver, and the
+exception with its traceback. It is written atomically: to a temporary file in the same folder,
+flushed and ``fsync``'d, renamed over the final name, and the folder ``fsync``'d, so a crash or a
+kill at any moment leaves the old dump or the new one, never a torn file. A dump larger than
+``limit_bytes`` is refused before anything is written.
+
+Not yet: after a sticky CUDA error (an illegal address, a device-side assert) the arguments on
+the GPU can no longer be read, so no dump can be written then; the planned mode snapshots them
+to pinned host memory before each call. ``dump_on_error`` says so in a note on the error.
+
+Example::
+
+    from graphtree.debug import dump_on_error, load_dump
+
+    @dump_on_error(dir="dumps")
+    def step(x):
+        return x[torch.tensor([10**9])]      # raises: the dump is written, the error re-raised
+
+    d = load_dump("dumps/step-....gtdump")
+    d.args, d.error, d.target
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphtree import _torch
+
+__all__ = ["DEFAULT_LIMIT_BYTES", "Dump", "DumpTooLarge", "dump_on_error", "load_dump", "write_dump"]
+
+SUFFIX = ".gtdump"
+FORMAT = 1
+DEFAULT_LIMIT_BYTES = 4 << 30
+"""Dumps larger than this (4 GiB) are refused unless a larger limit is given."""
+
+
+class DumpTooLarge(ValueError):
+    """The dump would exceed its size limit; nothing was written."""
+
+
+@dataclasses.dataclass
+class Dump:
+    """A loaded dump (see :func:`load_dump`)."""
+
+    format: int
+    target: str | None  # "module:qualname", or None when the callable cannot be imported
+    target_note: str  # how to rebuild the callable, or why it cannot be
+    args: tuple
+    kwargs: dict[str, Any]
+    tensors: list[dict[str, Any]]  # dtype, shape, stride, device of each tensor argument, in order
+    rng: dict[str, Any]
+    versions: dict[str, Any]
+    error: str  # "TypeName: message"
+    traceback: str
+    created: float
+
+    def resolve(self) -> Callable[..., Any]:
+        """Import the callable the dump was taken from (``ValueError`` if it cannot be)."""
+        if self.target is None:
+            raise ValueError(f"this dump's callable cannot be imported: {self.target_note}")
+        module, _, qualname = self.target.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _target_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
+    """``("module:qualname", note)`` of a callable, or ``(None, why not)``."""
+    inner = getattr(fn, "__wrapped__", fn)
+    if isinstance(inner, torch.nn.Module):
+        cls = type(inner)
+        return None, (
+            f"an instance of {cls.__module__}.{cls.__qualname__}: rebuild it (with its weights) and call it "
+            f"with the dumped arguments"
+        )
+    owner = getattr(inner, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        cls = type(owner)
+        return None, (
+            f"a method bound to an instance of {cls.__module__}.{cls.__qualname__}: rebuild the instance "
+            f"and call {getattr(inner, '__name__', '?')} with the dumped arguments"
+        )
+    module, qualname = getattr(inner, "__module__", None), getattr(inner, "__qualname__", None)
+    if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        return None, f"{qualname or type(inner).__name__} is not importable (a lambda or a nested function)"
+    if module == "__main__":
+        return f"{module}:{qualname}", "defined in the script that was run: import that script as a module to call it"
+    return f"{module}:{qualname}", "importable"
+
+
+def _to_host(x: Any, layouts: list[dict[str, Any]]) -> Any:
+    """A host copy of a tensor argument with its layout noted; other values as they are."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    layouts.append({"dtype": str(x.dtype), "shape": list(x.shape), "stride": list(x.stride()), "device": str(x.device)})
+    host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+    host.copy_(x.detach())
+    return host
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            states["cuda"] = torch.cuda.get_rng_state_all()
+        except RuntimeError:  # a sticky CUDA error: the device can no longer be read
+            states["cuda"] = None
+    return states
+
+
+def _versions() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "driver": _driver(),
+        "graphtree": importlib.import_module("graphtree").__version__,
+    }
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it (``None`` without one)."""
+    from graphtree.debug.doctor import nvidia_smi_driver
+
+    try:
+        return nvidia_smi_driver()
+    except Exception:  # noqa: BLE001 - a dump is never lost for want of a version string
+        return None
+
+
+def _nbytes(x: Any) -> int:
+    leaves, _ = _torch.tree_flatten(x)
+    return sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def write_dump(
+    path: str | os.PathLike[str],
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    error: BaseException | None = None,
+    limit_bytes: int = DEFAULT_LIMIT_BYTES,
+) -> Path:
+    """Write a dump of the call ``fn(*args, **kwargs)`` (that raised ``error``) to ``path``, atomically.
+
+    Raises :class:`DumpTooLarge` (and writes nothing) when the arguments' tensors exceed
+    ``limit_bytes``. Returns the path written.
+    """
+    size = _nbytes((args, kwargs))
+    if size > limit_bytes:
+        raise DumpTooLarge(
+            f"graphtree: a dump of this call would hold {size / 2**20:.1f} MiB of tensors, over its limit of "
+            f"{limit_bytes / 2**20:.1f} MiB; nothing was written (raise limit_bytes to keep it)"
+        )
+    target, note = _target_of(fn)
+    layouts: list[dict[str, Any]] = []
+    leaves, spec = _torch.tree_flatten((args, kwargs))
+    host_args, host_kwargs = _torch.tree_unflatten([_to_host(x, layouts) for x in leaves], spec)
+    doc = {
+        "format": FORMAT,
+        "target": target,
+        "target_note": note,
+        "args": host_args,
+        "kwargs": host_kwargs,
+        "tensors": layouts,
+        "rng": _rng_states(),
+        "versions": _versions(),
+        "error": "" if error is None else f"{type(error).__name__}: {error}",
+        "traceback": "" if error is None else "".join(traceback.format_exception(error)),
+        "created": time.time(),
+    }
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return final
+
+
+def load_dump(path: str | os.PathLike[str]) -> Dump:
+    """Load a dump written by :func:`write_dump` (tensors come back on the host)."""
+    doc = torch.load(Path(path), map_location="cpu", weights_only=False)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a graphtree dump of format {FORMAT}")
+    return Dump(**doc)
+
+
+def dump_on_error(
+    fn: Callable[..., Any] | None = None,
+    *,
+    dir: str | os.PathLike[str] = "graphtree-dumps",
+    limit_bytes: int = DEFAULT_LIMIT_BYTES,
+) -> Any:
+    """Wrap ``fn`` so that a call that raises writes a dump into ``dir`` before the error propagates.
+
+    The error is re-raised unchanged, with a note naming the dump (Python 3.11+). A dump that
+    cannot be written (too large, disk full) adds a note saying so and never hides the error.
+    Works on functions, modules and graphed callables, as a call or a decorator.
+
+    Example::
+
+        step = graphtree.debug.dump_on_error(graphtree.graphed(step), dir="dumps")
+    """
+    if fn is None:
+        return functools.partial(dump_on_error, dir=dir, limit_bytes=limit_bytes)
+    if not callable(fn):
+        raise TypeError(f"dump_on_error needs a callable, got {type(fn).__name__}")
+    if type(limit_bytes) is not int or limit_bytes <= 0:
+        raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
+    folder = Path(dir)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            path = folder / f"{_safe(name)}-{stamp}-{os.getpid()}{SUFFIX}"
+            try:
+                written = write_dump(path, fn, args, kwargs, e, limit_bytes)
+                _note(e, f"graphtree: a dump of this call was written to {written}")
+            except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
+                _note(e, f"graphtree: no dump was written: {dump_error}")
+            raise
+
+    return wrapper
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:80] or "call"
+
+
+def _note(e: BaseException, text: str) -> None:
+    add = getattr(e, "add_note", None)  # Python 3.11+
+    if add is not None:
+        add(text)

@@ -1,0 +1,124 @@
+"""Durable dumps of a failing call (``graphtree.debug.dump``), on the CPU."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from graphtree.debug import DumpTooLarge, dump_on_error, load_dump, write_dump
+
+
+def scaled_sum(x, *, scale, extra):
+    """A module-level function: a dump names it by import path."""
+    return (x * scale).sum() + extra[0]
+
+
+def test_a_dump_round_trips_arguments_layouts_and_the_error(tmp_path):
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # not contiguous
+    ids = torch.tensor([1, 2, 3])
+    bf = torch.ones(2, dtype=torch.bfloat16)
+    err = ValueError("device-side assert, say")
+    path = write_dump(tmp_path / "d.gtdump", scaled_sum, (x,), {"scale": 2.5, "extra": [ids, bf, "s"]}, err)
+    d = load_dump(path)
+    (x2,) = d.args
+    assert x2.stride() == x.stride() and x2.dtype == x.dtype and torch.equal(x2, x)
+    assert torch.equal(d.kwargs["extra"][0], ids) and d.kwargs["extra"][1].dtype == torch.bfloat16
+    assert d.kwargs["scale"] == 2.5 and d.kwargs["extra"][2] == "s"
+    assert [t["stride"] for t in d.tensors] == [[1, 4], [1], [1]] and d.tensors[0]["device"] == "cpu"
+    assert d.error == "ValueError: device-side assert, say"
+    assert d.target == f"{__name__}:scaled_sum" and d.resolve() is scaled_sum
+    assert torch.equal(d.resolve()(*d.args, **d.kwargs), scaled_sum(x, scale=2.5, extra=[ids, bf, "s"]))
+    assert "cpu" in d.rng and d.versions["torch"] == torch.__version__
+
+
+def test_what_cannot_be_imported_says_how_to_rebuild_it(tmp_path):
+    lin = torch.nn.Linear(2, 2)
+    for fn, says in ((lambda x: x, "not importable"), (lin, "rebuild it"), (lin.forward, "bound to an instance")):
+        d = load_dump(write_dump(tmp_path / "d.gtdump", fn, (torch.ones(2),), {}))
+        assert d.target is None and says in d.target_note, d.target_note
+        with pytest.raises(ValueError, match="cannot be imported"):
+            d.resolve()
+
+
+def test_dump_on_error_writes_and_reraises_the_same_error(tmp_path):
+    raised = []
+
+    @dump_on_error(dir=tmp_path)
+    def bad(x):
+        raised.append(IndexError("index 7 is out of bounds"))
+        raise raised[0]
+
+    with pytest.raises(IndexError) as info:
+        bad(torch.zeros(3))
+    assert info.value is raised[0]
+    (path,) = tmp_path.glob("*.gtdump")
+    assert any(str(path) in n for n in getattr(info.value, "__notes__", [str(path)]))
+    assert load_dump(path).error == "IndexError: index 7 is out of bounds"
+
+
+def test_a_dump_over_its_limit_is_refused_and_nothing_is_written(tmp_path):
+    with pytest.raises(DumpTooLarge, match="over its limit"):
+        write_dump(tmp_path / "big.gtdump", scaled_sum, (torch.zeros(1024),), {}, limit_bytes=100)
+    assert list(tmp_path.iterdir()) == []
+
+    @dump_on_error(dir=tmp_path, limit_bytes=100)
+    def bad(x):
+        raise RuntimeError("the user's error")
+
+    with pytest.raises(RuntimeError, match="the user's error"):  # the user's error still comes first
+        bad(torch.zeros(1024))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(TypeError, match="callable"):
+        dump_on_error(3)
+    with pytest.raises(ValueError, match="limit_bytes"):
+        dump_on_error(lambda: 0, limit_bytes=0)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from graphtree.debug import write_dump
+    path, n = sys.argv[1], 0
+    while True:  # rewrite the same dump forever, alternating sizes, until killed
+        n += 1
+        write_dump(path, print, (torch.full((1 << (12 + n % 6),), float(n)),), {"n": n})
+        print(n, flush=True)
+    """
+)
+
+
+def test_a_writer_killed_at_any_moment_leaves_a_loadable_dump(tmp_path):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    target = tmp_path / "out" / "loop.gtdump"
+    rng = random.Random(0)
+    loaded = 0
+    for _ in range(8):
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(target)], stdout=subprocess.PIPE, text=True, env={**os.environ}
+        )
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()  # at least one dump written
+            time.sleep(rng.uniform(0.0, 0.3))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+        d = load_dump(target)  # the old dump or the new one, never a torn file
+        n = d.kwargs["n"]
+        assert torch.equal(d.args[0], torch.full((1 << (12 + n % 6),), float(n)))
+        loaded += 1
+        leftovers = [p for p in target.parent.iterdir() if p.suffix == ".tmp"]
+        for p in leftovers:  # a kill mid-write leaves at most a temporary file, never the dump's name
+            assert p.name.startswith(".loop.gtdump.")
+    assert loaded == 8
