@@ -271,3 +271,8 @@ def test_object_arguments_are_keyed_by_type_and_plain_state():
         deep = [deep]
     with pytest.raises(Unsupported, match="nest deeper"):
         read_call((State(torch.zeros(1), 0, deep),), {}, None)
+    with pytest.raises(Unsupported, match="more than 20000 values"):
+        key(State(torch.zeros(1), 0, list(range(30_000))))
+    cyclic = State(torch.zeros(1), 0, [])
+    cyclic.items.append(cyclic)  # a cycle is keyed, not walked forever
+    assert key(cyclic) == key(cyclic) and "seen" in str(key(cyclic))

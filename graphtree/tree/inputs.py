@@ -247,6 +247,7 @@ def _with_held(
 # --- objects among the arguments -----------------------------------------------------------------
 _MAX_DEPTH = 6
 _MAX_TENSORS = 4096
+_MAX_ITEMS = 20_000
 _SKIP_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 
 
@@ -267,11 +268,13 @@ def read_object(obj: Any, held: HeldTensors) -> tuple:
         held.add_module(state)
         return (type(obj), id(obj), obj.training, len(state.tensors))
     out: list[Any] = []
-    _read_state(obj, out, held, 0, type(obj))
+    _read_state(obj, out, held, 0, type(obj), set())
     return (type(obj), tuple(out))
 
 
-def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type) -> None:
+def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
+    if len(out) > _MAX_ITEMS:
+        raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
         if len(held.tensors) >= _MAX_TENSORS:
             raise _unreadable(top, f"it holds more than {_MAX_TENSORS} tensors")
@@ -283,12 +286,16 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if type(x) in _PLAIN:
         out.append(x)
         return
+    if id(x) in seen:  # a cycle (obj.parent.child is obj): noted once, not walked again
+        out.append(("seen", type(x)))
+        return
     if depth >= _MAX_DEPTH:
         raise _unreadable(top, f"its attributes nest deeper than {_MAX_DEPTH} levels")
+    seen.add(id(x))
     if isinstance(x, (list, tuple)):
         out.append((type(x), len(x)))
         for v in x:
-            _read_state(v, out, held, depth + 1, top)
+            _read_state(v, out, held, depth + 1, top, seen)
         return
     if isinstance(x, dict):
         out.append((dict, len(x)))
@@ -296,7 +303,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
             if type(k) not in _PLAIN:
                 raise _unreadable(top, f"a dict in it has a key of type {type(k).__name__}")
             out.append(k)
-            _read_state(v, out, held, depth + 1, top)
+            _read_state(v, out, held, depth + 1, top, seen)
         return
     if isinstance(x, torch.nn.Module):
         state = module_state(x)
@@ -312,7 +319,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     out.append(type(x))
     for name, v in state:
         out.append(name)
-        _read_state(v, out, held, depth + 1, top)
+        _read_state(v, out, held, depth + 1, top, seen)
 
 
 def _attributes(x: Any) -> list[tuple[str, Any]] | None:
