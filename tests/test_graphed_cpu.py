@@ -276,3 +276,18 @@ def test_object_arguments_are_keyed_by_type_and_plain_state():
     cyclic = State(torch.zeros(1), 0, [])
     cyclic.items.append(cyclic)  # a cycle is keyed, not walked forever
     assert key(cyclic) == key(cyclic) and "seen" in str(key(cyclic))
+
+
+def test_describe_names_every_kind_of_signature_part():
+    from graphtree.tree.describe import _sig
+
+    @dataclasses.dataclass
+    class Cache:
+        k: torch.Tensor
+
+    call = read_call((3, 2.0, "s", Cache(torch.zeros(1)), torch.nn.Linear(2, 2)), {}, None)
+
+    class FakeNode:  # describe reads a node's key only
+        key = (1, (((2, 3), torch.float16, (3, 1)), *call.key, ("training", False)))
+
+    assert _sig(FakeNode()) == "(float16[2, 3], 3, 2.0, 's', Cache, Linear, eval)"

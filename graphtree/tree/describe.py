@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from graphtree.tree.inputs import PLAIN_TYPES
+
 if TYPE_CHECKING:
     from graphtree.tree.manager import TreeManager
     from graphtree.tree.node import Node, Root
@@ -15,8 +17,12 @@ def _sig(node: Node) -> str:
     for p in node.key[1]:
         if len(p) == 3:  # tensor: (shape, dtype, stride)
             parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
-        else:
+        elif p[0] == "training":  # a graphed module's mode
+            parts.append("train" if p[1] else "eval")
+        elif isinstance(p[0], type) and p[0] in PLAIN_TYPES:  # a plain value
             parts.append(repr(p[1]))
+        else:  # an object argument: its type (its state is in the key, too long to show)
+            parts.append(p[0].__name__ if isinstance(p[0], type) else "?")
     return "(" + ", ".join(parts) + ")"
 
 

@@ -122,7 +122,7 @@ class GraphedCallable:
         if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
             return self._eager(args, kwargs, "autograd")
         if self._module is not None:  # train() and eval() record apart (dropout, batch norm)
-            call.key = (*call.key, self._module.training)
+            call.key = (*call.key, ("training", self._module.training))
         device = call.device
         if device < 0:
             device = self._state_device()
