@@ -130,6 +130,8 @@ def test_graphed_module_is_the_module():
             outs.append(g(x.double()).clone())
         assert not torch.equal(outs[-1], outs[-2])
     assert not graphtree.stats().eager, graphtree.stats()
+    text = graphtree.describe()
+    assert "Sequential(float64[5, 32], train)" in text and "Sequential(float32[5, 32], eval)" in text, text
 
 
 # 4. methods -----------------------------------------------------------------------------------------
