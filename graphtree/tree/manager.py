@@ -348,7 +348,8 @@ def _held_in(path: list[Node]) -> list[tuple[int, str]]:
 
 KEEPS_STATE = (
     "`{name}` keeps tensors it allocates beyond its outputs on every call (a cache created "
-    "inside the call?): allocate that state before the first call, or pass it in"
+    "inside the call, or tensors returned inside an object graphtree cannot see into): allocate "
+    "that state before the first call and pass it in, or return tensors, tuples, lists or dicts"
 )
 
 
