@@ -436,6 +436,15 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
     torch._dynamo.mark_dynamic(t, dim)
 
 
+def cudnn_compiled_version() -> int | None:
+    """The cuDNN version torch was built with (``torch._C._cudnn.getCompileVersion``), or None."""
+    try:
+        major, minor, patch = torch._C._cudnn.getCompileVersion()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a build without cuDNN, or a moved API
+        return None
+    return major * 10000 + minor * 100 + patch
+
+
 def torch_profiler_active() -> bool:
     """Whether a torch.profiler / Kineto session is running (``torch._C._autograd._profiler_enabled``)."""
     try:

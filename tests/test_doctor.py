@@ -158,8 +158,10 @@ def _no_dist(name: str) -> str:
 
 
 def _fake_tool(directory: Path, name: str, stdout: str) -> Path:
+    """An executable shell script printing ``stdout`` (line by line, shell builtins only: PATH may be bare)."""
     path = directory / name
-    path.write_text(f"#!/bin/sh\necho '{stdout}'\n")
+    lines = "".join(f"printf '%s\\n' '{line}'\n" for line in stdout.splitlines() or [""])
+    path.write_text(f"#!/bin/sh\n{lines}")
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
 
@@ -186,3 +188,59 @@ def test_driver_prefers_torch_api(monkeypatch: pytest.MonkeyPatch) -> None:
     assert doctor_mod._probe_driver() == [("driver", "supports CUDA 13.0")]
     monkeypatch.setattr(torch.cuda, "driver_version", lambda: "580.65.06", raising=False)
     assert doctor_mod._probe_driver() == [("driver", "580.65.06")]
+
+
+def _rows(monkeypatch: pytest.MonkeyPatch, folder: Path, cuda: str | None) -> dict[str, str]:
+    monkeypatch.setenv("PATH", str(folder))
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    return dict(doctor().lines)
+
+
+def test_driver_older_than_torchs_cuda_and_a_foreign_nvcc_are_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_tool(tmp_path, "nvidia-smi", "| NVIDIA-SMI 550.54   Driver Version: 550.54   CUDA Version: 12.4 |")
+    _fake_tool(tmp_path, "nvcc", "Cuda compilation tools, release 11.8, V11.8.89")
+    rows = _rows(monkeypatch, tmp_path, "13.0")
+    assert "12.4: OLDER than torch's CUDA 13.0" in rows["driver supports CUDA"]
+    assert "Fix:" in rows["driver supports CUDA"]
+    assert rows["nvcc (toolkit)"].startswith("11.8 at ") and "MISMATCH with torch's CUDA 13.0" in rows["nvcc (toolkit)"]
+
+
+def test_matching_versions_are_fine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_tool(tmp_path, "nvidia-smi", "CUDA Version: 13.0")
+    _fake_tool(tmp_path, "nvcc", "Cuda compilation tools, release 13.0, V13.0.48")
+    _fake_tool(tmp_path, "cuda-gdb", "NVIDIA (R) CUDA Debugger\n13.0 release\nPortions Copyright (C) 2007-2025")
+    rows = _rows(monkeypatch, tmp_path, "13.0")
+    assert rows["driver supports CUDA"] == "13.0 (torch's CUDA 13.0: fine)"
+    assert rows["nvcc (toolkit)"].endswith(": fine")
+    assert "13.0 release" in rows["cuda-gdb"] and "newer than the driver" not in rows["cuda-gdb"]
+    assert rows["compute-sanitizer version"].startswith("not found: it comes with the CUDA toolkit")
+
+
+def test_a_debugger_newer_than_the_driver_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_tool(tmp_path, "nvidia-smi", "CUDA Version: 12.2")
+    _fake_tool(tmp_path, "cuda-gdb", "NVIDIA (R) CUDA Debugger\n13.0 release")
+    rows = _rows(monkeypatch, tmp_path, "12.1")
+    assert "newer than the driver's 12.2" in rows["cuda-gdb"]
+
+
+def test_cudnn_loaded_against_built(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from graphtree import _torch
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 80902)
+    monkeypatch.setattr(_torch, "cudnn_compiled_version", lambda: 91002)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    rows = _rows(monkeypatch, tmp_path, "13.0")
+    assert "80902 loaded, torch was built with 91002: MISMATCH" in rows["cuDNN"]
+    assert rows["NCCL"] == "2.27.3"
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    assert _rows(monkeypatch, tmp_path, "13.0")["cuDNN"] == "91002 loaded (torch built with 91002)"
+
+
+def test_json_carries_the_new_rows() -> None:
+    doc = json.loads(json.dumps(doctor().as_dict()))
+    text = json.dumps(doc)
+    for label in ("driver supports CUDA", "nvcc (toolkit)", "cuDNN", "NCCL", "cuda-gdb"):
+        assert label in text

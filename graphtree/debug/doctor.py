@@ -235,6 +235,135 @@ def _probe_sanitizer() -> list[Row]:
     return [("compute-sanitizer", exe if exe else "not found (on PATH or in /usr/local/cuda/bin)")]
 
 
+def _run_tool(exe: str, *args: str) -> str:
+    """``exe args`` stdout and stderr together ("" if it cannot be run; 10 s timeout)."""
+    try:
+        proc = subprocess.run([exe, *args], check=False, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout + proc.stderr
+
+
+def _release(text: str, pattern: str) -> tuple[int, int] | None:
+    m = re.search(pattern, text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _torch_cuda() -> tuple[int, int] | None:
+    import torch
+
+    v = getattr(torch.version, "cuda", None)
+    return _release(v, r"(\d+)\.(\d+)") if v else None
+
+
+def _fmt(v: tuple[int, int] | None) -> str:
+    return f"{v[0]}.{v[1]}" if v else "unknown"
+
+
+def driver_cuda_version() -> tuple[int, int] | None:
+    """The newest CUDA version the installed driver supports (``nvidia-smi``'s header), or None."""
+    exe = shutil.which("nvidia-smi")
+    return _release(_run_tool(exe), r"CUDA Version:\s*(\d+)\.(\d+)") if exe else None
+
+
+def _probe_cuda_versions() -> list[Row]:
+    """The CUDA version the driver supports, against torch's CUDA and the toolkit's ``nvcc``."""
+    driver, built = driver_cuda_version(), _torch_cuda()
+    rows: list[Row] = []
+    if driver is None:
+        rows.append(("driver supports CUDA", "unknown (no nvidia-smi)"))
+    elif built is not None and built > driver:
+        rows.append(
+            (
+                "driver supports CUDA",
+                f"{_fmt(driver)}: OLDER than torch's CUDA {_fmt(built)}. Fix: install a driver that supports "
+                f"CUDA {_fmt(built)}, or a torch built for CUDA {_fmt(driver)} or older",
+            )
+        )
+    else:
+        rows.append(("driver supports CUDA", f"{_fmt(driver)} (torch's CUDA {_fmt(built)}: fine)"))
+    nvcc = shutil.which("nvcc") or _in_cuda_bin("nvcc")
+    if nvcc is None:
+        rows.append(("nvcc (toolkit)", "not found (only needed to build CUDA extensions)"))
+    else:
+        toolkit = _release(_run_tool(nvcc, "--version"), r"release (\d+)\.(\d+)")
+        note = "fine"
+        if toolkit and built and toolkit[0] != built[0]:
+            note = (
+                f"MISMATCH with torch's CUDA {_fmt(built)}: extensions built with this nvcc will not load. "
+                f"Fix: put a CUDA {built[0]}.x toolkit first on PATH (CUDA_HOME)"
+            )
+        elif toolkit and driver and toolkit > driver:
+            note = (
+                f"newer than the driver's CUDA {_fmt(driver)}: programs it builds may not run. Fix: update the driver"
+            )
+        rows.append(("nvcc (toolkit)", f"{_fmt(toolkit)} at {nvcc}: {note}"))
+    return rows
+
+
+def _in_cuda_bin(name: str) -> str | None:
+    dirs = list(_SANITIZER_DIRS)
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home:
+        dirs.insert(0, os.path.join(cuda_home, "bin"))
+    for d in dirs:
+        cand = os.path.join(d, name)
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _probe_libraries() -> list[Row]:
+    """cuDNN loaded against the one torch was built with, and NCCL's version."""
+    import torch
+
+    from graphtree import _torch
+
+    rows: list[Row] = []
+    if not getattr(torch.version, "cuda", None):
+        return [("cuDNN", "none (CPU build)"), ("NCCL", "none (CPU build)")]
+    loaded = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    built = _torch.cudnn_compiled_version()
+    if loaded is None:
+        rows.append(("cuDNN", "not available"))
+    elif built is not None and loaded // 10000 != built // 10000:
+        rows.append(
+            (
+                "cuDNN",
+                f"{loaded} loaded, torch was built with {built}: MISMATCH (another cuDNN on LD_LIBRARY_PATH?). "
+                f"Fix: let torch load its own (pip's nvidia-cudnn) first",
+            )
+        )
+    else:
+        rows.append(("cuDNN", f"{loaded} loaded (torch built with {built if built is not None else 'unknown'})"))
+    try:
+        v = torch.cuda.nccl.version()
+        rows.append(("NCCL", ".".join(map(str, v)) if isinstance(v, tuple) else str(v)))
+    except Exception as e:  # noqa: BLE001 - a build without NCCL
+        rows.append(("NCCL", f"not available ({type(e).__name__})"))
+    return rows
+
+
+def _probe_debuggers() -> list[Row]:
+    """compute-sanitizer's and cuda-gdb's versions, against the driver's CUDA."""
+    driver = driver_cuda_version()
+    rows: list[Row] = []
+    for name, label in (("compute-sanitizer", "compute-sanitizer version"), ("cuda-gdb", "cuda-gdb")):
+        exe = shutil.which(name) or _in_cuda_bin(name)
+        if exe is None:
+            hint = "it comes with the CUDA toolkit (apt install cuda-toolkit-13-0, or NVIDIA's runfile)"
+            rows.append((label, f"not found: {hint}; put its bin folder on PATH"))
+            continue
+        text = _run_tool(exe, "--version")
+        cuda = _release(text, r"(?:CUDA|Release|release)\D{0,12}(\d+)\.(\d+)")
+        first = next((ln.strip() for ln in text.splitlines() if re.search(r"\d+\.\d+", ln)), "version unknown")
+        note = ""
+        if cuda and driver and cuda > driver:
+            note = f"; built for CUDA {_fmt(cuda)}, newer than the driver's {_fmt(driver)}: it may refuse to run"
+        rows.append((label, f"{first} ({exe}){note}"))
+    return rows
+
+
 def _probe_runtime_view() -> list[Row]:
     import graphtree
 
@@ -254,6 +383,9 @@ _PROBES: tuple[tuple[str, str], ...] = (
     ("_probe_gpus", "GPUs"),
     ("_probe_cupti", "CUPTI (python)"),
     ("_probe_sanitizer", "compute-sanitizer"),
+    ("_probe_cuda_versions", "driver supports CUDA"),
+    ("_probe_libraries", "cuDNN"),
+    ("_probe_debuggers", "cuda-gdb"),
     ("_probe_runtime_view", "graphtree sees CUDA"),
 )
 
