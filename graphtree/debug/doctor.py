@@ -221,17 +221,7 @@ def _probe_cupti() -> list[Row]:
 
 
 def _probe_sanitizer() -> list[Row]:
-    exe = shutil.which("compute-sanitizer")
-    if exe is None:
-        dirs = list(_SANITIZER_DIRS)
-        cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-        if cuda_home:
-            dirs.insert(0, os.path.join(cuda_home, "bin"))
-        for d in dirs:
-            cand = os.path.join(d, "compute-sanitizer")
-            if os.path.isfile(cand) and os.access(cand, os.X_OK):
-                exe = cand
-                break
+    exe = shutil.which("compute-sanitizer") or _in_cuda_bin("compute-sanitizer")
     return [("compute-sanitizer", exe if exe else "not found (on PATH or in /usr/local/cuda/bin)")]
 
 
@@ -302,6 +292,7 @@ def _probe_cuda_versions() -> list[Row]:
 
 
 def _in_cuda_bin(name: str) -> str | None:
+    """``name`` in ``$CUDA_HOME/bin`` (or ``$CUDA_PATH/bin``) or ``/usr/local/cuda/bin``, if executable there."""
     dirs = list(_SANITIZER_DIRS)
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if cuda_home:
