@@ -36,6 +36,7 @@ __all__ = ["main"]
 _PASSTHROUGH = {
     "bench": ("graphtree.bench", "pip install 'graphtree[bench]'"),
     "profile": ("graphtree.profile.cli", "pip install 'graphtree[profile]'"),
+    "debug": ("graphtree.debug.rerun", "pip install -e ."),
 }
 
 
@@ -45,7 +46,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Safe, fast and observable CUDA graphs for ordinary PyTorch code.",
     )
     parser.add_argument("--version", action="store_true", help="print graphtree's and torch's versions and exit")
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench,profile}")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench,profile,debug}")
 
     p = sub.add_parser("doctor", help="say whether CUDA graphs can run here, and why not")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

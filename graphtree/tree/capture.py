@@ -54,14 +54,15 @@ _INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for
 _SKIP_FILES = {os.path.abspath(warnings.__file__), os.path.abspath(__file__)}
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
+    """Whether a source file is torch's or graphtree's own (never the caller's line)."""
     path = os.path.abspath(filename)
     return path.startswith(_INTERNAL_DIRS) or path in _SKIP_FILES
 
 
 def _where(frames: list[traceback.FrameSummary]) -> str:
     for frame in reversed(frames):
-        if not _is_internal(frame.filename):
+        if not is_internal(frame.filename):
             return f" at {frame.filename}:{frame.lineno} in {frame.name} (`{(frame.line or '').strip()}`)"
     return ""
 

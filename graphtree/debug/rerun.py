@@ -1,0 +1,150 @@
+"""``graphtree debug rerun DUMP``: run a dumped call again, eagerly, in a fresh process.
+
+The call runs with ``CUDA_LAUNCH_BLOCKING=1`` (every kernel finishes before the next Python line,
+so an illegal address or a device-side assert is raised at the operation that caused it), its
+tensors back on the devices they were dumped from and its random-number states restored. The
+report names the error and the Python line that launched the failing operation.
+
+Exit status: 0 the call ran without an error (not reproduced); 1 the error reproduced (the
+report says where); 2 the dump cannot be read or its callable cannot be rebuilt here (the
+message says why and what to do); 3 the re-run itself crashed or timed out (a sticky CUDA
+error can kill the process: the last lines of its output are shown).
+
+Not yet: re-runs under compute-sanitizer and cuda-gdb.
+
+Example::
+
+    $ graphtree debug rerun graphtree-dumps/step-20261123-071920-4242.gtdump
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "rerun"]
+
+REPRODUCED, NOT_REPRODUCED, UNUSABLE, CRASHED = 1, 0, 2, 3
+_MARK = "graphtree-rerun-result: "
+
+
+def _user_frame(exc: BaseException) -> dict[str, Any] | None:
+    """The innermost frame of the error outside torch and graphtree's machinery."""
+    from graphtree.tree.capture import is_internal
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    for f in reversed(frames):
+        if not is_internal(f.filename):
+            return {"file": f.filename, "line": f.lineno, "function": f.name, "code": (f.line or "").strip()}
+    return None
+
+
+def _to_device(x: Any, layout: dict[str, Any]) -> Any:
+    import torch
+
+    device = torch.device(layout["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"the dump's tensors were on {device}, and this machine has no CUDA device")
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+    out.copy_(x)
+    return out
+
+
+def _inner(path: str) -> int:
+    """In the fresh process: load, rebuild, call; print one result line; return the exit status."""
+    import torch
+
+    from graphtree import _torch
+    from graphtree.debug.dump import load_dump
+
+    try:
+        d = load_dump(path)
+        fn = d.resolve()
+        leaves, spec = _torch.tree_flatten((d.args, d.kwargs))
+        layouts = iter(d.tensors)
+        leaves = [_to_device(x, next(layouts)) if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = _torch.tree_unflatten(leaves, spec)
+        torch.set_rng_state(d.rng["cpu"])
+        if d.rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(d.rng["cuda"])
+    except Exception as e:  # noqa: BLE001 - any reason the dump cannot be used is reported as such
+        print(_MARK + json.dumps({"status": UNUSABLE, "error": f"{type(e).__name__}: {e}"}), flush=True)
+        return UNUSABLE
+    try:
+        fn(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the error under study
+        result = {"status": REPRODUCED, "error": f"{type(e).__name__}: {e}", "where": _user_frame(e)}
+        print(_MARK + json.dumps(result), flush=True)
+        return REPRODUCED
+    print(_MARK + json.dumps({"status": NOT_REPRODUCED}), flush=True)
+    return NOT_REPRODUCED
+
+
+def rerun(path: str | os.PathLike[str], timeout: float = 600.0) -> dict[str, Any]:
+    """Re-run the dump at ``path`` in a fresh process; the result as a dict (``status`` is the exit code).
+
+    Example::
+
+        r = rerun("graphtree-dumps/step.gtdump")
+        print(r["status"], r.get("error"), r.get("where"))
+    """
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "graphtree.debug.rerun", "--inner", os.fspath(path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""
+        return {"status": CRASHED, "error": f"the re-run did not finish in {timeout:.0f} s", "output": tail}
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK) :])
+    output = (proc.stdout + proc.stderr)[-4000:]
+    return {"status": CRASHED, "error": f"the re-run ended with exit status {proc.returncode}", "output": output}
+
+
+def _render(r: dict[str, Any]) -> str:
+    status = r["status"]
+    if status == NOT_REPRODUCED:
+        return "not reproduced: the call ran without an error (a race, or state the dump does not hold?)"
+    if status == UNUSABLE:
+        return f"cannot re-run this dump: {r['error']}"
+    if status == CRASHED:
+        return f"the re-run crashed: {r['error']}\n{r.get('output', '')}"
+    where = r.get("where")
+    at = f"\n  at {where['file']}:{where['line']} in {where['function']}: {where['code']}" if where else ""
+    return f"reproduced: {r['error']}{at}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``graphtree debug rerun DUMP`` (see the module's docstring for the exit statuses)."""
+    p = argparse.ArgumentParser(prog="graphtree debug", description="Re-run what graphtree dumped.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("rerun", help="run a dumped call again, eagerly, with CUDA_LAUNCH_BLOCKING=1")
+    r.add_argument("dump", help="a .gtdump file (graphtree.debug.dump_on_error writes them)")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds before the re-run is stopped")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--inner"]:
+        return _inner(argv[1])
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else UNUSABLE
+    if not os.path.isfile(args.dump):
+        print(f"graphtree debug rerun: no such dump: {args.dump}", file=sys.stderr)
+        return UNUSABLE
+    print(f"re-running {args.dump} in a fresh process (CUDA_LAUNCH_BLOCKING=1) ...", flush=True)
+    result = rerun(args.dump, timeout=args.timeout)
+    print(_render(result))
+    return int(result["status"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
