@@ -10,6 +10,8 @@ Subcommands:
 - ``graphtree bench ...``: the benchmarks (:mod:`graphtree.bench`); arguments pass through.
 - ``graphtree profile -o trace.json -- python script.py args...``: profile a script
   (:mod:`graphtree.profile.cli`); arguments pass through.
+- ``graphtree debug rerun DUMP``: run a dumped failing call again in a fresh process
+  (:mod:`graphtree.debug.rerun`); arguments pass through.
 
 ``graphtree --version`` prints graphtree's, torch's and Python's versions.
 
