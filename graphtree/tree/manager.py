@@ -287,7 +287,6 @@ class TreeManager:
                 pool=self.pool,
                 stream=self.stream,
                 device=self.device,
-                epoch=param_epoch(),
             )
         except CaptureFailed as e:
             gc.give_up(call.key, str(e))

@@ -19,7 +19,7 @@ import torch
 
 from graphtree import _events, _torch
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
-from graphtree.tree.inputs import Call, copied_inputs, place_inputs, state_watch
+from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.pool import Pool
@@ -87,17 +87,18 @@ def warm_up(gc: GraphedCallable, call: Call, stream: torch.cuda.Stream, device: 
         with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream), sync, tracker, watch:
             out = gc.fn(*args, **kwargs)
         reason = _mutation_reason(watch.written) if watch.written else (sync.found or None)
-        kept = len(watch.kept(_storages(call.leaves, out) | {_torch.storage_id(t) for t in gc.static_tensors()}))
+        kept = len(watch.kept(_storages(call.leaves, out, gc.static_tensors())))
     finally:
         current.wait_stream(stream)
         watch.close()
     return WarmUp(out, reason, kept)
 
 
-def _storages(leaves: Sequence[Any], out: Any) -> set[int]:
-    """Storage ids of the tensors among ``leaves`` and the tensor leaves of ``out``."""
+def _storages(leaves: Sequence[Any], out: Any, statics: Sequence[torch.Tensor]) -> set[int]:
+    """Storage ids of the tensors among ``leaves``, the tensor leaves of ``out`` and ``statics``:
+    what a call may keep alive without having allocated state of its own."""
     outs, _ = _torch.tree_flatten(out)
-    return {_torch.storage_id(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor)}
+    return {_torch.storage_id(t) for t in (*leaves, *outs, *statics) if isinstance(t, torch.Tensor)}
 
 
 def record(
@@ -109,7 +110,6 @@ def record(
     pool: Pool,
     stream: torch.cuda.Stream,
     device: int,
-    epoch: int,
 ) -> tuple[Node, Any]:
     """Capture one call of ``gc`` as a child of ``parent`` (the last node of ``path``).
 
@@ -132,7 +132,7 @@ def record(
     stream.wait_stream(current)
     with torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating():
         inputs, graph_leaves, owning = place_inputs(call, set(held), device, _pad_dim(gc))
-    statics = gc.static_tensors()
+    statics, epoch = gc.static_tensors(), param_epoch()  # read together: the epoch dates the statics
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
         args, kwargs = call.arguments(graph_leaves)
@@ -179,7 +179,7 @@ def record(
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph
             raise CaptureFailed(_mutation_reason(watch.written))
-        kept = watch.kept(_storages(graph_leaves, out) | {_torch.storage_id(t) for t in statics})
+        kept = watch.kept(_storages(graph_leaves, out, statics))
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
             raise CaptureFailed(_KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
