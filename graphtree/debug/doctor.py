@@ -257,7 +257,8 @@ def driver_cuda_version() -> tuple[int, int] | None:
 
 
 def _probe_cuda_versions() -> list[Row]:
-    """The CUDA version the driver supports, against torch's CUDA and the toolkit's ``nvcc``."""
+    """The CUDA version the driver supports, against torch's CUDA, the toolkit's ``nvcc`` and the
+    debuggers (the driver is asked once)."""
     driver, built = driver_cuda_version(), _torch_cuda()
     rows: list[Row] = []
     if driver is None:
@@ -288,6 +289,7 @@ def _probe_cuda_versions() -> list[Row]:
                 f"newer than the driver's CUDA {_fmt(driver)}: programs it builds may not run. Fix: update the driver"
             )
         rows.append(("nvcc (toolkit)", f"{_fmt(toolkit)} at {nvcc}: {note}"))
+    rows.extend(_debugger_rows(driver))
     return rows
 
 
@@ -335,9 +337,8 @@ def _probe_libraries() -> list[Row]:
     return rows
 
 
-def _probe_debuggers() -> list[Row]:
-    """compute-sanitizer's and cuda-gdb's versions, against the driver's CUDA."""
-    driver = driver_cuda_version()
+def _debugger_rows(driver: tuple[int, int] | None) -> list[Row]:
+    """compute-sanitizer's and cuda-gdb's versions, against the driver's CUDA ``driver``."""
     rows: list[Row] = []
     for name, label in (("compute-sanitizer", "compute-sanitizer version"), ("cuda-gdb", "cuda-gdb")):
         exe = shutil.which(name) or _in_cuda_bin(name)
@@ -376,7 +377,6 @@ _PROBES: tuple[tuple[str, str], ...] = (
     ("_probe_sanitizer", "compute-sanitizer"),
     ("_probe_cuda_versions", "driver supports CUDA"),
     ("_probe_libraries", "cuDNN"),
-    ("_probe_debuggers", "cuda-gdb"),
     ("_probe_runtime_view", "graphtree sees CUDA"),
 )
 
