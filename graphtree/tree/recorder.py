@@ -186,7 +186,10 @@ def record(
         in_pool = pool.address_test()
         outputs, out_leaves = OutputPlan.from_recording(out, graph_leaves, in_pool, gc.name, call.bucket, _pad_dim(gc))
         externals = _externals(gc, watch, graph_leaves, statics, in_pool)
-        del out, owning, graph_leaves  # placeholders go back to the pool: only replays read them
+        # Placeholders go back to the pool before the checkpoint: only replays read them, and a
+        # block the checkpoint shows allocated must belong to an output (restoring the checkpoint
+        # later would leave it allocated with no owner). ``args``/``kwargs`` hold them too.
+        del out, owning, graph_leaves, args, kwargs
         # The capture ran nothing: replay once to compute this call's outputs.
         inputs.copy_in(call.leaves, call.n)
         graph.replay()
