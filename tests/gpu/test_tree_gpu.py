@@ -242,6 +242,76 @@ def test_outputs_aliasing_inputs_and_each_other():
 
 
 # 6. shapes and buckets -----------------------------------------------------------------------------
+def test_recording_under_a_replayed_node_then_elsewhere_keeps_the_allocator_consistent():
+    """Regression (found by test_fuzz_gpu): a node's checkpoint was taken while its input
+    placeholders were still referenced, so restoring it (to record a child under a replayed node)
+    left their blocks allocated with no owner, and the next restore to another checkpoint failed
+    with "Any stale tensors which are being manually freed must be passed to set checkpoint"."""
+    f, g, h, k = (graphtree.graphed(fn, warmup=0) for fn in (_double, _inc, _dec, _triple))
+    x = torch.randn(256, device=DEV)
+    graphtree.mark_step()
+    f(x), g(x)  # f at the root (a copied input: a placeholder), g under it
+    graphtree.mark_step()
+    f(x)  # a replay: the pool's bookkeeping moves on
+    assert torch.equal(h(x), x - 1)  # recorded under f: f's checkpoint is restored
+    graphtree.mark_step()
+    assert torch.equal(k(x), x * 3)  # recorded at the root: the root's checkpoint is restored
+    graphtree.mark_step()
+    y = f(x).clone()  # f's output dropped again, as when h was recorded: h replays
+    assert torch.equal(y, x * 2)
+    assert torch.equal(h(x), x - 1)
+    st = graphtree.stats()
+    assert st.recordings == 4 and st.replays == 3 and not st.eager, st
+
+
+def _double(x):
+    return x * 2
+
+
+def _inc(x):
+    return x + 1
+
+
+def _dec(x):
+    return x - 1
+
+
+def _triple(x):
+    return x * 3
+
+
+def _read(kept):
+    if isinstance(kept, list):
+        kept = kept[0]
+    if isinstance(kept, torch.UntypedStorage):
+        kept = torch.empty(0, device=DEV).set_(kept)
+    return kept.clone()
+
+
+@pytest.mark.parametrize("form", ["tensor", "view", "storage", "list"])
+def test_an_output_kept_in_any_form_is_invalidated_not_overwritten(form):
+    """A node whose outputs were dropped keeps a tensor on their memory between replays (the
+    base): an output kept as itself, a view, its storage or inside a list must still count as
+    held when its step ends, so that reading it raises instead of showing the next replay's data."""
+    f = graphtree.graphed(_double, warmup=0)
+    x = torch.randn(64, device=DEV)
+    for _ in range(3):  # record, then replays whose outputs are dropped: the node keeps a base
+        graphtree.mark_step()
+        f(x)
+    graphtree.mark_step()
+    y = f(x)
+    kept = {"tensor": y, "view": y[2:], "storage": y.untyped_storage(), "list": [y]}[form]
+    before = _read(kept)
+    del y
+    graphtree.mark_step()
+    z = f(x + 1)  # the replay writes the output's memory again
+    assert torch.equal(z, (x + 1) * 2)
+    assert torch.equal(before, (x * 2)[2:] if form == "view" else x * 2)
+    with pytest.raises(RuntimeError, match="graphtree"):
+        _read(kept)
+    assert graphtree.stats().replays == 4
+
+
 def test_one_recording_per_signature():
     g = graphtree.graphed(lambda x, k: x * k, name="scale")
     for _ in range(3):
