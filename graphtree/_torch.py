@@ -157,6 +157,10 @@ weak_expired: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ign
 """``weak_expired(ref)``: whether no tensor holds the storage any more."""
 weak_free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref  # type: ignore[attr-defined]
 """``weak_free(ref)``: release a weak reference."""
+storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count  # type: ignore[attr-defined]
+"""``storage_use_count(ref)``: how many tensors and storage objects hold the storage of a weak
+reference (0 once it died): what tells a replay output the caller dropped from one still held
+while graphtree keeps a tensor on it itself."""
 
 
 def storage_id(t: torch.Tensor) -> int:

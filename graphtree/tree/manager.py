@@ -247,6 +247,7 @@ class TreeManager:
                 owner = self.path[d]
                 if owner.is_held(g):
                     live.append(owner.refs[g])
+                    owner.drop_base()  # the storage gets a deleter: only the caller may keep it
                 else:
                     dead.add(owner.outputs.groups[g].ptr)
             self.pool.restore(node.checkpoint, live, sorted(dead))

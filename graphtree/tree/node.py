@@ -10,6 +10,7 @@ memory. It may therefore be replayed after its parent whenever every ancestor ou
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,7 +30,8 @@ def next_node_id() -> str:
 
 _storage_at, _tensor_on = _torch.storage_at, _torch.tensor_on
 _weak_ref, _weak_free, _weak_expired = _torch.weak_ref, _torch.weak_free, _torch.weak_expired
-_weak_data_ptr = _torch.weak_data_ptr
+_weak_data_ptr, _use_count = _torch.weak_data_ptr, _torch.storage_use_count
+_refcount = sys.getrefcount
 
 
 class OutputRef(NamedTuple):
@@ -132,6 +134,13 @@ class Node:
         self._launch = _torch.graph_launcher(graph)
         self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
         self._single = outputs.single
+        # With a single output: a tensor on its memory, and that tensor's storage object, which
+        # the node keeps between replays while they own nothing (see Node.replay). None until the
+        # first replay, and whenever the caller may still hold the previous output.
+        self._base: torch.Tensor | None = None
+        self._base_storage: torch.UntypedStorage | None = None
+        self._base_holders = (0, 0)  # (storage use count, storage object refcount) with only the base
+        self._keep_base = False  # the caller dropped the last output before its step ended
 
     def can_replay(self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool]) -> bool:
         """Whether replaying here keeps every held output intact and reads the right inputs."""
@@ -141,8 +150,7 @@ class Node:
         if self.static_idx and not check(self.statics, self.static_ptrs, self.static_idx):
             return False
         for d, g in self.dead_before:
-            ref = path[d].refs[g]
-            if ref and not _weak_expired(ref):
+            if path[d].is_held(g):
                 return False
         return not self.externals or self._externals_in_place()
 
@@ -163,6 +171,12 @@ class Node:
         """Copy inputs in, launch the graph, hand out fresh output tensors.
 
         The hot path of graphtree: keep it free of anything that is not needed on every call.
+        A single output the caller dropped last time is handed out as ``base.detach()``: a new
+        tensor object on the storage of a base tensor the node keeps, which costs a third of
+        building a storage and a tensor. The caller holds the output while the storage has more
+        holders than the base (see :meth:`_base_shared`). A caller that keeps each output until
+        the next step (``y = f(x)`` in a loop) gets outputs built anew, as the held output is
+        invalidated when its step ends, and the base with it.
         """
         raw = self._raw
         if raw is not None:
@@ -170,42 +184,88 @@ class Node:
         else:
             self.inputs.copy_in(leaves, n)
         self._launch()
+        self.replays += 1
+        base = self._base
+        if base is not None:
+            return base.detach()
         one = self._single
         if one is not None:
+            if self._keep_base:
+                return self._new_base().detach()
             storage = _storage_at(one.ptr, self._device, one.nbytes)
             result, refs = _tensor_on(one.meta, storage), [_weak_ref(storage)]
         else:
             result, refs = self.outputs.emit(leaves, n, self._device)
+        self._free_refs()
+        self.refs = refs
+        return result
+
+    def _new_base(self) -> torch.Tensor:
+        one = self._single
+        assert one is not None
+        self._base_storage = _storage_at(one.ptr, self._device, one.nbytes)
+        self._base = _tensor_on(one.meta, self._base_storage)
+        self._free_refs()
+        self.refs = [_weak_ref(self._base_storage)]
+        self._base_holders = (_use_count(self.refs[0]), _refcount(self._base_storage))
+        return self._base
+
+    def _base_shared(self) -> bool:
+        """Whether anything but the base holds the single output's storage: a tensor or view on it
+        (its use count grows) or its storage object (``t.untyped_storage()`` hands out the node's
+        own object: its Python refcount grows). Both counts are compared with those taken when
+        the base was built, in the same way, so the interpreter's own references cancel out."""
+        return (_use_count(self.refs[0]), _refcount(self._base_storage)) != self._base_holders
+
+    def _free_refs(self) -> None:
         for r in self.refs:
             if r:
                 _weak_free(r)
-        self.refs = refs
-        self.replays += 1
-        return result
+
+    def drop_base(self) -> None:
+        """Stop keeping a tensor on the single output's memory (its storage is about to own its
+        pool block: :meth:`TreeManager._sync_bookkeeping`); the weak reference stays."""
+        self._base = self._base_storage = None
 
     def is_held(self, g: int) -> bool:
         """Whether the caller still holds output group ``g`` of this step."""
         r = self.refs[g] if g < len(self.refs) else 0
-        return bool(r) and not _weak_expired(r)
+        if not r:
+            return False
+        if self._base is not None:
+            return self._base_shared()
+        return not _weak_expired(r)
 
     def held_outputs(self) -> list[tuple[int, str]]:
         """(weak ref, stale message) of each output group of this step the caller still holds."""
         groups = self.outputs.groups
-        return [(r, groups[g].message) for g, r in enumerate(self.refs) if r and not _weak_expired(r)]
+        return [(r, groups[g].message) for g, r in enumerate(self.refs) if self.is_held(g)]
 
     def release_outputs(self, held: list[tuple[int, str]]) -> None:
         """Forget this step's outputs, adding (weak ref, message) of those still held to ``held``.
 
-        The weak references of dead outputs are freed here; the caller owns those it was given.
+        The weak references of dead outputs are freed here, except the base's, kept for the
+        next replay; the caller owns those it was given (and the base goes: the storage is
+        about to be invalidated).
         """
         refs = self.refs
+        if self._base is not None:
+            if self._base_shared():
+                held.append((refs[0], self.outputs.groups[0].message))
+                refs[0] = 0
+                self._base = self._base_storage = None
+                self._keep_base = False
+            return
+        dropped = True
         for g, r in enumerate(refs):
             if r:
                 if _weak_expired(r):
                     _weak_free(r)
                 else:
                     held.append((r, self.outputs.groups[g].message))
+                    dropped = False
                 refs[g] = 0
+        self._keep_base = dropped and self._single is not None
 
     def __del__(self) -> None:
         try:
