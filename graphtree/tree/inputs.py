@@ -130,7 +130,7 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
     parts: list[Any] = []
     device = -2
     needs_grad = False
-    held = HeldTensors()  # tensors inside objects
+    held: HeldTensors | None = None  # tensors inside objects, once an object is met
     if bucketing is None:  # the common case, kept lean: it runs on every call
         for x in leaves:
             if isinstance(x, _Tensor):
@@ -147,10 +147,13 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
             elif type(x) in _PLAIN:
                 parts.append((type(x), x))
             else:
+                if held is None:
+                    held = HeldTensors()
                 parts.append(read_object(x, held))
         if not held:
             return Call(leaves, spec, tuple(parts), device, needs_grad, -1, -1, (), len(leaves))
         return _with_held(leaves, spec, parts, device, needs_grad, -1, -1, (), held)
+    held = HeldTensors()
     n = bucket = -1
     padded: list[int] = []
     dim = bucketing.dim
