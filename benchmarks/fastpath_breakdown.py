@@ -32,7 +32,7 @@ def _us(fn, n=3000, reps=7):
 
 
 def _raw_memcpy(dst: torch.Tensor, src: torch.Tensor):
-    """A raw ``cudaMemcpyAsync`` of ``src`` into ``dst``, the copier looked up once."""
+    """graphtree's input copier (``cudaMemcpyAsync`` through ``cuda.bindings``) of ``src`` into ``dst``."""
     copy = _torch.raw_copier()
     return lambda: copy(dst.data_ptr(), src.data_ptr(), src.numel() * 4, 0)
 
@@ -63,6 +63,42 @@ def _memcpy_variants(dst: torch.Tensor, src: torch.Tensor) -> dict:
     return out
 
 
+class _Hundred(torch.nn.Module):
+    """100 parameters, forward ``x * 2 + 1``: what a module adds over the plain function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(16)) for _ in range(100)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _module_rows(x: torch.Tensor) -> dict:
+    """The module path in pieces: the nn.Module call, the training flag, the address check."""
+    gm = graphtree.graphed(_Hundred().cuda())
+    gc = gm.graphed_callable
+    for _ in range(4):
+        gm(x)
+    statics = gc.static_tensors()
+    ptrs = [t.data_ptr() for t in statics]
+    idx = list(range(len(statics)))
+    check = _torch.data_ptrs_checker()
+    ident = torch.nn.Identity()
+    return {
+        "module: gm(x)": lambda: gm(x),
+        "module: graphed callable(x)": lambda: gc(x),
+        "module: nn.Identity()(x)": lambda: ident(x),
+        "module: check 100 addresses (C++)": lambda: check(statics, ptrs, idx),
+        "module: check 100, list(map(data_ptr))": lambda: list(map(_data_ptr, statics)) == ptrs,
+        "module: static_tensors()": gc.static_tensors,
+        "module: param_epoch()": _inputs.param_epoch,
+    }
+
+
 def main() -> None:
     x = torch.randn(1024, device="cuda")
     sx = x.clone()
@@ -86,6 +122,7 @@ def main() -> None:
         "storage_offset": 0,
     }
     st = _torch.storage_at(ptr, dev, nbytes)
+    kept = [None]
     rows = {
         "x.copy_(y)": lambda: sx.copy_(x),
         "graph.replay()": g.replay,
@@ -95,7 +132,9 @@ def main() -> None:
         "read_call": lambda: _inputs.read_call((x,), {}, None),
         "is_grad_enabled": torch.is_grad_enabled,
         "tree_for": lambda: _manager.tree_for(0),
-        "raw cudaMemcpyAsync": _raw_memcpy(sx, x),
+        "graphtree copier (cudaMemcpyAsync)": _raw_memcpy(sx, x),
+        "graphtree call, output kept": lambda: kept.__setitem__(0, step(x)),
+        "base.detach()": out.detach,
         "graphtree call": lambda: step(x),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
     }
@@ -108,7 +147,9 @@ def main() -> None:
         {
             "key parts (shape, dtype, stride)": lambda: (x.shape, x.dtype, x.stride()),
             "x.get_device() + requires_grad": lambda: (x.get_device(), x.requires_grad),
-            "Call(...)": lambda: _inputs.Call((x,), None, (), 0, False),
+            "Call(...)": lambda: _inputs.Call((x,), None, (), 0, False, -1, -1, (), 1),
+            "HeldTensors()": _inputs.HeldTensors,
+            "flatten((x,), {})": lambda: _inputs.flatten((x,), {}),
             "tensor via set_": lambda: torch.empty(0, device=dev).set_(st, 0, meta["size"], meta["stride"]),
             "layer 1: node.replay": lambda: node.replay((x,), -1),
             "layer 2: tree.call (new step)": lambda: tree.call(step, call),
@@ -118,6 +159,7 @@ def main() -> None:
         }
     )
     rows.update(_memcpy_variants(sx, x))
+    rows.update(_module_rows(x))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("fast tensor ctor:", _torch.tensor_on is not _torch._tensor_on_slow)
     for k, fn in rows.items():
@@ -129,7 +171,17 @@ def main() -> None:
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    gm = graphtree.graphed(_Hundred().cuda())
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5000):
+        gm(x)
+    prof.disable()
+    torch.cuda.synchronize()
+    print("--- the 100-parameter module ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":
-    main()
+    with torch.no_grad():  # inference, as people run it; per_call.py does the same
+        main()
