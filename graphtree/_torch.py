@@ -40,6 +40,7 @@ class PrivateAPIMissing(RuntimeError):
 _warned_version = False
 
 
+@functools.cache  # resolved once per name: some are called on every step (invalidate_storage)
 def _private(name: str) -> Callable[..., Any]:
     global _warned_version
     if not VERSION_SUPPORTED and not _warned_version:
