@@ -260,3 +260,56 @@ def test_stop_aggregates_a_million_records_in_well_under_a_second(fake_cupti):
     print(f"stash {stash_s:.3f} s, stop {stop_s:.3f} s, timings {prof.data.stop_timings}")
     assert stash_s < 0.5, f"stashing 1M records took {stash_s:.2f} s"
     assert stop_s < 1.0, f"stop() aggregating 1M records took {stop_s:.2f} s"
+
+
+@pytest.mark.parametrize("pattern", [(1, 1), (3, 1), (275, 1), (40, 7)])
+def test_buffers_mixing_kinds_are_parsed_exactly_with_a_few_numpy_calls(fake_cupti, monkeypatch, pattern):
+    """A decode loop's buffers on an H100 mixed kinds every ~4 records (9,600 runs in 40,000): each
+    run costing a few numpy calls made one 8 MB buffer take 300-400 ms. The walk follows short runs
+    in Python and gathers each kind's fields at once: numpy is called per kind, not per run."""
+    cupti = fake_cupti
+    parser = _session._RawParser.create(cupti, ProfileOptions(buffer_size=8 << 20))
+    parser.backend, parser.objects = None, {}
+    kernels, memcpys = [], []
+    parts = []
+    for s in range(max(1, 30_000 // sum(pattern))):  # about 30,000 records: one buffer of 6-8 MB
+        k = _kernels(cupti, pattern[0], corr0=1 + s * 1000)
+        m = _memcpys(cupti, pattern[1], corr0=700 + s * 1000)
+        kernels.append(k)
+        memcpys.append(m)
+        parts += [k.tobytes(), m.tobytes()]
+    blob = bytearray(b"".join(parts))
+    buf = np.frombuffer(blob, dtype=np.uint8)
+    calls = {"count_run": 0, "gather": 0}
+    for name in calls:
+        orig = getattr(_session._RawParser, f"_{name}")
+
+        def counted(self, *a, _orig=orig, _name=name):
+            calls[_name] += 1
+            return _orig(self, *a)
+
+        monkeypatch.setattr(_session._RawParser, f"_{name}", counted)
+    out = dict(parser.stash_raw(buf.ctypes.data, len(blob)))
+    k_all, m_all = np.concatenate(kernels), np.concatenate(memcpys)
+    assert out[KERNEL]["correlation_id"].tolist() == k_all["correlation_id"].tolist()
+    assert out[KERNEL]["name"].tolist() == k_all["name"].tolist()
+    assert out[KERNEL]["start"].tolist() == k_all["start"].tolist()
+    assert out[MEMCPY]["correlation_id"].tolist() == m_all["correlation_id"].tolist()
+    assert out[MEMCPY]["bytes"].tolist() == m_all["bytes"].tolist()
+    assert calls["gather"] <= 2  # once per kind
+    long_runs = sum(n > _session._RawParser._step_limit for n in pattern) * len(kernels)
+    assert calls["count_run"] <= long_runs  # numpy only for runs longer than the Python steps
+
+
+def test_stop_leaves_aggregation_to_the_first_query(fake_cupti):
+    sim = fake_cupti.SIM
+    prof = graphtree.profile()
+    with prof:
+        for _ in range(5):
+            sim.launch_kernel("k")
+    timings = dict(prof.data.stop_timings)
+    assert "read kernel names" in timings and "aggregate records" not in timings
+    assert prof.data.summary()["kernels"] == 0  # nothing aggregated yet
+    assert prof.summary()["kernels"] == 5  # the first query aggregates
+    assert "aggregate records" in prof.data.stop_timings
+    assert [s.name for s in prof.kernel_stats()] == ["k"]
