@@ -31,6 +31,7 @@ Example::
     rec = Recorder()
     with graphtree.profile(tap=rec.attach) as prof:
         step(x)
+    prof.summary()  # records are aggregated, and reach the tap, at the first query after stop()
     rec.save("tests/fixtures/run.json", expect={"graph_launches": 1})
     prof2 = load("tests/fixtures/run.json")      # the same profile, rebuilt on any machine
 """
@@ -135,8 +136,9 @@ class Recorder:
     Example::
 
         rec = Recorder()
-        with graphtree.profile(tap=rec.attach):
+        with graphtree.profile(tap=rec.attach) as prof:
             step(x)
+        prof.summary()  # aggregates the records, which reach the tap
         rec.save("run.json")
     """
 

@@ -373,6 +373,7 @@ class ProfileData:
         self.callback_errors = 0
         self.record_errors = 0
         self.buffers_completed = 0
+        self.buffer_seconds = 0.0  # time spent in graphtree's buffer-completed callbacks
         self.max_buffers_in_flight = 0
         self.gpu_ns_total = 0
         self.first_start = 0
@@ -991,6 +992,7 @@ class Profile:
             launch_generation=self.options.launch_generation,
         )
         self._session: Any = None
+        self._stopped: Any = None  # a stopped session whose records are not aggregated yet
 
     # ----------------------------------------------------------------------------- control
     @property
@@ -1007,6 +1009,7 @@ class Profile:
         """
         if self._session is not None:
             return self
+        self._drain()  # records of an earlier session first, in order
         from graphtree.profile._session import Session
 
         session = Session(self.data, self.options)
@@ -1015,10 +1018,16 @@ class Profile:
         return self
 
     def stop(self) -> Profile:
-        """Synchronize, flush every record, and release CUPTI (safe to call twice)."""
+        """Synchronize, flush every record, and release CUPTI (safe to call twice).
+
+        The records are aggregated later, by the first query (:meth:`summary`, :meth:`table`,
+        ...): stopping costs the flush and a copy of the records' fields, not their aggregation.
+        """
         session, self._session = self._session, None
         if session is not None:
             session.stop()
+            if session.pending:
+                self._stopped = session
         return self
 
     def __enter__(self) -> Profile:
@@ -1029,7 +1038,13 @@ class Profile:
 
     # ----------------------------------------------------------------------------- results
     def _drain(self) -> None:
-        """Aggregate records a running session stashed (queries while profiling see them all)."""
+        """Aggregate records stashed by the running session (queries while profiling see them
+        all) or left by the last ``stop()`` (timed in ``data.stop_timings["aggregate records"]``)."""
+        stopped, self._stopped = self._stopped, None
+        if stopped is not None:
+            t0 = time.perf_counter()
+            stopped.drain()
+            self.data.stop_timings["aggregate records"] = 1e3 * (time.perf_counter() - t0)
         session = self._session
         if session is not None:
             session.drain()
@@ -1047,7 +1062,7 @@ class Profile:
 
     def graph_launches(self) -> list[Launch]:
         """Counted graph launches, each with the number of kernels it ran (``kernels``)."""
-        return [launch for launch in self.data.launches() if launch.kind == _cbids.GRAPH]
+        return [launch for launch in self.launches() if launch.kind == _cbids.GRAPH]
 
     def kernel_stats(self) -> list[KernelStats]:
         """Aggregated kernels, largest GPU time first."""
@@ -1092,7 +1107,7 @@ class Profile:
         return export_pprof(self, path)
 
     def __repr__(self) -> str:
-        s = self.data.summary()
+        s = self.summary()
         return (
             f"<graphtree.profile.Profile records={s['records']} kernel_launches={s['kernel_launches']} "
             f"graph_launches={s['graph_launches']} dropped={s['dropped_records']}"
