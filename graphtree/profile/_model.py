@@ -311,6 +311,8 @@ class ProfileOptions:
     raw_buffers: bool = True
     # Free activity buffers kept for reuse (memory: (in flight + this) * buffer_size).
     buffer_pool: int = 3
+    # Sampled mode (graphtree.profile.Sampling): activity traced only inside windows.
+    sample: Any | None = None
     tap: Any | None = field(default=None, repr=False)
 
 
@@ -549,8 +551,10 @@ class ProfileData:
         nbytes: int,
     ) -> None:
         """One GPU activity record (``kind`` is KERNEL, MEMCPY or MEMSET)."""
-        dur = end - start if end > start else 0
-        if start == 0 and end == 0:
+        # A record without a start or an end (a kernel already running when tracing began, as at
+        # the opening of a sampling window) is counted but not timed.
+        dur = end - start if end > start > 0 else 0
+        if start == 0 or end == 0:
             self.incomplete_records += 1
         nm = self._names.get(name)
         if nm is None:
@@ -686,8 +690,8 @@ class ProfileData:
                 c = self._names.setdefault(nm, nm)
             canon.append(c)
 
-        dur = np.where(end > start, end - start, 0)
-        self.incomplete_records += int(np.count_nonzero((start == 0) & (end == 0)))
+        dur = np.where((end > start) & (start > 0), end - start, 0)  # see record(): no start or end, no time
+        self.incomplete_records += int(np.count_nonzero((start == 0) | (end == 0)))
 
         # launches, one lookup per distinct correlation id
         ucorr, first_idx, corr_inv = _group_runs(np, corr)
@@ -993,6 +997,7 @@ class Profile:
         )
         self._session: Any = None
         self._stopped: Any = None  # a stopped session whose records are not aggregated yet
+        self._windows: Any = ()  # the sampler's reports (sampled mode)
 
     # ----------------------------------------------------------------------------- control
     @property
@@ -1015,7 +1020,30 @@ class Profile:
         session = Session(self.data, self.options)
         session.start()
         self._session = session
+        if session.sampler is not None:
+            self._windows = session.sampler.windows
         return self
+
+    def step(self) -> None:
+        """Mark the end of one step (iteration) of the program: in sampled mode
+        (:class:`~graphtree.profile.Sampling`) windows open and close here. Without sampling it
+        does nothing, so a loop may always call it.
+
+        Example::
+
+            with graphtree.profile(sample=graphtree.profile.Sampling()) as prof:
+                for batch in loader:
+                    train_step(batch)
+                    prof.step()
+        """
+        session = self._session
+        if session is not None and session.sampler is not None:
+            session.sampler.step()
+
+    @property
+    def windows(self) -> list[Any]:
+        """Reports of the windows of a sampled profile (:class:`~graphtree.profile.Sampling`), oldest first."""
+        return list(self._windows)
 
     def stop(self) -> Profile:
         """Synchronize, flush every record, and release CUPTI (safe to call twice).
