@@ -109,7 +109,7 @@ def _loop_graphtree(step: Callable[..., Any], x: Any, steps: int) -> Callable[[]
     return loop
 
 
-def _loop_gpt(batch: int, steps: int) -> Callable[[], None]:
+def _loop_gpt(batch: int, steps: int) -> Callable[..., None]:
     """The decode benchmark's replay loop: TinyGPT (12 layers, d=768) ``decode_step`` graphed
     with ``graphtree.graphed``, ``mark_step()`` before every call, synchronized at the end."""
     import torch
@@ -130,11 +130,17 @@ def _loop_gpt(batch: int, steps: int) -> Callable[[], None]:
     torch.cuda.synchronize()
     n = cfg.max_seq
 
-    def loop() -> None:
+    def loop(on_step: Callable[[], None] | None = None) -> None:
         mark = graphtree.mark_step
-        for i in range(steps):
-            mark()
-            fn(toks[i % n], positions[i % n])
+        if on_step is None:
+            for i in range(steps):
+                mark()
+                fn(toks[i % n], positions[i % n])
+        else:  # sampled profiling: prof.step() once per step
+            for i in range(steps):
+                mark()
+                fn(toks[i % n], positions[i % n])
+                on_step()
         torch.cuda.synchronize()
 
     return loop
@@ -223,6 +229,7 @@ def measure_overhead(
     floor: bool = True,
     raw_buffers: bool = True,
     flush_period_ms: int | None = None,
+    sample: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Time the replay loop plain, under CUPTI alone (the floors) and profiled, interleaved.
 
@@ -260,13 +267,21 @@ def measure_overhead(
             opts["defer_records"] = defer_records
         if flush_period_ms is not None:
             opts["flush_period_ms"] = flush_period_ms
+        if sample is not None:  # sampled mode: (window steps, every steps)
+            opts["sample"] = graphtree.profile.Sampling(window_steps=sample[0], every_steps=sample[1])
         prof = graphtree.profile(**opts)
         t0 = time.perf_counter()
         prof.start()
         t1 = time.perf_counter()
-        loop()
+        sampler = prof._session.sampler  # sampled mode: what opening and closing windows cost
+        if sample is not None:
+            loop(prof.step)  # type: ignore[call-arg]
+        else:
+            loop()
         t2 = time.perf_counter()
         prof.stop()
+        if sampler is not None:
+            last.update(windows=len(prof.windows), window_edges_ms=1e3 * sampler.edge_seconds)
         t3 = time.perf_counter()
         last.update(
             start=t1 - t0,
@@ -351,6 +366,9 @@ def measure_overhead(
         "start_ms": 1e3 * statistics.median(starts),
         "stop_ms": 1e3 * stop_s,
         "stop_timings_ms": {k: round(v, 3) for k, v in last.get("stop_timings", {}).items()},
+        "sample": list(sample) if sample else None,
+        "windows": last.get("windows"),
+        "window_edges_ms": last.get("window_edges_ms"),
         "kernels_per_step": s["kernels"] / steps,
         "records_per_run": s["records"],
         "graph_launches": s["graph_launches"],
@@ -405,8 +423,16 @@ def main(argv: list[str] | None = None) -> int:
         help="profile with raw_buffers=False (cupti-python's buffer callbacks)",
     )
     p.add_argument("--flush-period-ms", type=int, default=None, help="ProfileOptions.flush_period_ms")
+    p.add_argument(
+        "--sample",
+        default=None,
+        metavar="WINDOW_STEPS:EVERY_STEPS",
+        help="profile in sampled mode (graphtree.profile.Sampling), e.g. 20:2000",
+    )
     p.add_argument("--threshold", type=float, default=0.05)
     a = p.parse_args(argv)
+    if a.sample and a.workload != "gpt":
+        p.error("--sample needs --workload gpt (its loop calls prof.step())")
     if a.workload == "gpt":
         cases = [("graphtree", int(b)) for b in a.batches.split(",") if b.strip()]
     else:
@@ -429,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                     floor=not a.no_floor,
                     raw_buffers=not a.cupti_python_buffers,
                     flush_period_ms=a.flush_period_ms,
+                    sample=tuple(int(v) for v in a.sample.split(":")) if a.sample else None,  # type: ignore[arg-type]
                 )
             )
             r = results[-1]
@@ -441,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{label}] plain {r['plain_step_us']:.1f} us/step{floors}, profiled {r['profiled_step_us']:.1f} "
                 f"us/step: +{r['overhead_step_us']:.1f} us/step = {r['overhead_pct']:.2f}% "
                 f"({r['overhead_incl_stop_pct']:.2f}% counting stop: {r['stop_ms']:.1f} ms {r['stop_timings_ms']}); "
-                f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, "
+                + (
+                    f"{r['windows']} windows, {r['window_edges_ms']:.1f} ms opening and closing them; "
+                    if r.get("windows") is not None
+                    else ""
+                )
+                + f"{r['kernels_per_step']:.0f} kernels/step, dropped {r['dropped_records']}, "
                 f"buffers via {r['buffer_path']}",
                 file=sys.stderr,
             )

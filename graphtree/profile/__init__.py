@@ -33,6 +33,7 @@ from typing import Any
 
 from graphtree.profile._errors import ProfilerBusyError, ProfilerError, ProfilerUnavailableError
 from graphtree.profile._model import Profile, ProfileOptions
+from graphtree.profile._sampling import Sampling, WindowReport
 
 __all__ = [
     "Profile",
@@ -40,6 +41,8 @@ __all__ = [
     "ProfilerBusyError",
     "ProfilerError",
     "ProfilerUnavailableError",
+    "Sampling",
+    "WindowReport",
     "prepare",
     "profile",
 ]
@@ -56,6 +59,7 @@ def profile(
     finalize: bool = False,
     tap: Callable[[Any], Any] | None = None,
     raw_buffers: bool = True,
+    sample: Sampling | None = None,
     **advanced: Any,
 ) -> Profile:
     """A GPU profile to use as a context manager (or with ``start()`` / ``stop()``).
@@ -73,6 +77,9 @@ def profile(
         tap: a ``tap(data) -> sink`` that sees every normalized CUPTI event (fixture recording).
         raw_buffers: read CUPTI's activity buffers straight from libcupti (ctypes, numpy; no
             Python object per record); False: through cupti-python's buffer callbacks.
+        sample: always-on sampled mode (:class:`Sampling`): GPU activity is traced only inside
+            short windows (default 200 ms every 20 s); each window's kernels are reported in
+            ``prof.windows`` and to ``Sampling.on_window``. Call sites are attributed as in full mode.
         advanced: further :class:`ProfileOptions` fields (``defer_records``, ``buffer_pool``,
             ``vectorized``, ``launch_generation``).
 
@@ -85,6 +92,9 @@ def profile(
         with graphtree.profile(keep_records=False) as prof:   # long runs: aggregate only
             train(epochs=1)
         print(prof.table())
+
+        prof = graphtree.profile(sample=graphtree.profile.Sampling(on_window=lambda w: print(w.table(5))))
+        prof.start()                                           # a server: keep it on
     """
     return Profile(
         ProfileOptions(
@@ -97,6 +107,7 @@ def profile(
             finalize=finalize,
             tap=tap,
             raw_buffers=raw_buffers,
+            sample=sample,
             **advanced,
         )
     )

@@ -41,9 +41,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from graphtree.profile import _cbids, _rawbuf
-from graphtree.profile._attribution import capture_stack
+from graphtree.profile._attribution import capture_stack, format_frame
 from graphtree.profile._errors import INSTALL_HINT, ProfilerBusyError, ProfilerUnavailableError
 from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileData, ProfileOptions
+from graphtree.profile._sampling import Sampler, Sampling
 
 __all__ = ["Session", "active_session", "guess_other_cupti_users", "load_cupti"]
 
@@ -196,6 +197,9 @@ class Session:
         self.subscriber: Any = None
         self.enabled_callbacks: list[tuple[int, int]] = []
         self.enabled_kinds: list[int] = []
+        self._kinds: list[int] = []  # the activity kinds this session traces
+        self.sampler: Sampler | None = None  # sampled mode: opens and closes the tracing windows
+        self._sites: dict[Any, str] = {}  # (stack id, graph, label) -> call site text (window tables)
         self.missing_callbacks: list[str] = []
         self._flush_period_set = False
         self._in_flight = 0
@@ -239,13 +243,14 @@ class Session:
                     self.enabled_callbacks.append((domain, cbid))
                 self._resource_ids = resource_ids
                 self._register_buffers(cupti)
-                act = self._act
                 kinds = [cupti.ActivityKind.CONCURRENT_KERNEL]
                 if self.options.memcpy:
                     kinds += [cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
-                for kind in kinds:
-                    act.enable(int(kind))
-                    self.enabled_kinds.append(int(kind))
+                self._kinds = [int(k) for k in kinds]
+                if self.options.sample is None:
+                    self._enable_activity()
+                else:  # sampled: the sampler turns activity on inside windows only
+                    self.sampler = self._make_sampler(self.options.sample)
             except BaseException as e:
                 self._teardown([])
                 if _status(e) == _MULTIPLE_SUBSCRIBERS:
@@ -258,6 +263,56 @@ class Session:
             _ACTIVE = self
             self._atexit = self._stop_at_exit
             atexit.register(self._atexit)
+
+    # -- activity on and off (the whole session, or the sampler's windows)
+    def _enable_activity(self) -> None:
+        for kind in self._kinds:
+            self._act.enable(kind)
+            self.enabled_kinds.append(kind)
+
+    def _disable_activity(self) -> None:
+        for kind in self.enabled_kinds:
+            self._act.disable(kind)
+        self.enabled_kinds = []
+
+    def _flush_window(self) -> None:
+        forced = int(getattr(getattr(self.cupti, "ActivityFlag", None), "FLUSH_FORCED", 1))
+        self._act.flush_all(forced)
+        self.drain()
+
+    def _window_rows(self) -> dict[Any, tuple[int, int, Any]]:
+        """Every aggregate so far: key -> (count, total ns, the stats row)."""
+        out = {}
+        for st in self.data.kernel_stats():
+            key = (st.kind, st.name, st.stack_id, st.graph_key, st.label, st.captured_before_profiling)
+            out[key] = (st.count, st.total_ns, st)
+        return out
+
+    def _site(self, st: Any) -> str:
+        """The call site of a stats row as the window tables show it (cached per stack and graph)."""
+        key = (st.stack_id, st.graph_key, st.label)
+        site = self._sites.get(key)
+        if site is None:
+            frames = self.data.stack(st.stack_id)
+            site = format_frame(frames[-1] if frames else None)
+            if st.graph_key:
+                site = f"[graph {st.graph_key}{' ' + st.label if st.label else ''}] {site}"
+            self._sites[key] = site
+        return site
+
+    def _make_sampler(self, sampling: Sampling) -> Sampler:
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"profile(sample=...) takes a graphtree.profile.Sampling, got {type(sampling).__name__}")
+        return Sampler(
+            sampling,
+            enable=self._enable_activity,
+            disable=self._disable_activity,
+            quiesce=_synchronize_cuda,
+            flush=self._flush_window,
+            rows=self._window_rows,
+            site=self._site,
+            note=self.data.notes.append,
+        )
 
     def _register_buffers(self, cupti: Any) -> None:
         """Register the activity buffer callbacks: raw buffers straight from libcupti when it can
@@ -648,6 +703,8 @@ class Session:
             errors: list[str] = []
             t0 = time.perf_counter()
             _step(errors, "synchronize", _synchronize_cuda)
+            if self.sampler is not None:  # closes an open window: its records are kept
+                _step(errors, "sampler", self.sampler.stop)
             t_sync = 1e3 * (time.perf_counter() - t0)
             self._teardown(errors)
             self.data.stop_timings["synchronize"] = t_sync

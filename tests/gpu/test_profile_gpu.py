@@ -137,6 +137,22 @@ def test_one_million_kernel_records_bounded_memory() -> None:
     ), r
 
 
+def test_sampled_mode_times_windows_right_and_leaves_later_profiles_right() -> None:
+    """Windows open and close at steps with the GPU idle: turning activity on and off while graph
+    replays were in flight left half of the records without timestamps, gave kernels 450 ms
+    durations and spoiled a later full profile (H100, 2026-11-23)."""
+    r = _run("sampled")
+    assert r["correct"], r
+    assert len(r["windows"]) == 5 and all(n > 0 for n in r["windows"]), r  # steps 0-4, 40-44, ...
+    assert r["sites"] == ["body_sampled"], r  # graph kernels keep their captured line
+    for mode in ("sampled", "full"):
+        t = r[mode]
+        assert t["invalid"] == 0 and t["max_ns"] < 5_000_000, (mode, t)
+        assert t["top_function"] == "body_sampled", (mode, t)
+    assert r["sampled"]["top"] == r["full"]["top"]
+    assert 0.5 < r["sampled"]["top_avg_ns"] / r["full"]["top_avg_ns"] < 2.0, r
+
+
 # ------------------------------------------------------------------------------------ scenarios
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
@@ -388,7 +404,65 @@ def scenario_million_records() -> dict[str, Any]:
     }
 
 
+def scenario_sampled() -> dict[str, Any]:
+    """A graphtree decode-like loop in sampled mode, then the same loop fully profiled."""
+    import numpy as np
+    import torch
+
+    import graphtree
+
+    w = torch.randn(512, 512, device="cuda") / 512**0.5
+
+    @graphtree.graphed
+    def body_sampled(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            h = torch.tanh(h @ w) + h
+        return h
+
+    x = torch.randn(16, 512, device="cuda")
+    with torch.no_grad():
+        prof = graphtree.profile(sample=graphtree.profile.Sampling(window_steps=5, every_steps=40))
+        prof.start()
+        for _ in range(200):
+            graphtree.mark_step()
+            body_sampled(x)
+            prof.step()
+        torch.cuda.synchronize()
+        prof.stop()
+        full = graphtree.profile()
+        with full:
+            for _ in range(40):
+                graphtree.mark_step()
+                body_sampled(x)
+            torch.cuda.synchronize()
+
+    def timing(p: Any) -> dict[str, Any]:
+        st = np.array([r.start for r in p.records], dtype=np.int64)
+        en = np.array([r.end for r in p.records], dtype=np.int64)
+        ok = (st > 0) & (en > st)
+        top = max((k for k in p.kernel_stats() if k.graph_key), key=lambda k: k.total_ns)
+        return {
+            "records": int(st.shape[0]),
+            "invalid": int((~ok).sum()),
+            "max_ns": int((en - st)[ok].max()) if ok.any() else 0,
+            "top": top.name,
+            "top_avg_ns": top.total_ns / top.count,
+            "top_function": (p.stack(top.stack_id) or [("", 0, "")])[-1][2],
+        }
+
+    return {
+        "windows": [sum(r.count for r in win.rows) for win in prof.windows],
+        "sites": sorted(
+            {r.site.split("] ")[-1].split()[-1] for win in prof.windows for r in win.rows if r.kind == "kernel"}
+        ),
+        "sampled": timing(prof),
+        "full": timing(full),
+        "correct": bool(torch.allclose(body_sampled(x), body_sampled.fn(x))),
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "sampled": scenario_sampled,
     "launch_paths": scenario_launch_paths,
     "make_graphed_before": scenario_make_graphed_before,
     "graphtree_before": scenario_graphtree_before,
