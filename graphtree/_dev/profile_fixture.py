@@ -43,7 +43,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from graphtree.profile._model import Profile, ProfileData, ProfileOptions
+from graphtree.profile._model import ProfileData, ProfileOptions
+from graphtree.profile._profile import Profile
 
 __all__ = ["FORMAT", "Recorder", "load", "replay"]
 
@@ -189,15 +190,31 @@ def replay(events: list[list[Any]], data: ProfileData) -> ProfileData:
 
         data = replay(doc["events"], ProfileData())
     """
+    pending: list[list[Any]] = []  # consecutive record events, aggregated as one batch per kind
+
+    def flush() -> None:
+        by_kind: dict[int, list[list[Any]]] = {}
+        for ev in pending:
+            by_kind.setdefault(ev[1], []).append(ev)
+        for kind, evs in by_kind.items():
+            names = sorted({ev[2] for ev in evs})
+            index = {n: i for i, n in enumerate(names)}
+            columns = list(zip(*(ev[3:11] for ev in evs)))
+            data.record_batch(kind, names, [index[ev[2]] for ev in evs], *columns)
+        pending.clear()
+
     for ev in events:
         op = ev[0]
+        if op == "record":
+            pending.append(ev)
+            continue
+        if pending:
+            flush()
         if op == "api_enter":
             frames = ev[6]
             data.api_enter(ev[1], ev[2], ev[3], ev[4], ev[5], lambda f=frames: data.stacks.intern_list(f))
         elif op == "api_exit":
             data.api_exit(ev[1], ev[2], ev[3], ev[4], ev[5])
-        elif op == "record":
-            data.record(*ev[1:11])
         elif op == "node_created":
             frames = ev[5]
             data.node_created(ev[1], ev[2], ev[3], ev[4], lambda f=frames: data.stacks.intern_list(f))
@@ -217,6 +234,8 @@ def replay(events: list[list[Any]], data: ProfileData) -> ProfileData:
             data.session_stop(ev[1])
         else:
             raise ValueError(f"unknown fixture event {op!r}")
+    if pending:
+        flush()
     return data
 
 
