@@ -68,7 +68,7 @@ class _Counting:
 
 def test_completed_buffers_are_stashed_not_parsed_per_record(fake_cupti):
     from graphtree.profile._model import ProfileOptions
-    from graphtree.profile._session import _FastParser
+    from graphtree.profile._parse import _FastParser
 
     sim = fake_cupti.SIM
     got = []

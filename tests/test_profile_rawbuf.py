@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 from gt_profile_workloads import digest, mixed_workload
 
 import graphtree
-from graphtree.profile import ProfileOptions, _rawbuf, _session
+from graphtree.profile import ProfileOptions, _parse, _rawbuf, _session
 from graphtree.profile._model import KERNEL, MEMCPY
 
 STUB = Path(__file__).resolve().parent / "fakes" / "libcupti_stub.c"
@@ -85,7 +85,7 @@ def test_ctypes_buffers_pool_and_iterator_against_a_libcupti_stand_in(stub_lib):
     _path, mapped = _rawbuf.find_libcupti()
     assert stub_lib in mapped
 
-    parser = _session._RawParser.create(cupti, ProfileOptions(buffer_size=4096))
+    parser = _parse._RawParser.create(cupti, ProfileOptions(buffer_size=4096))
     parser.backend = backend
     pool = _rawbuf.BufferPool(4096, keep=1)
     got, offsets = [], []
@@ -268,7 +268,7 @@ def test_buffers_mixing_kinds_are_parsed_exactly_with_a_few_numpy_calls(fake_cup
     run costing a few numpy calls made one 8 MB buffer take 300-400 ms. The walk follows short runs
     in Python and gathers each kind's fields at once: numpy is called per kind, not per run."""
     cupti = fake_cupti
-    parser = _session._RawParser.create(cupti, ProfileOptions(buffer_size=8 << 20))
+    parser = _parse._RawParser.create(cupti, ProfileOptions(buffer_size=8 << 20))
     parser.backend, parser.objects = None, {}
     kernels, memcpys = [], []
     parts = []
@@ -282,13 +282,13 @@ def test_buffers_mixing_kinds_are_parsed_exactly_with_a_few_numpy_calls(fake_cup
     buf = np.frombuffer(blob, dtype=np.uint8)
     calls = {"count_run": 0, "gather": 0}
     for name in calls:
-        orig = getattr(_session._RawParser, f"_{name}")
+        orig = getattr(_parse._RawParser, f"_{name}")
 
         def counted(self, *a, _orig=orig, _name=name):
             calls[_name] += 1
             return _orig(self, *a)
 
-        monkeypatch.setattr(_session._RawParser, f"_{name}", counted)
+        monkeypatch.setattr(_parse._RawParser, f"_{name}", counted)
     out = dict(parser.stash_raw(buf.ctypes.data, len(blob)))
     k_all, m_all = np.concatenate(kernels), np.concatenate(memcpys)
     assert out[KERNEL]["correlation_id"].tolist() == k_all["correlation_id"].tolist()
@@ -297,7 +297,7 @@ def test_buffers_mixing_kinds_are_parsed_exactly_with_a_few_numpy_calls(fake_cup
     assert out[MEMCPY]["correlation_id"].tolist() == m_all["correlation_id"].tolist()
     assert out[MEMCPY]["bytes"].tolist() == m_all["bytes"].tolist()
     assert calls["gather"] <= 2  # once per kind
-    long_runs = sum(n > _session._RawParser._step_limit for n in pattern) * len(kernels)
+    long_runs = sum(n > _parse._RawParser._step_limit for n in pattern) * len(kernels)
     assert calls["count_run"] <= long_runs  # numpy only for runs longer than the Python steps
 
 

@@ -407,7 +407,7 @@ def test_prepare_initialises_cupti_and_releases_it(fake_cupti):
 
 def test_fast_parser_refuses_records_that_are_not_one_buffer(fake_cupti):
     from graphtree.profile._model import ProfileOptions
-    from graphtree.profile._session import _FastParser, _LayoutMismatch
+    from graphtree.profile._parse import _FastParser, _LayoutMismatch
 
     parser = _FastParser.create(fake_cupti, ProfileOptions(buffer_size=4096))
     assert parser is not None

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from graphtree.profile._errors import ProfilerBusyError, ProfilerError, ProfilerUnavailableError
-from graphtree.profile._model import Profile, ProfileOptions
+from graphtree.profile._model import ProfileOptions
+from graphtree.profile._profile import Profile
 from graphtree.profile._sampling import Sampling, WindowReport
 
 __all__ = [

@@ -5,7 +5,7 @@ in CUPTI's thread while it holds the GIL (the replay loop waits). Here the buffe
 registered with libcupti directly (``cuptiActivityRegisterCallbacks`` with ``ctypes.CFUNCTYPE``
 callbacks): the "requested" callback hands out a buffer from a small bounded pool, the "completed"
 callback gets ``(address, size, valid_size)`` and the session copies the records' fields out with
-numpy (see ``_session._RawParser``) before the buffer goes back to the pool.
+numpy (see ``_parse._RawParser``) before the buffer goes back to the pool.
 
 The library is the one cupti-python loaded (found in ``/proc/self/maps`` after a call into
 cupti-python), so both talk to one CUPTI instance; fallbacks: the ``nvidia`` wheel's

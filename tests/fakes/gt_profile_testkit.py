@@ -32,7 +32,7 @@ def fake_cupti() -> Iterator[Any]:
     import fake_cupti as pkg
     from fake_cupti import cupti
 
-    from graphtree.profile import _rawbuf, _session
+    from graphtree.profile import _parse, _rawbuf, _session
 
     saved = {k: sys.modules.get(k) for k in ("cupti", "cupti.cupti")}
     sys.modules["cupti"] = pkg
@@ -42,7 +42,7 @@ def fake_cupti() -> Iterator[Any]:
     saved_factory = _rawbuf.BACKEND_FACTORY
     _rawbuf.BACKEND_FACTORY = lambda _cupti: cupti.LIBCUPTI
     _session._RAW_LAYOUT_BAD = False
-    _session._RawParser._first_done = False
+    _parse._RawParser._first_done = False
     try:
         yield cupti
     finally:
