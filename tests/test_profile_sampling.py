@@ -33,6 +33,7 @@ def test_activity_is_on_only_inside_windows_and_nothing_outside_is_kept(fake_cup
     assert [w.index for w in windows] == [0, 1, 2, 3]  # the last one closed by stop()
     assert [sum(r.count for r in w.rows) for w in windows] == [3, 3, 3, 3]
     assert seen == windows
+    assert all(w.edge_ms >= 0 and w.duration_ms >= 0 for w in windows)
     assert len(syncs) == 9  # the GPU is idle at each window edge (8), and stop() synchronizes
     assert "inside" in windows[0].table() and "window 0" in windows[0].table()
 

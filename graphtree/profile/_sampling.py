@@ -93,6 +93,7 @@ class WindowReport:
     started_at: float  # time.time() when the window opened
     duration_ms: float  # from its opening to its closing step
     rows: list[WindowRow]
+    edge_ms: float = 0.0  # spent at its opening and closing steps (synchronize, flush, aggregation)
 
     @property
     def gpu_ns(self) -> int:
@@ -117,7 +118,8 @@ class Sampler:
 
     ``enable()``/``disable()`` turn the activity kinds on and off, ``quiesce()`` waits for the GPU
     to be idle, ``flush()`` makes CUPTI hand over the window's buffers, ``rows()`` gives the
-    aggregated rows so far (cumulative: a window's rows are the difference of two calls).
+    aggregated rows so far (cumulative: a window's rows are the difference of two calls),
+    ``site(stats)`` a row's call site. ``lock`` serializes ``step()`` (from any thread) and ``stop()``.
     """
 
     def __init__(
@@ -142,7 +144,7 @@ class Sampler:
         self._index = 0
         self._opened = (0.0, 0.0)  # (monotonic, wall) time the open window opened
         self._before: dict[Any, tuple[int, int, Any]] = {}
-        self.edge_seconds = 0.0  # spent opening and closing windows (synchronize, flush, reports)
+        self._open_seconds = 0.0  # spent opening the current window
 
     def step(self) -> None:
         """One step ended: open or close a window when the schedule says so."""
@@ -156,7 +158,7 @@ class Sampler:
                 self._enable()
                 self.tracing = True
                 self._opened = (time.monotonic(), time.time())
-                self.edge_seconds += self._opened[0] - t0
+                self._open_seconds = self._opened[0] - t0
             elif phase == self.sampling.window_steps and self.tracing:
                 self._close()
 
@@ -185,10 +187,10 @@ class Sampler:
                 rows.append(WindowRow(st.kind, st.name, self._site(st), count, total_ns))
         self._before = now
         rows.sort(key=lambda r: (-r.total_ns, r.name))
-        report = WindowReport(self._index, wall, duration_ms, rows)
+        edge_ms = 1000 * (self._open_seconds + time.monotonic() - t0)
+        report = WindowReport(self._index, wall, duration_ms, rows, edge_ms)
         self._index += 1
         self.windows.append(report)
-        self.edge_seconds += time.monotonic() - t0
         callback = self.sampling.on_window
         if callback is not None:
             try:
