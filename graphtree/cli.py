@@ -2,8 +2,9 @@
 
 Subcommands:
 
-- ``graphtree doctor [--json]``: can CUDA graphs run here, and if not, why (see
-  :func:`graphtree.debug.doctor`).
+- ``graphtree doctor [--json] [--speed]``: can CUDA graphs run here, and if not, why (see
+  :func:`graphtree.debug.doctor`); ``--speed`` also times the GPU against its nominal peaks
+  (:mod:`graphtree.debug.speed`; exits 2 without a GPU).
 - ``graphtree demo [--steps N] [--layers L] [--d-model D] [--heads H] [--batch B]``: a GPT-style
   decode loop, run eagerly and then graphed, with timings, a token-for-token comparison and
   graphtree's statistics (:func:`graphtree.demo.run`).
@@ -52,6 +53,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="say whether CUDA graphs can run here, and why not")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--speed",
+        action="store_true",
+        help="also measure matmul, copies, launches and graph replays against the GPU's peaks (under a minute)",
+    )
 
     p = sub.add_parser(
         "demo",
@@ -140,10 +146,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"graphtree doctor could not start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     report = doctor()
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
+    if not args.speed:
+        if args.json:
+            print(json.dumps(report.as_dict(), indent=2))
+        else:
+            print(report.render())
+        return 0
+    from graphtree.debug.speed import speed_test
+
+    if not args.json:
         print(report.render())
+        print()
+    try:
+        speed = speed_test(progress=not args.json)
+    except RuntimeError as e:
+        print(f"graphtree doctor --speed: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**report.as_dict(), "speed": speed.as_dict()}, indent=2))
+    else:
+        print(speed.render())
     return 0
 
 
