@@ -70,6 +70,15 @@ def test_a_callback_that_raises_is_noted_and_sampling_goes_on(fake_cupti):
     assert any("on_window raised RuntimeError: boom" in n for n in prof.data.notes)
 
 
+def test_a_step_after_the_sampler_stopped_opens_nothing(fake_cupti):
+    prof = graphtree.profile(sample=Sampling(window_steps=1, every_steps=2))
+    prof.start()
+    sampler = prof._session.sampler
+    prof.stop()
+    sampler.step()  # a step that raced stop() in another thread
+    assert not fake_cupti.SIM.enabled_kinds and not sampler.tracing
+
+
 def test_step_without_sampling_does_nothing(fake_cupti):
     with graphtree.profile() as prof:
         prof.step()

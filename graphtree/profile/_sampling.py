@@ -145,10 +145,13 @@ class Sampler:
         self._opened = (0.0, 0.0)  # (monotonic, wall) time the open window opened
         self._before: dict[Any, tuple[int, int, Any]] = {}
         self._open_seconds = 0.0  # spent opening the current window
+        self._stopped = False  # after stop(), step() does nothing (a step racing the session's end)
 
     def step(self) -> None:
         """One step ended: open or close a window when the schedule says so."""
         with self.lock:
+            if self._stopped:
+                return
             n = self.steps
             self.steps += 1
             phase = n % self.sampling.every_steps
@@ -163,8 +166,9 @@ class Sampler:
                 self._close()
 
     def stop(self) -> None:
-        """Close an open window (its records are kept)."""
+        """Close an open window (its records are kept); later ``step()`` calls do nothing."""
         with self.lock:
+            self._stopped = True
             if self.tracing:
                 self._close()
 
