@@ -62,6 +62,31 @@ def test_dump_on_error_writes_and_reraises_the_same_error(tmp_path):
     assert load_dump(path).error == "IndexError: index 7 is out of bounds"
 
 
+def picky(x):
+    """A module-level function that fails on negative input (for the debug= option)."""
+    if bool((x < 0).any()):
+        raise ValueError("negative input")
+    return x * 2
+
+
+def test_graphed_debug_option_dumps_a_failing_call_that_reruns(tmp_path):
+    import graphtree
+
+    g = graphtree.graphed(picky, debug=tmp_path)
+    assert torch.equal(g(torch.ones(2)), torch.full((2,), 2.0))  # a good call writes nothing
+    assert list(tmp_path.glob("*.gtdump")) == []
+    with pytest.raises(ValueError, match="negative input") as info:
+        g(torch.tensor([1.0, -1.0]))
+    (path,) = tmp_path.glob("picky-*.gtdump")
+    assert any(str(path) in n for n in getattr(info.value, "__notes__", [str(path)]))
+    d = load_dump(path)
+    assert d.target == f"{__name__}:picky" and d.error == "ValueError: negative input"
+    with pytest.raises(ValueError, match="negative input"):
+        d.resolve()(*d.args, **d.kwargs)  # what `graphtree debug rerun` does, eagerly
+    with pytest.raises(ValueError, match="debug must be a folder"):
+        graphtree.graphed(picky, debug=3)
+
+
 def test_a_dump_over_its_limit_is_refused_and_nothing_is_written(tmp_path):
     with pytest.raises(DumpTooLarge, match="over its limit"):
         write_dump(tmp_path / "big.gtdump", scaled_sum, (torch.zeros(1024),), {}, limit_bytes=100)

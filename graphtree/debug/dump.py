@@ -41,7 +41,7 @@ import torch
 
 from graphtree import _torch
 
-__all__ = ["DEFAULT_LIMIT_BYTES", "Dump", "DumpTooLarge", "dump_on_error", "load_dump", "write_dump"]
+__all__ = ["DEFAULT_LIMIT_BYTES", "Dump", "DumpTooLarge", "dump_failure", "dump_on_error", "load_dump", "write_dump"]
 
 SUFFIX = ".gtdump"
 FORMAT = 1
@@ -242,16 +242,42 @@ def dump_on_error(
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            path = folder / f"{_safe(name)}-{stamp}-{os.getpid()}{SUFFIX}"
-            try:
-                written = write_dump(path, fn, args, kwargs, e, limit_bytes)
-                _note(e, f"graphtree: a dump of this call was written to {written}")
-            except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
-                _note(e, f"graphtree: no dump was written: {dump_error}")
+            dump_failure(folder, fn, name, args, kwargs, e, limit_bytes)
             raise
 
     return wrapper
+
+
+def dump_failure(
+    dir: str | os.PathLike[str],
+    fn: Callable[..., Any],
+    name: str,
+    args: tuple,
+    kwargs: dict[str, Any],
+    error: Exception,
+    limit_bytes: int = DEFAULT_LIMIT_BYTES,
+) -> Path | None:
+    """Write the dump of a call of ``fn`` that raised ``error`` into ``dir``; returns its path.
+
+    Adds a note to ``error`` naming the dump, or saying why none was written (too large, disk
+    full): it never raises itself, so the caller's error always reaches the caller. Used by
+    :func:`dump_on_error` and by ``graphtree.graphed(..., debug=dir)``.
+
+    Example::
+
+        except Exception as e:
+            dump_failure("dumps", step, "step", args, kwargs, e)
+            raise
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(dir) / f"{_safe(name)}-{stamp}-{os.getpid()}{SUFFIX}"
+    try:
+        written = write_dump(path, fn, args, kwargs, error, limit_bytes)
+    except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
+        _note(error, f"graphtree: no dump was written: {dump_error}")
+        return None
+    _note(error, f"graphtree: a dump of this call was written to {written}")
+    return Path(written)
 
 
 def _safe(name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,12 @@ def _has_cuda() -> bool:
 
 
 def _check_options(
-    buckets: Sequence[int] | None, bucket_dim: int, warmup: int, max_rerecords: int, name: str | None
+    buckets: Sequence[int] | None,
+    bucket_dim: int,
+    warmup: int,
+    max_rerecords: int,
+    name: str | None,
+    debug: str | os.PathLike[str] | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
     if buckets is not None:
@@ -45,6 +51,8 @@ def _check_options(
             raise ValueError(f"{option} must be a non-negative int, got {value!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if debug is not None and (not isinstance(debug, (str, os.PathLike)) or not os.fspath(debug)):
+        raise ValueError(f"debug must be a folder (a str or path) to write dumps into, got {debug!r}")
 
 
 def mark_static(t: torch.Tensor) -> torch.Tensor:
@@ -76,10 +84,12 @@ class GraphedCallable:
         warmup: int = 1,
         max_rerecords: int = 8,
         name: str | None = None,
+        debug: str | os.PathLike[str] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name)
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
+        self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         self.fn = fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -111,24 +121,31 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
-        if self.disabled_reason is not None:
-            return self._eager(args, kwargs, self.disabled_reason)
-        if not (_cuda_ok or _has_cuda()):
-            return self._eager(args, kwargs, "no CUDA")
-        try:
-            call = read_call(args, kwargs, self.bucketing)
-        except Unsupported as e:
-            return self._eager(args, kwargs, str(e))
-        if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
-            return self._eager(args, kwargs, "autograd")
-        if self._module is not None:  # train() and eval() record apart (dropout, batch norm)
-            call.key = (*call.key, ("training", self._module.training))
-        device = call.device
-        if device < 0:
-            device = self._state_device()
+        try:  # costs nothing unless the call raises (Python 3.11+)
+            if self.disabled_reason is not None:
+                return self._eager(args, kwargs, self.disabled_reason)
+            if not (_cuda_ok or _has_cuda()):
+                return self._eager(args, kwargs, "no CUDA")
+            try:
+                call = read_call(args, kwargs, self.bucketing)
+            except Unsupported as e:
+                return self._eager(args, kwargs, str(e))
+            if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
+                return self._eager(args, kwargs, "autograd")
+            if self._module is not None:  # train() and eval() record apart (dropout, batch norm)
+                call.key = (*call.key, ("training", self._module.training))
+            device = call.device
             if device < 0:
-                return self._eager(args, kwargs, "no CUDA tensors in the call")
-        return _manager.run(self, call, device)
+                device = self._state_device()
+                if device < 0:
+                    return self._eager(args, kwargs, "no CUDA tensors in the call")
+            return _manager.run(self, call, device)
+        except Exception as e:
+            if self.debug is not None:
+                from graphtree.debug.dump import dump_failure
+
+                dump_failure(self.debug, self.fn, self.name, args, kwargs, e)
+            raise
 
     # --- eager paths ------------------------------------------------------------------------
     def _eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
@@ -351,6 +368,7 @@ def graphed(
     warmup: int = 1,
     max_rerecords: int = 8,
     name: str | None = None,
+    debug: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
@@ -374,6 +392,10 @@ def graphed(
         max_rerecords: new recordings of one call site, after its first, before the function
             runs eagerly for good (in-place inputs or parameters that keep moving).
         name: a name for logs, ``stats()`` and error messages (default: the function's).
+        debug: a folder: a call that raises writes a dump of itself there (its inputs, the
+            function's import path, random states, versions, traceback; see
+            :func:`graphtree.debug.dump_on_error`) before the error reaches the caller, with a
+            note naming it; ``graphtree debug rerun DUMP`` runs it again eagerly.
 
     Raises ``TypeError`` for a ``fn`` that is not callable and ``ValueError`` for an option
     out of range, naming the option, the value and what is allowed.
@@ -397,14 +419,18 @@ def graphed(
 
         model = graphtree.graphed(model, buckets=[1, 2, 4, 8])
     """
+    options = {
+        "buckets": buckets,
+        "bucket_dim": bucket_dim,
+        "warmup": warmup,
+        "max_rerecords": max_rerecords,
+        "name": name,
+        "debug": debug,
+    }
     if fn is None:
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name)
-        return lambda f: graphed(
-            f, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
-        )
-    call = GraphedCallable(
-        fn, buckets=buckets, bucket_dim=bucket_dim, warmup=warmup, max_rerecords=max_rerecords, name=name
-    )
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
+        return lambda f: graphed(f, **options)
+    call = GraphedCallable(fn, **options)
     if isinstance(fn, torch.nn.Module):
         return GraphedModule(fn, call)
     return call
