@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+from per_call import HundredParameters  # benchmarks/ is on sys.path when this script runs
 
 import graphtree
 from graphtree import _torch
@@ -63,23 +64,12 @@ def _memcpy_variants(dst: torch.Tensor, src: torch.Tensor) -> dict:
     return out
 
 
-class _Hundred(torch.nn.Module):
-    """100 parameters, forward ``x * 2 + 1``: what a module adds over the plain function."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(16)) for _ in range(100)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2 + 1
-
-
 _data_ptr = torch.Tensor.data_ptr
 
 
 def _module_rows(x: torch.Tensor) -> dict:
     """The module path in pieces: the nn.Module call, the training flag, the address check."""
-    gm = graphtree.graphed(_Hundred().cuda())
+    gm = graphtree.graphed(HundredParameters().cuda())
     gc = gm.graphed_callable
     for _ in range(4):
         gm(x)
@@ -164,21 +154,20 @@ def main() -> None:
     print("fast tensor ctor:", _torch.tensor_on is not _torch._tensor_on_slow)
     for k, fn in rows.items():
         print(f"{k:34} {_us(fn):8.2f} us")
+    _print_profile(lambda: step(x), "--- the plain function ---")
+    gm = graphtree.graphed(HundredParameters().cuda())
+    _print_profile(lambda: gm(x), "--- the 100-parameter module ---")
+
+
+def _print_profile(call, title: str, n: int = 5000) -> None:
+    """cProfile of ``n`` calls, sorted by own time."""
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(5000):
-        step(x)
+    for _ in range(n):
+        call()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    gm = graphtree.graphed(_Hundred().cuda())
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(5000):
-        gm(x)
-    prof.disable()
-    torch.cuda.synchronize()
-    print("--- the 100-parameter module ---")
+    print(title)
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 

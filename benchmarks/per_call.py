@@ -82,16 +82,22 @@ def _contenders(x: torch.Tensor) -> dict:
         KEPT_GT: gt_kept,
         "torch.compile reduce-overhead": compiled_ro,
     }
-    for name, fn in out.items():  # warm up (graphtree: warm-up, record; compile: compile + record)
+    return _warmed_up(out, x)
+
+
+def _warmed_up(contenders: dict, x: torch.Tensor) -> dict:
+    """Call each contender 5 times (graphtree: warm-up, record; compile: compile + record) and
+    check its result against eager's; returns ``contenders``."""
+    for name, fn in contenders.items():
         for _ in range(5):
             y = fn()
         torch.cuda.synchronize()
         if not torch.equal(y, two_kernels(x)):
             raise AssertionError(f"{name} differs from eager")
-    return out
+    return contenders
 
 
-class _HundredParameters(torch.nn.Module):
+class HundredParameters(torch.nn.Module):
     """A module with 100 parameters whose forward is ``two_kernels``: what graphtree adds for
     it beyond the plain function is checking the 100 addresses (and the module call)."""
 
@@ -104,24 +110,17 @@ class _HundredParameters(torch.nn.Module):
 
 
 def _module_contenders(x: torch.Tensor) -> dict:
-    gm = graphtree.graphed(_HundredParameters().cuda())
+    gm = graphtree.graphed(HundredParameters().cuda())
 
     def gt():
         return gm(x)
 
-    compiled = torch.compile(_HundredParameters().cuda(), mode="reduce-overhead")
+    compiled = torch.compile(HundredParameters().cuda(), mode="reduce-overhead")
 
     def compiled_ro():
         return compiled(x)
 
-    out = {MODULE_GT: gt, MODULE_RO: compiled_ro}
-    for name, fn in out.items():
-        for _ in range(5):
-            y = fn()
-        torch.cuda.synchronize()
-        if not torch.equal(y, two_kernels(x)):
-            raise AssertionError(f"{name} differs from eager")
-    return out
+    return _warmed_up({MODULE_GT: gt, MODULE_RO: compiled_ro}, x)
 
 
 KEPT_GT = "graphtree, output kept"
