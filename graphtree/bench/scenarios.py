@@ -877,40 +877,14 @@ def run_branching(ctx: _Ctx) -> list[Result]:
                 st = graphtree.stats()
                 extra.update(graphtree_pool_bytes=st.pool_bytes, trees=st.trees, recordings=st.recordings)
             note = graphtree_note() if name == GRAPHTREE else ""
+            vs_sum_note = "bytes after both paths / sum of separate graphs A+B+B'"
             rows = [
-                Result(
-                    "branching",
-                    case,
-                    name,
-                    "bytes_after_AB",
-                    after_ab,
-                    "bytes",
-                    equal_to_eager=eq,
-                    extra=extra,
-                    note=note,
-                ),
-                Result(
-                    "branching",
-                    case,
-                    name,
-                    "bytes_after_AB_ABp",
-                    after_both,
-                    "bytes",
-                    equal_to_eager=eq,
-                    extra=extra,
-                    note=note,
-                ),
-                Result(
-                    "branching",
-                    case,
-                    name,
-                    "vs_sum",
-                    after_both / total_ref if total_ref else 0.0,
-                    "x",
-                    equal_to_eager=eq,
-                    extra=extra,
-                    note="bytes after both paths / sum of separate graphs A+B+B'",
-                ),
+                Result("branching", case, name, metric, value, unit, equal_to_eager=eq, extra=extra, note=row_note)
+                for metric, value, unit, row_note in (
+                    ("bytes_after_AB", after_ab, "bytes", note),
+                    ("bytes_after_AB_ABp", after_both, "bytes", note),
+                    ("vs_sum", after_both / total_ref if total_ref else 0.0, "x", vs_sum_note),
+                )
             ]
             ctx.log(
                 f"branching: {name}: A->B {format_value(after_ab, 'bytes')}, "

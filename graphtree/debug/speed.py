@@ -108,11 +108,14 @@ def verdict(device_name: str, figures: list[Figure]) -> tuple[str, list[str]]:
     if peaks_for(device_name) is None:
         known = ", ".join(k for k, _ in PEAKS)
         return f"verdict: no nominal peaks for {device_name} (known: {known}); figures only", []
-    slow = [f.name for f in figures if f.share is not None and f.share < _HEALTHY.get(f.name, 0.0)]
+    slow = [f for f in figures if f.share is not None and f.share < _HEALTHY.get(f.name, 0.0)]
     if not slow:
         return "verdict: as fast as this GPU should be", []
-    what = ", ".join(f"{_LABELS[n]} at {100 * next(f.share for f in figures if f.name == n):.0f} %" for n in slow)
-    return f"verdict: SLOW - {what} of the nominal peak (clocks, power cap, PCIe link, another process?)", slow
+    what = ", ".join(f"{_LABELS[f.name]} at {100 * (f.share or 0.0):.0f} %" for f in slow)
+    return (
+        f"verdict: SLOW - {what} of the nominal peak (clocks, power cap, PCIe link, another process?)",
+        [f.name for f in slow],
+    )
 
 
 def _gpu_seconds(fn: Callable[[], None], reps: int) -> float:

@@ -90,8 +90,7 @@ class _FastParser:
             dt = getattr(cupti, attr, None)
             if dt is None or not all(f in (dt.names or ()) for f in (*cls._FIELDS, "kind")):
                 return None
-            extra = {KERNEL: ("name",), MEMCPY: ("copy_kind", "bytes"), MEMSET: ("bytes",)}[code]
-            if not all(f in dt.names for f in extra):
+            if not all(f in dt.names for f in cls._EXTRA[code]):
                 return None
             groups[int(kind)] = (code, dt)
         return cls(np, groups, int(options.buffer_size) + 4096, _memcpy_names(cupti))

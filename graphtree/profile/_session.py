@@ -252,9 +252,12 @@ class Session:
             self._act.disable(kind)
         self.enabled_kinds = []
 
+    def _flush_forced(self) -> None:
+        """Make CUPTI hand over every buffer, full or not (our buffer callbacks run meanwhile)."""
+        self._act.flush_all(int(getattr(getattr(self.cupti, "ActivityFlag", None), "FLUSH_FORCED", 1)))
+
     def _flush_window(self) -> None:
-        forced = int(getattr(getattr(self.cupti, "ActivityFlag", None), "FLUSH_FORCED", 1))
-        self._act.flush_all(forced)
+        self._flush_forced()
         self.drain()
 
     def _window_rows(self) -> dict[Any, tuple[int, int, Any]]:
@@ -675,16 +678,15 @@ class Session:
         act = self._act
         timings = self.data.stop_timings
         timings.clear()
-        forced = int(getattr(getattr(cupti, "ActivityFlag", None), "FLUSH_FORCED", 1))
         in_callbacks, buffers = self.data.buffer_seconds, self.data.buffers_completed
         if self.enabled_kinds:
-            _step(errors, "flush", lambda: act.flush_all(forced), timings)
+            _step(errors, "flush", self._flush_forced, timings)
             timings["flush: buffers"] = self.data.buffers_completed - buffers
             timings["flush: in graphtree's buffer callbacks"] = 1e3 * (self.data.buffer_seconds - in_callbacks)
         for kind in self.enabled_kinds:
             _step(errors, f"disable activity {kind}", lambda k=kind: act.disable(k), timings, "disable")
         if self.enabled_kinds:
-            _step(errors, "flush", lambda: act.flush_all(forced), timings, "flush again")
+            _step(errors, "flush", self._flush_forced, timings, "flush again")
         self.enabled_kinds = []
         # Aggregation waits for the first query (Profile._drain): stop() only reads the kernel
         # names, pointers into CUPTI's memory, while CUPTI is still attached.
