@@ -191,8 +191,8 @@ def data_ptrs_checker() -> Callable[[list[torch.Tensor], list[int], list[int]], 
 
     One C++ loop (``_tensors_data_ptrs_at_indices_equal``) where torch has it. Its arguments are
     Python lists converted on every call: for a module's hundred parameters that conversion, not
-    the loop, is most of the cost (graphtree measured 16-25 µs per call more for a 100-parameter
-    module than for a plain function on 2026-11-23's H100 hosts, the module call included).
+    the loop, is most of the cost (9-14 µs on the GPU machines' hosts). graphtree's own native
+    helpers (``graphtree/_native``), once built, replace it on the replay path.
     """
     return getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None) or _ptrs_equal_py
 
@@ -365,7 +365,8 @@ def raw_copier() -> Callable[[int, int, int, int], None] | None:
     For a contiguous input of the recorded shape this does what ``Tensor.copy_`` does, minus
     the dispatcher and TensorIterator set-up: on the replay path that is most of the cost of
     the copy. Stream order is the same as ``copy_``'s (the current stream). Resolved once, at
-    the first recording that can use it, not at import.
+    the first recording that can use it, not at import. Once graphtree's native helpers are
+    built, the same ``cudaMemcpyAsync`` of the runtime torch loaded is called from C++.
     """
     try:
         from cuda.bindings import runtime as cudart
@@ -378,7 +379,12 @@ def raw_copier() -> Callable[[int, int, int, int], None] | None:
     if current_stream is None:
         return None
 
+    from graphtree import _native
+
     def copy(dst: int, src: int, nbytes: int, device: int) -> None:
+        native = _native.loaded  # the same call without cuda.bindings' argument conversions
+        if native is not None and native.copy_d2d(dst, src, nbytes, current_stream(device)):
+            return
         (err,) = memcpy(dst, src, nbytes, kind, current_stream(device))
         if err != ok:
             raise RuntimeError(f"graphtree: cudaMemcpyAsync of an input failed: {err}")

@@ -171,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     import graphtree
+    from graphtree import _native
     from graphtree.bench.harness import (
         Progress,
         SchemaError,
@@ -186,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else Path("results") / f"bench-{now.strftime('%Y%m%d-%H%M%S')}-{_slug(device)}"
     print(f"graphtree bench: {device}, torch {torch.__version__}; results folder: {out}", flush=True)
+    _native.wait(600)  # time graphtree as it runs once its helpers are built, not while they build
+    print(f"graphtree bench: native helpers {_native.status()}", flush=True)
     cfg = BenchConfig.make(quick=args.quick, contenders=contenders, budget_s=args.budget)
     log = Progress()
     results = run_scenarios(scenarios, cfg, log)
@@ -197,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
         "date": now.isoformat(timespec="seconds"),
         "graphtree": graphtree.__version__,
+        "graphtree_native": _native.status(),
         "command": _command(argv),
         "duration_s": round(time.monotonic() - started, 3),
         "quick": bool(args.quick),

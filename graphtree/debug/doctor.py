@@ -220,6 +220,13 @@ def _probe_cupti() -> list[Row]:
     return [("CUPTI (python)", f"importable (cupti-python {dist or 'unknown version'})")]
 
 
+def _probe_native() -> list[Row]:
+    from graphtree import _native
+
+    _native.wait(120)  # builds once (about 15 s), then loads from the cache
+    return [("native helpers", _native.status())]
+
+
 def _probe_sanitizer() -> list[Row]:
     exe = shutil.which("compute-sanitizer") or _in_cuda_bin("compute-sanitizer")
     return [("compute-sanitizer", exe if exe else "not found (on PATH or in /usr/local/cuda/bin)")]
@@ -374,6 +381,7 @@ _PROBES: tuple[tuple[str, str], ...] = (
     ("_probe_runtime", "CUDA runtime"),
     ("_probe_gpus", "GPUs"),
     ("_probe_cupti", "CUPTI (python)"),
+    ("_probe_native", "native helpers"),
     ("_probe_sanitizer", "compute-sanitizer"),
     ("_probe_cuda_versions", "driver supports CUDA"),
     ("_probe_libraries", "cuDNN"),

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from graphtree import _torch
+from graphtree import _native, _torch
 
 PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 """Types of arguments keyed by value (a recording per value)."""
@@ -126,6 +126,13 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
     :func:`read_object`. Raises :class:`Unsupported` for CPU tensors among CUDA ones, tensors on
     several GPUs, an object whose state cannot be read, or a batch larger than every bucket.
     """
+    native = _native.loaded
+    if native is not None and bucketing is None and not kwargs:
+        # One C++ loop for a call of tensors and plain values (the common case); None sends
+        # anything else (objects, subclasses, CPU tensors) down the Python path below.
+        sig = native.signature(args, _PLAIN)
+        if sig is not None:
+            return Call(args, None, sig[0], sig[1], sig[2], -1, -1, (), len(args))
     leaves, spec = flatten(args, kwargs)
     parts: list[Any] = []
     device = -2

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphtree import _torch
+from graphtree import _native, _torch
 from graphtree.tree import recorder
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
@@ -91,7 +91,8 @@ class TreeManager:
         self.lock = threading.RLock()  # against reset() from another thread; eager fallbacks may re-enter
         self.thread = threading.current_thread().name
         self.counters = Counters()
-        self.check = _torch.data_ptrs_checker()
+        self.check = _torch.data_ptrs_checker()  # until the native helpers are ready (_replayable)
+        _native.start()
         self.user_steps = user_steps  # mark_step() was called: no automatic steps
         # Warm-up runs per (graphed function, signature). Kept per tree, so per thread and device:
         # lazy initialisation (cuBLAS handles, workspaces) is per thread and per device.
@@ -222,13 +223,15 @@ class TreeManager:
     def _replayable(self, gc: GraphedCallable, kids: list[Node], leaves: Sequence[Any]) -> Node | None:
         """The first recording among ``kids`` that can be replayed for these inputs, if any."""
         epoch = param_epoch()
+        native = _native.loaded
+        check = native.ptrs_equal if native is not None else self.check
         for node in kids:
             if node.epoch != epoch:
                 now = gc.static_tensors()
                 if len(now) != len(node.statics) or any(a is not b for a, b in zip(now, node.statics)):
                     continue
                 node.epoch = epoch
-            if node.unconditional or node.can_replay(leaves, self.path, self.check):
+            if node.unconditional or node.can_replay(leaves, self.path, check, native):
                 return node
         return None
 

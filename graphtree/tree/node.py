@@ -9,9 +9,11 @@ memory. It may therefore be replayed after its parent whenever every ancestor ou
 
 from __future__ import annotations
 
+import array
 import itertools
 import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -118,9 +120,10 @@ class Node:
         self.checkpoint = checkpoint
         self.alive_at_checkpoint = alive_at_checkpoint
         self.dead_before = dead_before
-        self.statics = statics
+        self.statics = list(statics)
         self.static_ptrs = [t.data_ptr() for t in statics]
         self.static_idx = list(range(len(statics)))
+        self.static_packed = array.array("Q", self.static_ptrs).tobytes()  # for the native check
         self.epoch = epoch
         self.capture_seconds = capture_seconds
         self.input_refs = input_refs
@@ -142,13 +145,23 @@ class Node:
         self._base_holders = (0, 0)  # (storage use count, storage object refcount) with only the base
         self._keep_base = False  # the caller dropped the last output before its step ended
 
-    def can_replay(self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool]) -> bool:
-        """Whether replaying here keeps every held output intact and reads the right inputs."""
+    def can_replay(
+        self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool], native: ModuleType | None
+    ) -> bool:
+        """Whether replaying here keeps every held output intact and reads the right inputs.
+
+        ``check`` compares addresses (``_torch.data_ptrs_checker``); ``native``, where built,
+        checks the statics against their packed addresses in one C++ loop (graphtree/_native).
+        """
         plan = self.inputs
         if plan.inplace_idx and not check(list(leaves), plan.inplace_ptrs, plan.inplace_idx):
             return False
-        if self.static_idx and not check(self.statics, self.static_ptrs, self.static_idx):
-            return False
+        if self.static_idx:
+            if native is not None:
+                if not native.addresses_unchanged(self.statics, self.static_packed):
+                    return False
+            elif not check(self.statics, self.static_ptrs, self.static_idx):
+                return False
         for d, g in self.dead_before:
             if path[d].is_held(g):
                 return False

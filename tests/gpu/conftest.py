@@ -15,6 +15,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_helpers_ready():
+    """Run every GPU test with graphtree's native helpers as users get them once built (the
+    first CUDA tree starts the build; tests that need the Python path switch it off)."""
+    if torch.cuda.is_available():
+        from graphtree import _native
+
+        _native.wait(600)
+
+
 @pytest.fixture(autouse=True)
 def fresh_trees():
     graphtree.reset()

@@ -1,0 +1,128 @@
+"""graphtree's native helpers: two loops of the replay fast path in C++, built on first use.
+
+What they do and why they are native: ``DESIGN.md`` beside this file. Each has a Python twin
+that graphtree uses until the build is ready, and for good when it cannot be built (no C++
+compiler, no ``ninja``, ``GRAPHTREE_NATIVE=0``): the results are the same, only the cost per
+call differs.
+
+The build runs once per torch version and Python (about 15 s on two cores), in a background
+thread started by the first CUDA tree, through ``torch.utils.cpp_extension.load`` into
+torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``);
+later processes load the cached library in milliseconds. ``graphtree doctor`` says which
+state it is in.
+
+Example::
+
+    from graphtree import _native
+
+    _native.start()                 # what the first CUDA tree does
+    helpers = _native.wait(60)      # the module, or None (then _native.status() says why)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("graphtree")
+
+_SOURCE = Path(__file__).with_name("fastpath.cpp")
+_ENV = "GRAPHTREE_NATIVE"
+
+loaded: ModuleType | None = None
+"""The built module once it is ready (read on the hot path: a plain module attribute)."""
+
+_lock = threading.Lock()
+_done = threading.Event()
+_thread: threading.Thread | None = None
+_status = "not started"
+
+
+def disabled() -> bool:
+    """Whether ``GRAPHTREE_NATIVE=0`` (or ``off``/``false``/``no``) turns the helpers off."""
+    return os.environ.get(_ENV, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def start() -> None:
+    """Build or load the helpers in a background thread, once per process; returns at once."""
+    global _thread, _status
+    with _lock:
+        if _thread is not None or _done.is_set():
+            return
+        if disabled():
+            _status = f"off ({_ENV}=0): address checks and call signatures run in Python"
+            _done.set()
+            return
+        _status = "building"
+        _thread = threading.Thread(target=_build, name="graphtree-native-build", daemon=True)
+        _thread.start()
+
+
+def wait(timeout: float | None = None) -> ModuleType | None:
+    """Start the build if needed and wait up to ``timeout`` seconds: the module, or ``None``."""
+    start()
+    _done.wait(timeout)
+    return loaded
+
+
+def status() -> str:
+    """One line: built (where, how long it took), building, off, or why it is unavailable."""
+    return _status
+
+
+def _build() -> None:
+    global loaded, _status
+    t0 = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        _find_ninja()
+        module = cpp_extension.load(
+            name="graphtree_native",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O2"],
+            extra_ldflags=["-ldl"],
+            is_python_module=True,
+            verbose=False,
+        )
+        _check(module)
+    except Exception as e:  # noqa: BLE001 - any failure (no compiler, no ninja, bad headers) means the Python path
+        reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        _status = f"unavailable ({type(e).__name__}: {reason}): address checks and call signatures run in Python"
+        log.info("graphtree: native helpers %s", _status)
+    else:
+        loaded = module
+        _status = f"built ({Path(module.__file__ or '?').parent}, ready after {time.perf_counter() - t0:.1f} s)"
+        log.debug("graphtree: native helpers %s", _status)
+    finally:
+        _done.set()
+
+
+def _find_ninja() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the ``ninja`` wheel (a graphtree dependency) puts
+    it in the environment's bin folder, which is not on PATH when Python is run by its full path
+    without activating the environment: add that folder then."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return  # cpp_extension says "Ninja is required", which status() shows
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _check(module: ModuleType) -> None:
+    """A built module must answer as its Python twins do before graphtree relies on it."""
+    import torch
+
+    ts = [torch.zeros(2), torch.nn.Parameter(torch.zeros(3))]
+    ptrs = [t.data_ptr() for t in ts]
+    if module.ptrs_equal(ts, ptrs, [0, 1]) is not True or module.ptrs_equal(ts, [0, ptrs[1]], [0, 1]) is not False:
+        raise RuntimeError("ptrs_equal disagrees with Tensor.data_ptr()")
+    if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
+        raise RuntimeError("signature disagrees with read_call")

@@ -1,0 +1,306 @@
+// graphtree's native helpers: the two per-call loops of the replay fast path that cost 70-100 ns
+// per tensor in Python (see DESIGN.md beside this file). Built on first use by
+// torch.utils.cpp_extension.load (graphtree/_native/__init__.py); everything here has a Python
+// twin that graphtree uses until the build is ready, or when it cannot be built.
+//
+// Only exact torch.Tensor and nn.Parameter objects are read here: a tensor subclass may override
+// attribute access through __torch_function__, so any other object makes a function return None
+// and the caller takes its Python path.
+
+#include <Python.h>
+
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <c10/util/SmallVector.h>
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define GT_CONCAT_(a, b) a##b
+#define GT_CONCAT(a, b) GT_CONCAT_(a, b)
+#define GT_STR_(a) #a
+#define GT_STR(a) GT_STR_(a)
+
+namespace {
+
+// ptrs_equal(tensors, ptrs, idx) -> bool: tensors[i].data_ptr() == ptrs[i] for every i in idx.
+// The arguments are lists or tuples; the same contract as torch's
+// _tensors_data_ptrs_at_indices_equal, without a pybind11 cast per item.
+PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "ptrs_equal(tensors, ptrs, idx) takes 3 arguments");
+    return nullptr;
+  }
+  for (Py_ssize_t k = 0; k < 3; ++k) {
+    if (!PyList_Check(args[k]) && !PyTuple_Check(args[k])) {
+      PyErr_SetString(PyExc_TypeError, "ptrs_equal: tensors, ptrs and idx must be lists or tuples");
+      return nullptr;
+    }
+  }
+  PyObject* tensors = PySequence_Fast(args[0], "ptrs_equal: tensors must be a list or tuple");
+  if (!tensors) return nullptr;
+  PyObject* ptrs = PySequence_Fast(args[1], "ptrs_equal: ptrs must be a list or tuple");
+  if (!ptrs) {
+    Py_DECREF(tensors);
+    return nullptr;
+  }
+  PyObject* idx = PySequence_Fast(args[2], "ptrs_equal: idx must be a list or tuple");
+  if (!idx) {
+    Py_DECREF(tensors);
+    Py_DECREF(ptrs);
+    return nullptr;
+  }
+  const Py_ssize_t nt = PySequence_Fast_GET_SIZE(tensors);
+  const Py_ssize_t np = PySequence_Fast_GET_SIZE(ptrs);
+  const Py_ssize_t ni = PySequence_Fast_GET_SIZE(idx);
+  PyObject** t_items = PySequence_Fast_ITEMS(tensors);
+  PyObject** p_items = PySequence_Fast_ITEMS(ptrs);
+  PyObject** i_items = PySequence_Fast_ITEMS(idx);
+  PyObject* result = Py_True;
+  for (Py_ssize_t k = 0; k < ni; ++k) {
+    const Py_ssize_t i = PyLong_AsSsize_t(i_items[k]);
+    if (i == -1 && PyErr_Occurred()) {
+      result = nullptr;
+      break;
+    }
+    if (i < 0 || i >= nt || i >= np) {
+      PyErr_SetString(PyExc_IndexError, "ptrs_equal: index out of range");
+      result = nullptr;
+      break;
+    }
+    PyObject* t = t_items[i];
+    if (!THPVariable_CheckExact(t) && PyObject_IsInstance(t, THPVariableClass) != 1) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "ptrs_equal: expected a tensor");
+      result = nullptr;
+      break;
+    }
+    void* want = PyLong_AsVoidPtr(p_items[i]);
+    if (want == nullptr && PyErr_Occurred()) {
+      result = nullptr;
+      break;
+    }
+    void* have = nullptr;
+    try {
+      have = THPVariable_Unpack(t).data_ptr();
+    } catch (const std::exception& e) {  // a tensor without storage: no address to compare
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      result = nullptr;
+      break;
+    }
+    if (have != want) {
+      result = Py_False;
+      break;
+    }
+  }
+  Py_DECREF(tensors);
+  Py_DECREF(ptrs);
+  Py_DECREF(idx);
+  Py_XINCREF(result);
+  return result;
+}
+
+// addresses_unchanged(tensors: list, expected: bytes) -> bool: tensors[i].data_ptr() equals the
+// i-th native-endian uint64 of expected, for every i. The check of a module's parameters and
+// buffers on every replay: the expected addresses are packed once, at the recording, so a call
+// converts no Python ints.
+PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "addresses_unchanged(tensors: list, expected: bytes)");
+    return nullptr;
+  }
+  PyObject* tensors = args[0];
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(sizeof(uint64_t))) Py_RETURN_FALSE;
+  const char* expected = PyBytes_AS_STRING(args[1]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(tensors, i);
+    if (!THPVariable_CheckExact(t) && PyObject_IsInstance(t, THPVariableClass) != 1) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "addresses_unchanged: expected a list of tensors");
+      return nullptr;
+    }
+    uint64_t want;
+    std::memcpy(&want, expected + i * sizeof(uint64_t), sizeof(uint64_t));
+    void* have = nullptr;
+    try {
+      have = THPVariable_Unpack(t).data_ptr();
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+    if (reinterpret_cast<uint64_t>(have) != want) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+// copy_d2d(dst, src, nbytes, stream) -> bool: a device-to-device cudaMemcpyAsync of nbytes on
+// the given raw stream, through the CUDA runtime that torch already loaded (found with dlsym, so
+// nothing here is built against CUDA). False, having done nothing, where no runtime is loaded
+// (a CPU build): the caller copies another way. A CUDA error raises RuntimeError.
+using MemcpyAsync = int (*)(void*, const void*, size_t, int, void*);
+using ErrorString = const char* (*)(int);
+constexpr int kDeviceToDevice = 3;  // cudaMemcpyDeviceToDevice
+
+void* runtime_symbol(const char* name) {
+  if (void* f = dlsym(RTLD_DEFAULT, name)) return f;
+  for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+    if (void* h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD)) {  // only a runtime already in the process
+      if (void* f = dlsym(h, name)) return f;
+    }
+  }
+  return nullptr;
+}
+
+PyObject* copy_d2d(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  static MemcpyAsync memcpy_async = reinterpret_cast<MemcpyAsync>(runtime_symbol("cudaMemcpyAsync"));
+  static ErrorString error_string = reinterpret_cast<ErrorString>(runtime_symbol("cudaGetErrorString"));
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "copy_d2d(dst, src, nbytes, stream) takes 4 arguments");
+    return nullptr;
+  }
+  if (memcpy_async == nullptr) Py_RETURN_FALSE;
+  void* dst = PyLong_AsVoidPtr(args[0]);
+  void* src = PyLong_AsVoidPtr(args[1]);
+  const size_t nbytes = PyLong_AsSize_t(args[2]);
+  void* stream = PyLong_AsVoidPtr(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  const int err = memcpy_async(dst, src, nbytes, kDeviceToDevice, stream);
+  if (err != 0) {
+    PyErr_Format(PyExc_RuntimeError, "graphtree: cudaMemcpyAsync of an input failed: %s (%d)",
+                 error_string ? error_string(err) : "cudaError", err);
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyObject* int_tuple(const c10::SmallVector<int64_t, 8>& values) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  if (!out) return nullptr;
+  for (size_t k = 0; k < values.size(); ++k) {
+    PyObject* v = PyLong_FromLongLong(values[k]);
+    if (!v) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(k), v);
+  }
+  return out;
+}
+
+// signature(args, plain_types) -> (parts, device, needs_grad) | None
+//
+// The recording key of a plain positional call, as graphtree.tree.inputs.read_call builds it:
+// for a tensor (shape, dtype, stride), the shape a plain tuple (equal to the torch.Size that the
+// Python path puts there, with the same hash, so keys from either path find the same
+// recordings); for a value whose exact type is in plain_types, (type(x), x). device is the
+// tensors' one CUDA device (-2 without tensors). None when the call needs the Python path:
+// another object, a tensor subclass, a CPU tensor or several devices (the Python path names the
+// reason), a non-strided or symbolic-shaped tensor.
+PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "signature(args: tuple, plain_types: tuple)");
+    return nullptr;
+  }
+  PyObject* call = args[0];
+  PyObject* plain = args[1];
+  const Py_ssize_t n = PyTuple_GET_SIZE(call);
+  const Py_ssize_t nplain = PyTuple_GET_SIZE(plain);
+  PyObject* parts = PyTuple_New(n);
+  if (!parts) return nullptr;
+  long device = -2;
+  bool needs_grad = false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = PyTuple_GET_ITEM(call, i);
+    PyObject* part = nullptr;
+    if (THPVariable_CheckExact(x)) {
+      c10::SmallVector<int64_t, 8> sizes, strides;
+      at::ScalarType scalar_type;
+      long d = -1;
+      try {  // a nested or otherwise unusual tensor may throw: the Python path reports it
+        const at::Tensor& t = THPVariable_Unpack(x);
+        if (t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+          Py_DECREF(parts);
+          Py_RETURN_NONE;
+        }
+        d = t.is_cuda() ? static_cast<long>(t.get_device()) : -1;
+        sizes.assign(t.sizes().begin(), t.sizes().end());
+        strides.assign(t.strides().begin(), t.strides().end());
+        scalar_type = t.scalar_type();
+        needs_grad = needs_grad || t.requires_grad();
+      } catch (const std::exception&) {
+        Py_DECREF(parts);
+        Py_RETURN_NONE;
+      }
+      if (d < 0 || (device != -2 && d != device)) {
+        Py_DECREF(parts);
+        Py_RETURN_NONE;
+      }
+      device = d;
+      PyObject* shape = int_tuple(sizes);
+      PyObject* stride = int_tuple(strides);
+      if (!shape || !stride) {
+        Py_XDECREF(shape);
+        Py_XDECREF(stride);
+        Py_DECREF(parts);
+        return nullptr;
+      }
+      PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(scalar_type));
+      Py_INCREF(dtype);
+      part = PyTuple_New(3);
+      if (!part) {
+        Py_DECREF(shape);
+        Py_DECREF(stride);
+        Py_DECREF(dtype);
+        Py_DECREF(parts);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(part, 0, shape);
+      PyTuple_SET_ITEM(part, 1, dtype);
+      PyTuple_SET_ITEM(part, 2, stride);
+    } else {
+      PyObject* tp = reinterpret_cast<PyObject*>(Py_TYPE(x));
+      bool is_plain = false;
+      for (Py_ssize_t k = 0; k < nplain; ++k) {
+        if (PyTuple_GET_ITEM(plain, k) == tp) {
+          is_plain = true;
+          break;
+        }
+      }
+      if (!is_plain) {
+        Py_DECREF(parts);
+        Py_RETURN_NONE;
+      }
+      part = PyTuple_Pack(2, tp, x);
+      if (!part) {
+        Py_DECREF(parts);
+        return nullptr;
+      }
+    }
+    PyTuple_SET_ITEM(parts, i, part);
+  }
+  return Py_BuildValue("(NlO)", parts, device, needs_grad ? Py_True : Py_False);
+}
+
+PyMethodDef methods[] = {
+    {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ptrs_equal)), METH_FASTCALL,
+     "ptrs_equal(tensors, ptrs, idx) -> bool"},
+    {"addresses_unchanged",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(addresses_unchanged)), METH_FASTCALL,
+     "addresses_unchanged(tensors: list, expected: bytes) -> bool"},
+    {"copy_d2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_d2d)), METH_FASTCALL,
+     "copy_d2d(dst, src, nbytes, stream) -> bool"},
+    {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(signature)), METH_FASTCALL,
+     "signature(args, plain_types) -> (parts, device, needs_grad) | None"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, GT_STR(TORCH_EXTENSION_NAME), "graphtree's native fast-path helpers",
+                          -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC GT_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,103 @@
+"""graphtree's native helpers on CUDA tensors: the same keys and the same address checks as the
+Python path, and recordings made on one path replay on the other."""
+
+import pytest
+import torch
+
+import graphtree
+from graphtree import _native
+from graphtree.tree import inputs
+
+DEV = "cuda"
+
+
+@pytest.fixture
+def native():
+    module = _native.wait(600)
+    if module is None:
+        pytest.fail(f"native helpers not built on this GPU machine: {_native.status()}")
+    return module
+
+
+def _python_call(monkeypatch, args):
+    with monkeypatch.context() as m:
+        m.setattr(_native, "loaded", None)
+        return inputs.read_call(args, {}, None)
+
+
+def test_signature_of_cuda_tensors_equals_the_python_paths(native, monkeypatch):
+    base = torch.randn(4, 6, device=DEV)
+    cases = [
+        (base,),
+        (base.t(), 3, None, "s", torch.float16),  # a transposed view: strides differ
+        (base[:, ::2], base.half(), torch.zeros((), device=DEV)),  # strided view, fp16, 0-d
+        (torch.nn.Parameter(base.clone()), torch.randn(2, device=DEV, requires_grad=True)),
+        (torch.empty(0, 3, device=DEV), True, 2.5),
+    ]
+    for args in cases:
+        sig = native.signature(args, inputs.PLAIN_TYPES)
+        want = _python_call(monkeypatch, args)
+        assert sig == (want.key, want.device, want.needs_grad), args
+        assert hash(sig[0]) == hash(want.key)
+    # A CPU tensor beside a CUDA one: the Python path names the reason.
+    assert native.signature((base, torch.zeros(1)), inputs.PLAIN_TYPES) is None
+    with pytest.raises(inputs.Unsupported, match="mixed-device"):
+        inputs.read_call((base, torch.zeros(1)), {}, None)
+
+
+def test_recordings_made_on_the_python_path_replay_on_the_native_one(native, monkeypatch):
+    f = graphtree.graphed(lambda x, k: x * k + 1)
+    x = torch.randn(8, device=DEV)
+    with monkeypatch.context() as m:
+        m.setattr(_native, "loaded", None)
+        for _ in range(3):  # warm-up, record, replay
+            graphtree.mark_step()
+            assert torch.equal(f(x, 2), x * 2 + 1)
+    before = graphtree.stats()
+    for _ in range(3):
+        graphtree.mark_step()
+        assert torch.equal(f(x, 2), x * 2 + 1)
+    after = graphtree.stats()
+    assert after.recordings == before.recordings == 1
+    assert after.replays == before.replays + 3
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_hundred_parameter_module_notices_any_parameter_moving(native, monkeypatch, path):
+    if path == "python":
+        monkeypatch.setattr(_native, "loaded", None)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(50)]).to(DEV)  # 100 parameters
+    g = graphtree.graphed(net)
+    x = torch.randn(2, 8, device=DEV)
+    with torch.no_grad():
+        for _ in range(3):
+            graphtree.mark_step()
+            assert torch.equal(g(x), net(x))
+        net[37].bias.data = torch.randn(8, device=DEV)  # a new address, no registration
+        graphtree.mark_step()
+        assert torch.equal(g(x), net(x))
+        torch.utils.swap_tensors(net[3].weight, torch.nn.Parameter(torch.randn(8, 8, device=DEV)))
+        graphtree.mark_step()
+        assert torch.equal(g(x), net(x))
+    assert graphtree.stats().recordings == 3, graphtree.stats()
+
+
+def test_copy_d2d_copies_on_the_current_stream_and_reports_cuda_errors(native):
+    src = torch.arange(1 << 20, device=DEV, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    stream = torch.cuda.current_stream().cuda_stream
+    assert native.copy_d2d(dst.data_ptr(), src.data_ptr(), src.numel() * 4, stream) is True
+    assert torch.equal(dst, src)
+    # A CUDA error (an address that is not device memory) raises with the runtime's words; in a
+    # subprocess, as a failed copy may leave the context unusable.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from graphtree import _native; m = _native.wait(600); x = torch.zeros(4, device='cuda')\n"
+        "try:\n    m.copy_d2d(x.data_ptr(), 8, 16, torch.cuda.current_stream().cuda_stream); torch.cuda.synchronize()\n"
+        "except RuntimeError as e:\n    print('raised', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert "raised" in out.stdout, (out.stdout, out.stderr[-2000:])

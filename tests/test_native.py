@@ -1,0 +1,132 @@
+"""graphtree's native helpers (graphtree/_native): built here with the local C++ compiler, and
+checked against their Python twins. Skipped only where no compiler or ninja exists."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graphtree import _native
+from graphtree.tree import inputs
+
+needs_toolchain = pytest.mark.skipif(
+    shutil.which("c++") is None or shutil.which("ninja") is None, reason="needs a C++ compiler and ninja"
+)
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = _native.wait(600)
+    assert module is not None, _native.status()
+    return module
+
+
+@needs_toolchain
+def test_ptrs_equal_sees_every_way_a_tensor_changes_address(native) -> None:
+    ts = [torch.randn(4) for _ in range(5)] + [torch.nn.Parameter(torch.zeros(2))]
+    ptrs = [t.data_ptr() for t in ts]
+    idx = list(range(len(ts)))
+    assert native.ptrs_equal(ts, ptrs, idx) is True
+    assert native.ptrs_equal(tuple(ts), tuple(ptrs), tuple(idx)) is True
+    ts[-1].data = torch.zeros(2)  # what Module.to()/half() do to a parameter
+    assert native.ptrs_equal(ts, ptrs, idx) is False
+    assert native.ptrs_equal(ts, ptrs, idx[:-1]) is True  # only the indices asked for
+    a, b = torch.zeros(3), torch.ones(3)
+    held, want = [a], [a.data_ptr()]
+    torch.utils.swap_tensors(a, b)  # same Python object, another tensor underneath
+    assert native.ptrs_equal(held, want, [0]) is False
+    ts[0].set_(torch.zeros(8))
+    assert native.ptrs_equal(ts, ptrs, [0]) is False
+
+
+@needs_toolchain
+def test_addresses_unchanged_compares_packed_addresses(native) -> None:
+    import array
+
+    ts = [torch.nn.Parameter(torch.randn(3)) for _ in range(100)]
+    packed = array.array("Q", [t.data_ptr() for t in ts]).tobytes()
+    assert native.addresses_unchanged(ts, packed) is True
+    assert native.addresses_unchanged(ts[:-1], packed) is False  # a count that differs never matches
+    ts[57].data = torch.randn(3)
+    assert native.addresses_unchanged(ts, packed) is False
+    with pytest.raises(TypeError):
+        native.addresses_unchanged(tuple(ts), packed)
+    with pytest.raises(TypeError, match="list of tensors"):
+        native.addresses_unchanged([1], packed[:8])
+
+
+@needs_toolchain
+def test_ptrs_equal_refuses_bad_input_with_python_errors(native) -> None:
+    t = torch.zeros(1)
+    with pytest.raises(TypeError, match="expected a tensor"):
+        native.ptrs_equal([1], [0], [0])
+    with pytest.raises(IndexError):
+        native.ptrs_equal([t], [t.data_ptr()], [3])
+    with pytest.raises(TypeError, match="3 arguments"):
+        native.ptrs_equal([t], [t.data_ptr()])
+    with pytest.raises(TypeError):
+        native.ptrs_equal(t, [0], [0])
+
+
+@needs_toolchain
+def test_signature_matches_read_call_for_plain_values_and_defers_the_rest(native, monkeypatch) -> None:
+    args = (3, 2.5, True, "s", None, torch.float16, torch.device("cpu"))
+    got = native.signature(args, inputs.PLAIN_TYPES)
+    monkeypatch.setattr(_native, "loaded", None)
+    want = inputs.read_call(args, {}, None)
+    assert got == (want.key, want.device, want.needs_grad)
+
+    class Sub(torch.Tensor):
+        pass
+
+    # Anything the Python path must see (it names the reason, or reads the object): None.
+    assert native.signature((torch.zeros(2),), inputs.PLAIN_TYPES) is None  # CPU tensor
+    assert native.signature((torch.zeros(2).as_subclass(Sub),), inputs.PLAIN_TYPES) is None
+    assert native.signature((object(),), inputs.PLAIN_TYPES) is None
+    assert native.signature((1, [2]), inputs.PLAIN_TYPES) is None
+    with pytest.raises(TypeError):
+        native.signature([1], inputs.PLAIN_TYPES)
+
+
+@needs_toolchain
+def test_read_call_gives_the_same_answers_with_and_without_the_helpers(native, monkeypatch) -> None:
+    calls = [((1, None, "a"), {}), ((torch.ones(2),), {}), ((object(),), {}), ((1,), {"k": 2})]
+    with_native = []
+    for args, kwargs in calls:
+        try:
+            c = inputs.read_call(args, kwargs, None)
+            with_native.append((c.key, c.device))
+        except inputs.Unsupported as e:
+            with_native.append(str(e))
+    monkeypatch.setattr(_native, "loaded", None)
+    without = []
+    for args, kwargs in calls:
+        try:
+            c = inputs.read_call(args, kwargs, None)
+            without.append((c.key, c.device))
+        except inputs.Unsupported as e:
+            without.append(str(e))
+    assert with_native == without
+    assert with_native[1] == "CPU tensor inputs"
+
+
+def test_graphtree_native_0_turns_the_helpers_off() -> None:
+    code = "from graphtree import _native; print(_native.wait(5) is None, _native.status())"
+    env = {**os.environ, "GRAPHTREE_NATIVE": "0"}
+    cmd = [sys.executable, "-c", code]
+    out = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True off (GRAPHTREE_NATIVE=0)")
+
+
+@needs_toolchain
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build loads the CUDA runtime")
+def test_copy_d2d_declines_without_a_cuda_runtime(native) -> None:
+    assert native.copy_d2d(0, 0, 0, 0) is False  # nothing done: the caller copies another way
+    with pytest.raises(TypeError, match="4 arguments"):
+        native.copy_d2d(0, 0)
