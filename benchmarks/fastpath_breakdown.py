@@ -15,7 +15,7 @@ import torch
 from per_call import HundredParameters  # benchmarks/ is on sys.path when this script runs
 
 import graphtree
-from graphtree import _torch
+from graphtree import _native, _torch
 from graphtree.tree import inputs as _inputs
 from graphtree.tree import manager as _manager
 
@@ -78,11 +78,13 @@ def _module_rows(x: torch.Tensor) -> dict:
     idx = list(range(len(statics)))
     check = _torch.data_ptrs_checker()
     ident = torch.nn.Identity()
+    native = _native.loaded
     return {
         "module: gm(x)": lambda: gm(x),
         "module: graphed callable(x)": lambda: gc(x),
         "module: nn.Identity()(x)": lambda: ident(x),
-        "module: check 100 addresses (C++)": lambda: check(statics, ptrs, idx),
+        "module: check 100 addresses (torch's C++)": lambda: check(statics, ptrs, idx),
+        **({"module: check 100 (native)": lambda: native.ptrs_equal(statics, ptrs, idx)} if native else {}),
         "module: check 100, list(map(data_ptr))": lambda: list(map(_data_ptr, statics)) == ptrs,
         "module: static_tensors()": gc.static_tensors,
         "module: param_epoch()": _inputs.param_epoch,
@@ -90,6 +92,7 @@ def _module_rows(x: torch.Tensor) -> dict:
 
 
 def main() -> None:
+    native = _native.wait(600)
     x = torch.randn(1024, device="cuda")
     sx = x.clone()
     g = torch.cuda.CUDAGraph()
@@ -120,6 +123,7 @@ def main() -> None:
         "tensor_on": lambda: _torch.tensor_on(meta, st),
         "weak_ref + free": lambda: _torch.weak_free(_torch.weak_ref(st)),
         "read_call": lambda: _inputs.read_call((x,), {}, None),
+        **({"native signature((x,))": lambda: native.signature((x,), _inputs.PLAIN_TYPES)} if native else {}),
         "is_grad_enabled": torch.is_grad_enabled,
         "tree_for": lambda: _manager.tree_for(0),
         "graphtree copier (cudaMemcpyAsync)": _raw_memcpy(sx, x),
@@ -150,7 +154,7 @@ def main() -> None:
     )
     rows.update(_memcpy_variants(sx, x))
     rows.update(_module_rows(x))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; native helpers {_native.status()}")
     print("fast tensor ctor:", _torch.tensor_on is not _torch._tensor_on_slow)
     for k, fn in rows.items():
         print(f"{k:34} {_us(fn):8.2f} us")

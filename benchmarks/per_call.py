@@ -9,6 +9,10 @@ kept`` holds it until the next call returns (``y = step(x)``), so every call als
 previous output. For each contender it reports the median over repeats of (time of N back-to-back calls) / N,
 measured two ways: CPU time (no synchronisation: what the Python thread pays) and wall time
 (synchronised before and after the N calls).
+
+graphtree's rows run with its native helpers (``graphtree/_native``: the call's signature and
+the address checks in C++), which this script waits for; the rows marked ``(Python path)`` run
+the same recordings with the helpers switched off, as a process without a C++ compiler would.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 import torch
 
 import graphtree
-from graphtree import _torch
+from graphtree import _native, _torch
 
 
 def two_kernels(x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +80,7 @@ def _contenders(x: torch.Tensor) -> dict:
 
     out = {
         "eager": eager,
+        "graphtree" + PYTHON_PATH: gt,
         "raw CUDAGraph.replay + copy": raw,
         **({"raw replay + cudaMemcpyAsync": raw_memcpy} if copy is not None else {}),
         "graphtree": gt,
@@ -109,32 +114,47 @@ class HundredParameters(torch.nn.Module):
         return two_kernels(x)
 
 
+class NoParameters(HundredParameters):
+    """The same module without its parameters: what a graphed module costs before any address check."""
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+
+
 def _module_contenders(x: torch.Tensor) -> dict:
     gm = graphtree.graphed(HundredParameters().cuda())
+    g0 = graphtree.graphed(NoParameters().cuda())
 
     def gt():
         return gm(x)
+
+    def gt0():
+        return g0(x)
 
     compiled = torch.compile(HundredParameters().cuda(), mode="reduce-overhead")
 
     def compiled_ro():
         return compiled(x)
 
-    return _warmed_up({MODULE_GT: gt, MODULE_RO: compiled_ro}, x)
+    return _warmed_up({MODULE_GT: gt, MODULE_GT + PYTHON_PATH: gt, MODULE0_GT: gt0, MODULE_RO: compiled_ro}, x)
 
 
 KEPT_GT = "graphtree, output kept"
+PYTHON_PATH = " (Python path)"
 MODULE_GT = "graphtree, 100-param module"
 MODULE_RO = "reduce-overhead, 100-param module"
+MODULE0_GT = "graphtree, module without parameters"
 
 
 def measure(calls: int, repeats: int) -> dict:
     x = torch.randn(1024, device="cuda")
+    native = _native.wait(600)
     cs = {**_contenders(x), **_module_contenders(x)}
     cpu = {k: [] for k in cs}
     wall = {k: [] for k in cs}
     for _ in range(repeats):
         for name, fn in cs.items():  # interleaved: drift hits everyone alike
+            _native.loaded = None if name.endswith(PYTHON_PATH) else native
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -147,6 +167,7 @@ def measure(calls: int, repeats: int) -> dict:
     res = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "native": _native.status(),
         "calls": calls,
         "repeats": repeats,
         "cpu_us": {k: statistics.median(v) for k, v in cpu.items()},
@@ -156,8 +177,12 @@ def measure(calls: int, repeats: int) -> dict:
     w = res["wall_us"]
     raw = w["raw CUDAGraph.replay + copy"]
     res["ratio_to_raw"] = {k: v / raw for k, v in w.items()}
-    # what the module costs graphtree (and torch.compile) beyond the plain function with the same two kernels
-    res["param_check_us_100"] = w[MODULE_GT] - w["graphtree"]
+    # what 100 parameters cost graphtree (their address checks): the module with them against the
+    # same module without them; and what the module costs beyond the plain function (the module
+    # call included), graphtree's and torch.compile's
+    res["param_check_us_100"] = w[MODULE_GT] - w[MODULE0_GT]
+    res["param_check_us_100_python_path"] = w[MODULE_GT + PYTHON_PATH] - w[MODULE0_GT]
+    res["module_us_100"] = w[MODULE_GT] - w["graphtree"]
     res["param_check_us_100_reduce_overhead"] = w[MODULE_RO] - w["torch.compile reduce-overhead"]
     return res
 
@@ -174,13 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():  # inference, as people run it (no autograd check of the module's parameters)
         res = measure(a.calls, a.repeats)
     print(f"{res['device']}, torch {res['torch']}, median of {a.repeats} x {a.calls} calls")
+    print(f"native helpers: {res['native']}")
     print(f"{'contender':32} {'cpu us/call':>12} {'wall us/call':>13} {'wall / raw':>11}")  # raw: copy_ + replay
     for k in res["wall_us"]:
         print(f"{k:32} {res['cpu_us'][k]:12.2f} {res['wall_us'][k]:13.2f} {res['ratio_to_raw'][k]:11.2f}")
     check = res["param_check_us_100"]
     ro = res["param_check_us_100_reduce_overhead"]
-    print(f"a 100-parameter module costs graphtree {check:.2f} us/call more than the plain function")
-    print(f"(reduce-overhead: {ro:.2f} us/call more)")
+    print(f"100 parameters cost graphtree {check:.2f} us/call (the module with them against it without them;")
+    print(f"  Python path {res['param_check_us_100_python_path']:.2f})")
+    print(f"a 100-parameter module costs graphtree {res['module_us_100']:.2f} us/call more than the plain function")
+    print(f"  (reduce-overhead: {ro:.2f} us/call more)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
