@@ -154,7 +154,17 @@ class TreeManager:
                 if kids:
                     node = kids[0]
                     if not node.unconditional:  # something to check first (see Node.can_replay)
-                        node = self._replayable(gc, kids, leaves)
+                        # A module's recording: only its parameters and buffers to check, in one
+                        # native call when the helpers are built; anything else, or a miss, looks
+                        # through every recording at this place.
+                        native = _native.loaded
+                        if not (
+                            node.statics_only
+                            and native is not None
+                            and node.epoch == param_epoch()
+                            and native.addresses_unchanged(node.statics, node.static_packed)
+                        ):
+                            node = self._replayable(gc, kids, leaves)
                     if node is not None:  # the hot path: a recording that fits
                         out = node.replay(leaves, call.n)
                         self.path.append(node)

@@ -133,6 +133,7 @@ class Node:
         # tensor read from outside, no ancestor output that had to be dead. Such a node is always
         # replayable under its parent.
         self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals)
+        self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals)
         self._device = torch.device("cuda", inputs.device)
         self._launch = _torch.graph_launcher(graph)
         self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
