@@ -130,3 +130,18 @@ def test_copy_d2d_declines_without_a_cuda_runtime(native) -> None:
     assert native.copy_d2d(0, 0, 0, 0) is False  # nothing done: the caller copies another way
     with pytest.raises(TypeError, match="4 arguments"):
         native.copy_d2d(0, 0)
+
+
+@needs_toolchain
+def test_a_process_that_exits_during_the_build_does_not_block_later_ones(tmp_path) -> None:
+    # The build runs in a child of its own: it finishes and removes cpp_extension's lock file even
+    # when the process that started it exits first (in a daemon thread the lock stayed behind, and
+    # every later process waited on it forever).
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    quick = "from graphtree import _native; import time; _native.start(); time.sleep(1)"
+    subprocess.run([sys.executable, "-c", quick], env=env, check=True, timeout=120)
+    later = "from graphtree import _native; m = _native.wait(600); print(m is not None, _native.status())"
+    cmd = [sys.executable, "-c", later]
+    out = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=900)
+    assert out.stdout.startswith("True built"), (out.stdout, out.stderr[-2000:])
+    assert not list(tmp_path.rglob("lock"))

@@ -1,14 +1,15 @@
-"""graphtree's native helpers: two loops of the replay fast path in C++, built on first use.
+"""graphtree's native helpers: the replay fast path's per-tensor loops in C++, built on first use.
 
 What they do and why they are native: ``DESIGN.md`` beside this file. Each has a Python twin
 that graphtree uses until the build is ready, and for good when it cannot be built (no C++
 compiler, no ``ninja``, ``GRAPHTREE_NATIVE=0``): the results are the same, only the cost per
 call differs.
 
-The build runs once per torch version and Python (about 15 s on two cores), in a background
-thread started by the first CUDA tree, through ``torch.utils.cpp_extension.load`` into
-torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``);
-later processes load the cached library in milliseconds. ``graphtree doctor`` says which
+The build runs once per torch version and Python (about 15 s on two cores), in a child process
+waited on by a background thread started by the first CUDA tree, through
+``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by
+default ``~/.cache/torch_extensions``); later processes load the cached library in under a
+second. ``python -m graphtree._native`` builds it ahead of time. ``graphtree doctor`` says which
 state it is in.
 
 Example::
@@ -21,9 +22,12 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -79,17 +83,12 @@ def _build() -> None:
     global loaded, _status
     t0 = time.perf_counter()
     try:
-        from torch.utils import cpp_extension
-
-        _find_ninja()
-        module = cpp_extension.load(
-            name="graphtree_native",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O2"],
-            extra_ldflags=["-ldl"],
-            is_python_module=True,
-            verbose=False,
-        )
+        path = _build_in_child()
+        spec = importlib.util.spec_from_file_location(Path(path).stem.split(".")[0], path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
         _check(module)
     except Exception as e:  # noqa: BLE001 - any failure (no compiler, no ninja, bad headers) means the Python path
         reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
@@ -97,10 +96,50 @@ def _build() -> None:
         log.info("graphtree: native helpers %s", _status)
     else:
         loaded = module
-        _status = f"built ({Path(module.__file__ or '?').parent}, ready after {time.perf_counter() - t0:.1f} s)"
+        _status = f"built ({Path(path).parent}, ready after {time.perf_counter() - t0:.1f} s)"
         log.debug("graphtree: native helpers %s", _status)
     finally:
         _done.set()
+
+
+def _build_in_child() -> str:
+    """Build (or find built) in a child process of its own session; returns the library's path.
+
+    Not in this process: cpp_extension guards its build folder with a lock file that only the
+    building process removes. A build in a daemon thread of a process that exits first (a short
+    script) left the lock behind, and every later process then waited on it forever. The child
+    finishes the build and removes the lock whatever this process does meanwhile (Ctrl-C in
+    the terminal does not reach it either).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphtree._native"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        start_new_session=True,
+        check=False,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        err = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()
+        raise RuntimeError(err[-1])
+    return lines[-1]
+
+
+def build_here() -> str:
+    """Build (or find built) the helpers in this process; the library's path. What the child runs."""
+    from torch.utils import cpp_extension
+
+    _find_ninja()
+    module = cpp_extension.load(
+        name="graphtree_native",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        extra_ldflags=["-ldl"],
+        is_python_module=True,
+        verbose=False,
+    )
+    return str(module.__file__)
 
 
 def _find_ninja() -> None:
