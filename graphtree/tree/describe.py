@@ -26,6 +26,11 @@ def _sig(node: Node) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def signature(node: Node) -> str:
+    """A recording as people read it: its function and the call's signature, e.g. ``step(float32[4, 8], 2)``."""
+    return f"{node.name}{_sig(node)}"
+
+
 def _label(node: Node) -> str:
     return (
         f"{node.name}{_sig(node)} [{node.id}] replays={node.replays} "

@@ -166,7 +166,13 @@ class TreeManager:
                         ):
                             node = self._replayable(gc, kids, leaves)
                     if node is not None:  # the hot path: a recording that fits
-                        out = node.replay(leaves, call.n)
+                        try:  # costs nothing unless it raises (Python 3.11+)
+                            out = node.replay(leaves, call.n)
+                        except RuntimeError as e:
+                            err = self._replay_error(gc, node, e)
+                            if err is e:
+                                raise
+                            raise err from e
                         self.path.append(node)
                         self.current = node
                         self.bookkeeping_live = False
@@ -178,6 +184,18 @@ class TreeManager:
             if self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup:
                 return self._warm_up(gc, call)
             return self._record(gc, call)
+
+    def _replay_error(self, gc: GraphedCallable, node: Node, e: RuntimeError) -> RuntimeError:
+        """``e`` itself, or, for a CUDA error, one that names the recording, the graph replayed
+        before it, and how to find the kernel (:mod:`graphtree.debug.replay_error`)."""
+        from graphtree.debug.replay_error import explain, is_cuda_error
+        from graphtree.tree.describe import signature
+
+        if not is_cuda_error(e):
+            return e
+        previous = signature(self.path[-1]) if self.path else None
+        debug = None if gc.debug is None else str(gc.debug)
+        return explain(e, recording=signature(node), previous=previous, debug_dir=debug)
 
     # --- steps ----------------------------------------------------------------------------
     def request_step(self) -> None:
