@@ -1,5 +1,6 @@
 """Diagnostics for graphtree: :func:`doctor` says whether CUDA graphs can run here and why not;
-:func:`dump_on_error` keeps a durable dump of a call that failed, which :func:`load_dump` reads.
+:func:`dump_on_error` keeps a durable dump of a call that failed, which :func:`load_dump` reads;
+:class:`GraphReplayError` is what a CUDA error surfacing at a graph replay is raised as.
 
 Example::
 
@@ -9,5 +10,15 @@ Example::
 
 from graphtree.debug.doctor import DoctorReport, doctor
 from graphtree.debug.dump import Dump, DumpTooLarge, dump_on_error, load_dump, write_dump
+from graphtree.debug.replay_error import GraphReplayError
 
-__all__ = ["DoctorReport", "Dump", "DumpTooLarge", "doctor", "dump_on_error", "load_dump", "write_dump"]
+__all__ = [
+    "DoctorReport",
+    "Dump",
+    "DumpTooLarge",
+    "GraphReplayError",
+    "doctor",
+    "dump_on_error",
+    "load_dump",
+    "write_dump",
+]
