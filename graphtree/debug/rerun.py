@@ -8,13 +8,16 @@ report names the error and the Python line that launched the failing operation.
 Exit status: 0 the call ran without an error (not reproduced); 1 the error reproduced (the
 report says where); 2 the dump cannot be read or its callable cannot be rebuilt here (the
 message says why and what to do); 3 the re-run itself crashed or timed out (a sticky CUDA
-error can kill the process: the last lines of its output are shown).
+error can kill the process: the last lines of its output are shown); 4 the tool asked for
+(cuda-gdb) is not installed.
 
-Not yet: re-runs under compute-sanitizer and cuda-gdb.
+``--cuda-gdb`` prints the cuda-gdb command that runs the same re-run and stops at the fault
+(``--run`` runs it, interactively). Not yet: re-runs under compute-sanitizer.
 
 Example::
 
     $ graphtree debug rerun graphtree-dumps/step-20261123-071920-4242.gtdump
+    $ graphtree debug rerun graphtree-dumps/step-20261123-071920-4242.gtdump --cuda-gdb --run
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "rerun"]
+__all__ = ["cuda_gdb_command", "main", "rerun"]
 
-REPRODUCED, NOT_REPRODUCED, UNUSABLE, CRASHED = 1, 0, 2, 3
+REPRODUCED, NOT_REPRODUCED, UNUSABLE, CRASHED, NO_TOOL = 1, 0, 2, 3, 4
+_TOOLKIT_HINT = (
+    "it comes with the CUDA toolkit (apt install cuda-toolkit-13-0, or NVIDIA's runfile); put its bin folder on PATH"
+)
 _MARK = "graphtree-rerun-result: "
 
 
@@ -110,6 +118,33 @@ def rerun(path: str | os.PathLike[str], timeout: float = 600.0) -> dict[str, Any
     return {"status": CRASHED, "error": f"the re-run ended with exit status {proc.returncode}", "output": output}
 
 
+def cuda_gdb_command(path: str | os.PathLike[str]) -> list[str]:
+    """The cuda-gdb command that re-runs the dump at ``path`` eagerly and stops at the fault.
+
+    cuda-gdb stops by itself at a kernel's illegal address or device-side assert, in the
+    kernel, with the CUDA thread and the host backtrace; ``api_failures stop`` also stops at a
+    CUDA API call that fails.
+
+    Example::
+
+        print(shlex.join(cuda_gdb_command("step.gtdump")))
+    """
+    return [
+        "cuda-gdb",
+        "-q",
+        "-ex",
+        "set cuda api_failures stop",
+        "-ex",
+        "run",
+        "--args",
+        sys.executable,
+        "-m",
+        "graphtree.debug.rerun",
+        "--inner",
+        os.fspath(path),
+    ]
+
+
 def _render(r: dict[str, Any]) -> str:
     status = r["status"]
     if status == NOT_REPRODUCED:
@@ -130,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("rerun", help="run a dumped call again, eagerly, with CUDA_LAUNCH_BLOCKING=1")
     r.add_argument("dump", help="a .gtdump file (graphtree.debug.dump_on_error writes them)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the re-run is stopped")
+    r.add_argument("--cuda-gdb", action="store_true", help="print the cuda-gdb command that stops at the fault")
+    r.add_argument("--run", action="store_true", help="with --cuda-gdb: run that command (interactive)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--inner"]:
         return _inner(argv[1])
@@ -140,10 +177,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(args.dump):
         print(f"graphtree debug rerun: no such dump: {args.dump}", file=sys.stderr)
         return UNUSABLE
+    if args.run and not args.cuda_gdb:
+        print("graphtree debug rerun: --run goes with --cuda-gdb", file=sys.stderr)
+        return UNUSABLE
+    if args.cuda_gdb:
+        return _cuda_gdb(args.dump, args.run)
     print(f"re-running {args.dump} in a fresh process (CUDA_LAUNCH_BLOCKING=1) ...", flush=True)
     result = rerun(args.dump, timeout=args.timeout)
     print(_render(result))
     return int(result["status"])
+
+
+def _cuda_gdb(path: str, run: bool) -> int:
+    cmd = cuda_gdb_command(path)
+    print(shlex.join(cmd), flush=True)
+    if not run:
+        return NOT_REPRODUCED
+    if shutil.which("cuda-gdb") is None:
+        print(f"graphtree debug rerun: cuda-gdb is not installed: {_TOOLKIT_HINT}", file=sys.stderr)
+        return NO_TOOL
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 if __name__ == "__main__":
