@@ -96,21 +96,20 @@ def test_signature_matches_read_call_for_plain_values_and_defers_the_rest(native
 @needs_toolchain
 def test_read_call_gives_the_same_answers_with_and_without_the_helpers(native, monkeypatch) -> None:
     calls = [((1, None, "a"), {}), ((torch.ones(2),), {}), ((object(),), {}), ((1,), {"k": 2})]
-    with_native = []
-    for args, kwargs in calls:
-        try:
-            c = inputs.read_call(args, kwargs, None)
-            with_native.append((c.key, c.device))
-        except inputs.Unsupported as e:
-            with_native.append(str(e))
+
+    def answers() -> list:
+        out = []
+        for args, kwargs in calls:
+            try:
+                c = inputs.read_call(args, kwargs, None)
+                out.append((c.key, c.device))
+            except inputs.Unsupported as e:
+                out.append(str(e))
+        return out
+
+    with_native = answers()
     monkeypatch.setattr(_native, "loaded", None)
-    without = []
-    for args, kwargs in calls:
-        try:
-            c = inputs.read_call(args, kwargs, None)
-            without.append((c.key, c.device))
-        except inputs.Unsupported as e:
-            without.append(str(e))
+    without = answers()
     assert with_native == without
     assert with_native[1] == "CPU tensor inputs"
 

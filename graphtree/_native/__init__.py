@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import array
 import importlib.util
 import logging
 import os
@@ -163,5 +164,8 @@ def _check(module: ModuleType) -> None:
     ptrs = [t.data_ptr() for t in ts]
     if module.ptrs_equal(ts, ptrs, [0, 1]) is not True or module.ptrs_equal(ts, [0, ptrs[1]], [0, 1]) is not False:
         raise RuntimeError("ptrs_equal disagrees with Tensor.data_ptr()")
+    packed, other = array.array("Q", ptrs).tobytes(), array.array("Q", [ptrs[0], 0]).tobytes()
+    if module.addresses_unchanged(ts, packed) is not True or module.addresses_unchanged(ts, other) is not False:
+        raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")

@@ -1,5 +1,5 @@
-// graphtree's native helpers: the two per-call loops of the replay fast path that cost 70-100 ns
-// per tensor in Python (see DESIGN.md beside this file). Built on first use by
+// graphtree's native helpers: the per-call loops of the replay fast path that cost 70-100 ns per
+// tensor in Python, and its input copy (see DESIGN.md beside this file). Built on first use by
 // torch.utils.cpp_extension.load (graphtree/_native/__init__.py); everything here has a Python
 // twin that graphtree uses until the build is ready, or when it cannot be built.
 //
@@ -26,6 +26,23 @@
 
 namespace {
 
+// The data address of tensor object t into *out; false with a Python error set when t is not a
+// tensor (TypeError with message not_a_tensor) or has no storage (RuntimeError).
+bool tensor_address(PyObject* t, const char* not_a_tensor, void** out) {
+  if (!THPVariable_CheckExact(t) && PyObject_IsInstance(t, THPVariableClass) != 1) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, not_a_tensor);
+    return false;
+  }
+  try {
+    *out = THPVariable_Unpack(t).data_ptr();
+  } catch (const std::exception& e) {  // a tensor without storage: no address to compare
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return false;
+  }
+  return true;
+}
+
 // ptrs_equal(tensors, ptrs, idx) -> bool: tensors[i].data_ptr() == ptrs[i] for every i in idx.
 // The arguments are lists or tuples; the same contract as torch's
 // _tensors_data_ptrs_at_indices_equal, without a pybind11 cast per item.
@@ -40,67 +57,27 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return nullptr;
     }
   }
-  PyObject* tensors = PySequence_Fast(args[0], "ptrs_equal: tensors must be a list or tuple");
-  if (!tensors) return nullptr;
-  PyObject* ptrs = PySequence_Fast(args[1], "ptrs_equal: ptrs must be a list or tuple");
-  if (!ptrs) {
-    Py_DECREF(tensors);
-    return nullptr;
-  }
-  PyObject* idx = PySequence_Fast(args[2], "ptrs_equal: idx must be a list or tuple");
-  if (!idx) {
-    Py_DECREF(tensors);
-    Py_DECREF(ptrs);
-    return nullptr;
-  }
-  const Py_ssize_t nt = PySequence_Fast_GET_SIZE(tensors);
-  const Py_ssize_t np = PySequence_Fast_GET_SIZE(ptrs);
-  const Py_ssize_t ni = PySequence_Fast_GET_SIZE(idx);
-  PyObject** t_items = PySequence_Fast_ITEMS(tensors);
-  PyObject** p_items = PySequence_Fast_ITEMS(ptrs);
-  PyObject** i_items = PySequence_Fast_ITEMS(idx);
-  PyObject* result = Py_True;
+  // Lists or tuples, checked above: their items are read in place.
+  const Py_ssize_t nt = PySequence_Fast_GET_SIZE(args[0]);
+  const Py_ssize_t np = PySequence_Fast_GET_SIZE(args[1]);
+  const Py_ssize_t ni = PySequence_Fast_GET_SIZE(args[2]);
+  PyObject** t_items = PySequence_Fast_ITEMS(args[0]);
+  PyObject** p_items = PySequence_Fast_ITEMS(args[1]);
+  PyObject** i_items = PySequence_Fast_ITEMS(args[2]);
   for (Py_ssize_t k = 0; k < ni; ++k) {
     const Py_ssize_t i = PyLong_AsSsize_t(i_items[k]);
-    if (i == -1 && PyErr_Occurred()) {
-      result = nullptr;
-      break;
-    }
+    if (i == -1 && PyErr_Occurred()) return nullptr;
     if (i < 0 || i >= nt || i >= np) {
       PyErr_SetString(PyExc_IndexError, "ptrs_equal: index out of range");
-      result = nullptr;
-      break;
-    }
-    PyObject* t = t_items[i];
-    if (!THPVariable_CheckExact(t) && PyObject_IsInstance(t, THPVariableClass) != 1) {
-      PyErr_Clear();
-      PyErr_SetString(PyExc_TypeError, "ptrs_equal: expected a tensor");
-      result = nullptr;
-      break;
+      return nullptr;
     }
     void* want = PyLong_AsVoidPtr(p_items[i]);
-    if (want == nullptr && PyErr_Occurred()) {
-      result = nullptr;
-      break;
-    }
+    if (want == nullptr && PyErr_Occurred()) return nullptr;
     void* have = nullptr;
-    try {
-      have = THPVariable_Unpack(t).data_ptr();
-    } catch (const std::exception& e) {  // a tensor without storage: no address to compare
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-      result = nullptr;
-      break;
-    }
-    if (have != want) {
-      result = Py_False;
-      break;
-    }
+    if (!tensor_address(t_items[i], "ptrs_equal: expected a tensor", &have)) return nullptr;
+    if (have != want) Py_RETURN_FALSE;
   }
-  Py_DECREF(tensors);
-  Py_DECREF(ptrs);
-  Py_DECREF(idx);
-  Py_XINCREF(result);
-  return result;
+  Py_RETURN_TRUE;
 }
 
 // addresses_unchanged(tensors: list, expected: bytes) -> bool: tensors[i].data_ptr() equals the
@@ -117,21 +94,11 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(sizeof(uint64_t))) Py_RETURN_FALSE;
   const char* expected = PyBytes_AS_STRING(args[1]);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* t = PyList_GET_ITEM(tensors, i);
-    if (!THPVariable_CheckExact(t) && PyObject_IsInstance(t, THPVariableClass) != 1) {
-      PyErr_Clear();
-      PyErr_SetString(PyExc_TypeError, "addresses_unchanged: expected a list of tensors");
-      return nullptr;
-    }
     uint64_t want;
     std::memcpy(&want, expected + i * sizeof(uint64_t), sizeof(uint64_t));
     void* have = nullptr;
-    try {
-      have = THPVariable_Unpack(t).data_ptr();
-    } catch (const std::exception& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-      return nullptr;
-    }
+    PyObject* t = PyList_GET_ITEM(tensors, i);
+    if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) return nullptr;
     if (reinterpret_cast<uint64_t>(have) != want) Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
