@@ -1,5 +1,6 @@
 """``graphtree debug rerun``: a dumped call run again in a fresh process (CPU)."""
 
+import importlib
 import sys
 import textwrap
 
@@ -84,12 +85,13 @@ def test_the_command_line(mod, tmp_path, capsys):
 
 
 def test_cuda_gdb_command_reruns_the_dump_and_a_missing_debugger_is_named(mod, tmp_path, capsys, monkeypatch):
+    doctor = importlib.import_module("graphtree.debug.doctor")  # the module (graphtree.debug.doctor is also a function)
+    monkeypatch.setattr(doctor, "find_cuda_tool", lambda name: None)  # no cuda-gdb, wherever this runs
     path = _dump(tmp_path, mod.pick, torch.arange(3.0), 10)
     assert cli_main(["debug", "rerun", str(path), "--cuda-gdb"]) == 0  # printed, not run
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("cuda-gdb ") and line.endswith(f"-m graphtree.debug.rerun --inner {path}")
     assert "--args" in line and "-ex run" in line
-    monkeypatch.setenv("PATH", str(tmp_path))  # no cuda-gdb here
     assert cli_main(["debug", "rerun", str(path), "--cuda-gdb", "--run"]) == 4
     assert "cuda-gdb is not installed: it comes with the CUDA toolkit" in capsys.readouterr().err
     assert cli_main(["debug", "rerun", str(path), "--run"]) == 2  # --run alone is a usage error

@@ -228,7 +228,7 @@ def _probe_native() -> list[Row]:
 
 
 def _probe_sanitizer() -> list[Row]:
-    exe = shutil.which("compute-sanitizer") or _in_cuda_bin("compute-sanitizer")
+    exe = find_cuda_tool("compute-sanitizer")
     return [("compute-sanitizer", exe if exe else "not found (on PATH or in /usr/local/cuda/bin)")]
 
 
@@ -280,7 +280,7 @@ def _probe_cuda_versions() -> list[Row]:
         )
     else:
         rows.append(("driver supports CUDA", f"{_fmt(driver)} (torch's CUDA {_fmt(built)}: fine)"))
-    nvcc = shutil.which("nvcc") or _in_cuda_bin("nvcc")
+    nvcc = find_cuda_tool("nvcc")
     if nvcc is None:
         rows.append(("nvcc (toolkit)", "not found (only needed to build CUDA extensions)"))
     else:
@@ -298,6 +298,18 @@ def _probe_cuda_versions() -> list[Row]:
         rows.append(("nvcc (toolkit)", f"{_fmt(toolkit)} at {nvcc}: {note}"))
     rows.extend(_debugger_rows(driver))
     return rows
+
+
+TOOLKIT_HINT = (
+    "it comes with the CUDA toolkit (apt install cuda-toolkit-13-0, or NVIDIA's runfile); put its bin folder on PATH"
+)
+"""Where compute-sanitizer, cuda-gdb and nvcc come from, for messages about a missing one."""
+
+
+def find_cuda_tool(name: str) -> str | None:
+    """The path of CUDA tool ``name`` (``nvcc``, ``compute-sanitizer``, ``cuda-gdb``): on PATH, else
+    in the toolkit's bin folder (see :func:`_in_cuda_bin`); ``None`` if neither has it."""
+    return shutil.which(name) or _in_cuda_bin(name)
 
 
 def _in_cuda_bin(name: str) -> str | None:
@@ -348,10 +360,9 @@ def _debugger_rows(driver: tuple[int, int] | None) -> list[Row]:
     """compute-sanitizer's and cuda-gdb's versions, against the driver's CUDA ``driver``."""
     rows: list[Row] = []
     for name, label in (("compute-sanitizer", "compute-sanitizer version"), ("cuda-gdb", "cuda-gdb")):
-        exe = shutil.which(name) or _in_cuda_bin(name)
+        exe = find_cuda_tool(name)
         if exe is None:
-            hint = "it comes with the CUDA toolkit (apt install cuda-toolkit-13-0, or NVIDIA's runfile)"
-            rows.append((label, f"not found: {hint}; put its bin folder on PATH"))
+            rows.append((label, f"not found: {TOOLKIT_HINT}"))
             continue
         text = _run_tool(exe, "--version")
         cuda = _release(text, r"(?:CUDA|Release|release)\D{0,12}(\d+)\.(\d+)")

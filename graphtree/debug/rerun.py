@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import traceback
@@ -36,9 +35,6 @@ from typing import Any
 __all__ = ["cuda_gdb_command", "main", "rerun"]
 
 REPRODUCED, NOT_REPRODUCED, UNUSABLE, CRASHED, NO_TOOL = 1, 0, 2, 3, 4
-_TOOLKIT_HINT = (
-    "it comes with the CUDA toolkit (apt install cuda-toolkit-13-0, or NVIDIA's runfile); put its bin folder on PATH"
-)
 _MARK = "graphtree-rerun-result: "
 
 
@@ -118,7 +114,7 @@ def rerun(path: str | os.PathLike[str], timeout: float = 600.0) -> dict[str, Any
     return {"status": CRASHED, "error": f"the re-run ended with exit status {proc.returncode}", "output": output}
 
 
-def cuda_gdb_command(path: str | os.PathLike[str]) -> list[str]:
+def cuda_gdb_command(path: str | os.PathLike[str], exe: str = "cuda-gdb") -> list[str]:
     """The cuda-gdb command that re-runs the dump at ``path`` eagerly and stops at the fault.
 
     cuda-gdb stops by itself at a kernel's illegal address or device-side assert, in the
@@ -130,7 +126,7 @@ def cuda_gdb_command(path: str | os.PathLike[str]) -> list[str]:
         print(shlex.join(cuda_gdb_command("step.gtdump")))
     """
     return [
-        "cuda-gdb",
+        exe,
         "-q",
         "-ex",
         "set cuda api_failures stop",
@@ -189,12 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cuda_gdb(path: str, run: bool) -> int:
-    cmd = cuda_gdb_command(path)
+    from graphtree.debug.doctor import TOOLKIT_HINT, find_cuda_tool
+
+    exe = find_cuda_tool("cuda-gdb")
+    cmd = cuda_gdb_command(path, exe or "cuda-gdb")
     print(shlex.join(cmd), flush=True)
     if not run:
         return NOT_REPRODUCED
-    if shutil.which("cuda-gdb") is None:
-        print(f"graphtree debug rerun: cuda-gdb is not installed: {_TOOLKIT_HINT}", file=sys.stderr)
+    if exe is None:
+        print(f"graphtree debug rerun: cuda-gdb is not installed: {TOOLKIT_HINT}", file=sys.stderr)
         return NO_TOOL
     env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, env=env, check=False).returncode
