@@ -8,9 +8,10 @@ flushed and ``fsync``'d, renamed over the final name, and the folder ``fsync``'d
 kill at any moment leaves the old dump or the new one, never a torn file. A dump larger than
 ``limit_bytes`` is refused before anything is written.
 
-Not yet: after a sticky CUDA error (an illegal address, a device-side assert) the arguments on
-the GPU can no longer be read, so no dump can be written then; the planned mode snapshots them
-to pinned host memory before each call. ``dump_on_error`` says so in a note on the error.
+After a sticky CUDA error (an illegal address, a device-side assert) the arguments on the GPU
+can no longer be read: ``dump_on_error(..., snapshot=True)`` and ``graphed(..., debug=dir)``
+copy them to pinned host memory before each call (:mod:`graphtree.debug.snapshot`) and dump
+those copies, of the call that raised and, for a CUDA error, of the call before it.
 
 Example::
 
@@ -40,8 +41,19 @@ from typing import Any
 import torch
 
 from graphtree import _torch
+from graphtree.debug.replay_error import GraphReplayError, is_cuda_error
+from graphtree.debug.snapshot import ORIGIN_BEFORE, ORIGIN_RAISED, InputSnapshots, Snapshot, layout_of
 
-__all__ = ["DEFAULT_LIMIT_BYTES", "Dump", "DumpTooLarge", "dump_failure", "dump_on_error", "load_dump", "write_dump"]
+__all__ = [
+    "DEFAULT_LIMIT_BYTES",
+    "Dump",
+    "DumpTooLarge",
+    "dump_failure",
+    "dump_on_error",
+    "load_dump",
+    "write_dump",
+    "write_snapshot",
+]
 
 SUFFIX = ".gtdump"
 FORMAT = 1
@@ -68,6 +80,7 @@ class Dump:
     error: str  # "TypeName: message"
     traceback: str
     created: float
+    origin: str = "the call that raised"  # or "the call before it" (a fault reported one call late)
 
     def resolve(self) -> Callable[..., Any]:
         """Import the callable the dump was taken from (``ValueError`` if it cannot be)."""
@@ -108,7 +121,7 @@ def _to_host(x: Any, layouts: list[dict[str, Any]]) -> Any:
     """A host copy of a tensor argument with its layout noted; other values as they are."""
     if not isinstance(x, torch.Tensor):
         return x
-    layouts.append({"dtype": str(x.dtype), "shape": list(x.shape), "stride": list(x.stride()), "device": str(x.device)})
+    layouts.append(layout_of(x))
     host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
     host.copy_(x.detach())
     return host
@@ -158,8 +171,8 @@ def write_dump(
 ) -> Path:
     """Write a dump of the call ``fn(*args, **kwargs)`` (that raised ``error``) to ``path``, atomically.
 
-    Raises :class:`DumpTooLarge` (and writes nothing) when the arguments' tensors exceed
-    ``limit_bytes``. Returns the path written.
+    The arguments are read as they are now (after the call). Raises :class:`DumpTooLarge` (and
+    writes nothing) when the arguments' tensors exceed ``limit_bytes``. Returns the path written.
     """
     size = _nbytes((args, kwargs))
     if size > limit_bytes:
@@ -167,24 +180,50 @@ def write_dump(
             f"graphtree: a dump of this call would hold {size / 2**20:.1f} MiB of tensors, over its limit of "
             f"{limit_bytes / 2**20:.1f} MiB; nothing was written (raise limit_bytes to keep it)"
         )
-    target, note = _target_of(fn)
     layouts: list[dict[str, Any]] = []
     leaves, spec = _torch.tree_flatten((args, kwargs))
     host_args, host_kwargs = _torch.tree_unflatten([_to_host(x, layouts) for x in leaves], spec)
-    doc = {
+    doc = _document(fn, host_args, host_kwargs, layouts, _rng_states(), error, ORIGIN_RAISED)
+    return _write_atomically(Path(path), doc)
+
+
+def write_snapshot(
+    path: str | os.PathLike[str], fn: Callable[..., Any], snapshot: Snapshot, error: BaseException | None = None
+) -> Path:
+    """Write a dump of a call of ``fn`` from its :class:`~graphtree.debug.snapshot.Snapshot`
+    (its inputs and random states as they were before it ran), atomically; returns the path."""
+    doc = _document(fn, snapshot.args, snapshot.kwargs, snapshot.tensors, snapshot.rng, error, snapshot.origin)
+    return _write_atomically(Path(path), doc)
+
+
+def _document(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    layouts: list[dict[str, Any]],
+    rng: dict[str, Any],
+    error: BaseException | None,
+    origin: str,
+) -> dict[str, Any]:
+    target, note = _target_of(fn)
+    return {
         "format": FORMAT,
         "target": target,
         "target_note": note,
-        "args": host_args,
-        "kwargs": host_kwargs,
+        "args": args,
+        "kwargs": kwargs,
         "tensors": layouts,
-        "rng": _rng_states(),
+        "rng": rng,
         "versions": _versions(),
         "error": "" if error is None else f"{type(error).__name__}: {error}",
         "traceback": "" if error is None else "".join(traceback.format_exception(error)),
         "created": time.time(),
+        "origin": origin,
     }
-    final = Path(path)
+
+
+def _write_atomically(final: Path, doc: dict[str, Any]) -> Path:
+    """``torch.save`` to a temporary file beside ``final``, ``fsync``, rename, ``fsync`` the folder."""
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     try:
@@ -217,6 +256,7 @@ def dump_on_error(
     *,
     dir: str | os.PathLike[str] = "graphtree-dumps",
     limit_bytes: int = DEFAULT_LIMIT_BYTES,
+    snapshot: bool = False,
 ) -> Any:
     """Wrap ``fn`` so that a call that raises writes a dump into ``dir`` before the error propagates.
 
@@ -224,25 +264,36 @@ def dump_on_error(
     cannot be written (too large, disk full) adds a note saying so and never hides the error.
     Works on functions, modules and graphed callables, as a call or a decorator.
 
+    ``snapshot=True`` is the mode for CUDA errors that leave GPU memory unreadable (an illegal
+    address, a device-side assert): before each call the tensor arguments are copied to pinned
+    host memory (asynchronously, keeping the last two calls; see
+    :mod:`graphtree.debug.snapshot`), and an error writes the dump of the call that raised and
+    of the call before it, whose fault CUDA may report one call late. It costs a
+    ``cudaMemcpyAsync`` per tensor argument per call, and the bytes at the device-to-host
+    bandwidth. Without it, the dump reads the arguments after the error (as the call left them).
+
     Example::
 
-        step = graphtree.debug.dump_on_error(graphtree.graphed(step), dir="dumps")
+        step = graphtree.debug.dump_on_error(step, dir="dumps", snapshot=True)
     """
     if fn is None:
-        return functools.partial(dump_on_error, dir=dir, limit_bytes=limit_bytes)
+        return functools.partial(dump_on_error, dir=dir, limit_bytes=limit_bytes, snapshot=snapshot)
     if not callable(fn):
         raise TypeError(f"dump_on_error needs a callable, got {type(fn).__name__}")
     if type(limit_bytes) is not int or limit_bytes <= 0:
         raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
     folder = Path(dir)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    snaps = InputSnapshots(limit_bytes) if snapshot else None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            if snaps is not None:
+                snaps.take(args, kwargs)
             return fn(*args, **kwargs)
         except Exception as e:
-            dump_failure(folder, fn, name, args, kwargs, e, limit_bytes)
+            dump_failure(folder, fn, name, args, kwargs, e, limit_bytes, snaps)
             raise
 
     return wrapper
@@ -256,12 +307,17 @@ def dump_failure(
     kwargs: dict[str, Any],
     error: Exception,
     limit_bytes: int = DEFAULT_LIMIT_BYTES,
-) -> Path | None:
-    """Write the dump of a call of ``fn`` that raised ``error`` into ``dir``; returns its path.
+    snapshots: InputSnapshots | None = None,
+) -> list[Path]:
+    """Write the dump(s) of a call of ``fn`` that raised ``error`` into ``dir``; returns their paths.
 
-    Adds a note to ``error`` naming the dump, or saying why none was written (too large, disk
-    full): it never raises itself, so the caller's error always reaches the caller. Used by
-    :func:`dump_on_error` and by ``graphtree.graphed(..., debug=dir)``.
+    With ``snapshots``, the dumps hold the inputs as they were before the call: one of the call
+    that raised (``NAME-TIME-PID.gtdump``) and one of the call before it
+    (``NAME-TIME-PID-before.gtdump``, for a CUDA error only), each when its copy is known to be
+    whole; the call that
+    raised falls back to its arguments as they are now. Adds a note to ``error`` for each dump
+    written or not written (and why): it never raises itself, so the caller's error always
+    reaches the caller. Used by :func:`dump_on_error` and ``graphtree.graphed(..., debug=dir)``.
 
     Example::
 
@@ -269,15 +325,35 @@ def dump_failure(
             dump_failure("dumps", step, "step", args, kwargs, e)
             raise
     """
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(dir) / f"{_safe(name)}-{stamp}-{os.getpid()}{SUFFIX}"
-    try:
-        written = write_dump(path, fn, args, kwargs, error, limit_bytes)
-    except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
-        _note(error, f"graphtree: no dump was written: {dump_error}")
-        return None
-    _note(error, f"graphtree: a dump of this call was written to {written}")
-    return Path(written)
+    base = f"{_safe(name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    written: list[Path] = []
+    snaps = snapshots.completed() if snapshots is not None else []
+    if not (is_cuda_error(error) or isinstance(error, GraphReplayError)):  # only a CUDA fault is reported late
+        snaps = [s for s in snaps if s.origin == ORIGIN_RAISED]
+    for snap in snaps:
+        path = Path(dir) / f"{base}{'' if snap.origin == ORIGIN_RAISED else '-before'}{SUFFIX}"
+        try:
+            written.append(write_snapshot(path, fn, snap, error))
+            _note(error, f"graphtree: a dump of {snap.origin} (its inputs before it ran) was written to {path}")
+        except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
+            _note(error, f"graphtree: no dump of {snap.origin} was written: {dump_error}")
+    if not any(s.origin == ORIGIN_RAISED for s in snaps):
+        lost = snapshots.lost() if snapshots is not None else ""
+        path = Path(dir) / f"{base}{SUFFIX}"
+        try:
+            written.append(write_dump(path, fn, args, kwargs, error, limit_bytes))
+            after = " (its inputs as the call left them)" if snapshots is not None else ""
+            _note(error, f"graphtree: a dump of this call{after} was written to {path}")
+        except Exception as dump_error:  # noqa: BLE001 - as above
+            why = f"{lost}; reading the inputs now failed too: {dump_error}" if lost else str(dump_error)
+            _note(error, f"graphtree: no dump of the call that raised was written: {why}")
+    if any(s.origin == ORIGIN_BEFORE for s in snaps):
+        _note(
+            error,
+            "graphtree: CUDA reports a fault inside a graph or an asynchronous kernel at a later call: if "
+            "re-running this call's dump does not reproduce the error, re-run the -before one",
+        )
+    return written
 
 
 def _safe(name: str) -> str:

@@ -40,25 +40,31 @@ def is_cuda_error(exc: BaseException) -> bool:
     return bool(_CUDA_ERROR.search(str(exc)))
 
 
-def explain(exc: BaseException, *, recording: str, previous: str | None, debug_dir: str | None) -> GraphReplayError:
+def explain(
+    exc: BaseException, *, recording: str, previous: str | None, debug_dir: str | None, during: str | None = None
+) -> GraphReplayError:
     """A :class:`GraphReplayError` for CUDA error ``exc`` raised while replaying ``recording``.
 
-    ``previous`` names the recording replayed before it in the same step, if any (CUDA reports
-    a graph's fault at the next call, which may be this one); ``debug_dir`` is the folder of
-    ``graphed(..., debug=...)``, where the failing call's dump goes.
+    ``previous`` names the recording replayed last before it, if any (CUDA reports a graph's
+    fault at the next call, which may be this one); ``debug_dir`` is the folder of
+    ``graphed(..., debug=...)``, where the failing call's dumps go; ``during`` replaces
+    "while replaying the recording of RECORDING" when the error came before the replay.
     """
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = f"the graph replayed before it, {previous}, or this one" if previous else "this graph"
+    if during is not None:
+        where = f"the graph replayed before it, {previous}" if previous else "GPU work launched before it"
     lines = [
-        f"graphtree: a CUDA error surfaced while replaying the recording of {recording}: {first}",
+        f"graphtree: a CUDA error surfaced {during or f'while replaying the recording of {recording}'}: {first}",
         f"CUDA reports a fault inside a graph at the next call that touches the GPU, naming no kernel: "
         f"it came from {where}, or from GPU work launched since. The CUDA context is unusable now; "
         "restart the process.",
     ]
     if debug_dir is not None:
         lines.append(
-            f"The failing call's dump is written to {debug_dir} where its inputs can still be read; re-run it "
-            "eagerly to name the kernel and the Python line: graphtree debug rerun <dump>"
+            f"The dumps of this call and of the call before it (their inputs, copied before each call) are "
+            f"written to {debug_dir}; re-run them eagerly to name the kernel and the Python line: "
+            "graphtree debug rerun <dump>"
         )
     else:
         lines.append(

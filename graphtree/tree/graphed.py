@@ -35,6 +35,12 @@ def _has_cuda() -> bool:
     return _cuda_ok
 
 
+def _input_snapshots() -> Any:
+    from graphtree.debug.snapshot import InputSnapshots
+
+    return InputSnapshots()
+
+
 def _check_options(
     buckets: Sequence[int] | None,
     bucket_dim: int,
@@ -90,6 +96,7 @@ class GraphedCallable:
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
+        self._snapshots = _input_snapshots() if debug is not None else None
         self.fn = fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -122,6 +129,8 @@ class GraphedCallable:
         if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
         try:  # costs nothing unless the call raises (Python 3.11+)
+            if self._snapshots is not None:  # debug=: the inputs as they were, should the call fail
+                self._take_snapshot(args, kwargs)
             if self.disabled_reason is not None:
                 return self._eager(args, kwargs, self.disabled_reason)
             if not (_cuda_ok or _has_cuda()):
@@ -144,8 +153,17 @@ class GraphedCallable:
             if self.debug is not None:
                 from graphtree.debug.dump import dump_failure
 
-                dump_failure(self.debug, self.fn, self.name, args, kwargs, e)
+                dump_failure(self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots)
             raise
+
+    def _take_snapshot(self, args: tuple, kwargs: dict) -> None:
+        try:
+            self._snapshots.take(args, kwargs)
+        except RuntimeError as e:  # the first CUDA call of this call: a fault of earlier work surfaces here
+            err = _manager.explain_fault_before_replay(e, self.name, str(self.debug))
+            if err is e:
+                raise
+            raise err from e
 
     # --- eager paths ------------------------------------------------------------------------
     def _eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
@@ -395,7 +413,10 @@ def graphed(
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function's import path, random states, versions, traceback; see
             :func:`graphtree.debug.dump_on_error`) before the error reaches the caller, with a
-            note naming it; ``graphtree debug rerun DUMP`` runs it again eagerly.
+            note naming it; ``graphtree debug rerun DUMP`` runs it again eagerly. The inputs
+            are copied to pinned host memory before every call (a ``cudaMemcpyAsync`` per
+            tensor), so that a CUDA error that leaves the GPU unreadable still gets its dump,
+            and the call before it too (a fault inside a graph is reported one call late).
 
     Raises ``TypeError`` for a ``fn`` that is not callable and ``ValueError`` for an option
     out of range, naming the option, the value and what is allowed.

@@ -77,6 +77,18 @@ def count_eager(name: str, reason: str) -> None:
     log_fallback(name, reason)
 
 
+def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -> RuntimeError:
+    """``e`` itself, or, for a CUDA error raised before ``name``'s replay began (while its inputs
+    were copied for ``debug=``), one that names the recording this thread's trees ran last."""
+    from graphtree.debug.replay_error import explain, is_cuda_error
+
+    if not is_cuda_error(e):
+        return e
+    previous = next((s for m in getattr(_tls, "managers", {}).values() if (s := m.last_signature())), None)
+    during = f"before graphtree replayed {name} (while copying its inputs for its debug dump)"
+    return explain(e, recording=name, previous=previous, debug_dir=debug, during=during)
+
+
 def begin_internal_step() -> None:
     """Start a new step in the calling thread's trees without turning off automatic steps."""
     for m in getattr(_tls, "managers", {}).values():
@@ -105,6 +117,7 @@ class TreeManager:
         self.root = Root()
         self.current: Node | Root = self.root
         self.path: list[Node] = []
+        self.last_replayed: Node | None = None  # the last node of an ended step (see replay_error)
         self.generation = 0
         self.step_requested = False
         self.warming = False
@@ -193,9 +206,15 @@ class TreeManager:
 
         if not is_cuda_error(e):
             return e
-        previous = signature(self.path[-1]) if self.path else None
         debug = None if gc.debug is None else str(gc.debug)
-        return explain(e, recording=signature(node), previous=previous, debug_dir=debug)
+        return explain(e, recording=signature(node), previous=self.last_signature(), debug_dir=debug)
+
+    def last_signature(self) -> str | None:
+        """The signature of the recording this tree ran last (in this step or the one before)."""
+        from graphtree.tree.describe import signature
+
+        node = self.path[-1] if self.path else self.last_replayed
+        return signature(node) if node is not None else None
 
     # --- steps ----------------------------------------------------------------------------
     def request_step(self) -> None:
@@ -229,6 +248,8 @@ class TreeManager:
                 _torch.invalidate_storage(r, msg)
             for r in release:
                 _torch.weak_free(r)
+        if self.path:
+            self.last_replayed = self.path[-1]
         self.path = []
         self.current = self.root
         self.warming = False
