@@ -9,14 +9,23 @@ Exit status: 0 the call ran without an error (not reproduced); 1 the error repro
 report says where); 2 the dump cannot be read or its callable cannot be rebuilt here (the
 message says why and what to do); 3 the re-run itself crashed or timed out (a sticky CUDA
 error can kill the process: the last lines of its output are shown); 4 the tool asked for
-(cuda-gdb) is not installed.
+(cuda-gdb, compute-sanitizer) is not installed. With ``--sanitizer``: 1 the sanitizer reported
+errors (outside the cuDNN/cuBLAS noise), 0 it reported none.
 
+The report names the kernel that failed (the last one launched, through CUPTI's launch
+callbacks when ``cupti-python`` is installed), the Python line that launched it, and a
+device-side assertion's message.
+
+``--sanitizer memcheck|racecheck|initcheck|synccheck`` re-runs under compute-sanitizer and
+reports its findings grouped by kernel with their Python lines (:mod:`graphtree.debug.sanitizer`;
+``--kernel NAME`` checks only kernels whose name holds NAME; exit 1 when it found something).
 ``--cuda-gdb`` prints the cuda-gdb command that runs the same re-run and stops at the fault
-(``--run`` runs it, interactively). Not yet: re-runs under compute-sanitizer.
+(``--run`` runs it, interactively).
 
 Example::
 
     $ graphtree debug rerun graphtree-dumps/step-20261123-071920-4242.gtdump
+    $ graphtree debug rerun graphtree-dumps/step-20261123-071920-4242.gtdump --sanitizer memcheck
     $ graphtree debug rerun graphtree-dumps/step-20261123-071920-4242.gtdump --cuda-gdb --run
 """
 
@@ -25,17 +34,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from graphtree.debug.sanitizer import TOOLS
 
 __all__ = ["cuda_gdb_command", "main", "rerun"]
 
 REPRODUCED, NOT_REPRODUCED, UNUSABLE, CRASHED, NO_TOOL = 1, 0, 2, 3, 4
 _MARK = "graphtree-rerun-result: "
+_ASSERT = re.compile(r"Assertion `.*` failed")
 
 
 def _user_frame(exc: BaseException) -> dict[str, Any] | None:
@@ -80,14 +94,22 @@ def _inner(path: str) -> int:
     except Exception as e:  # noqa: BLE001 - any reason the dump cannot be used is reported as such
         print(_MARK + json.dumps({"status": UNUSABLE, "error": f"{type(e).__name__}: {e}"}), flush=True)
         return UNUSABLE
+    from graphtree.debug.launches import LaunchWatch
+
+    watch = LaunchWatch()
+    if torch.cuda.is_available() and os.environ.get("GRAPHTREE_RERUN_WATCH", "1") != "0":
+        watch.start()
     try:
         fn(*args, **kwargs)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the error under study
         result = {"status": REPRODUCED, "error": f"{type(e).__name__}: {e}", "where": _user_frame(e)}
+        result |= {"launch": watch.last, "watch": watch.unavailable}
         print(_MARK + json.dumps(result), flush=True)
         return REPRODUCED
+    finally:
+        watch.stop()
     print(_MARK + json.dumps({"status": NOT_REPRODUCED}), flush=True)
     return NOT_REPRODUCED
 
@@ -109,7 +131,12 @@ def rerun(path: str | os.PathLike[str], timeout: float = 600.0) -> dict[str, Any
         return {"status": CRASHED, "error": f"the re-run did not finish in {timeout:.0f} s", "output": tail}
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
-            return json.loads(line[len(_MARK) :])
+            result = json.loads(line[len(_MARK) :])
+            asserts = [a.strip() for a in proc.stderr.splitlines() if _ASSERT.search(a)]
+            if asserts:
+                result["assertion"] = asserts[0]
+                result["assertions"] = len(asserts)
+            return result
     output = (proc.stdout + proc.stderr)[-4000:]
     return {"status": CRASHED, "error": f"the re-run ended with exit status {proc.returncode}", "output": output}
 
@@ -149,9 +176,23 @@ def _render(r: dict[str, Any]) -> str:
         return f"cannot re-run this dump: {r['error']}"
     if status == CRASHED:
         return f"the re-run crashed: {r['error']}\n{r.get('output', '')}"
+    from graphtree.debug.launches import demangle, short_name
+
+    lines = [f"reproduced: {(r['error'].strip().splitlines() or [''])[0]}"]
+    launch = r.get("launch")
+    if launch:
+        lines.append(f"  kernel: {short_name(demangle(launch['kernel']))}")
+        if launch.get("file"):
+            lines.append(f"  launched from {launch['file']}:{launch['line']} in {launch['function']}")
+    elif r.get("watch"):
+        lines.append(f"  kernel: not named ({r['watch']})")
+    if r.get("assertion"):
+        more = f" (and {r['assertions'] - 1} more threads)" if r.get("assertions", 1) > 1 else ""
+        lines.append(f"  device-side assertion: {r['assertion']}{more}")
     where = r.get("where")
-    at = f"\n  at {where['file']}:{where['line']} in {where['function']}: {where['code']}" if where else ""
-    return f"reproduced: {r['error']}{at}"
+    if where:
+        lines.append(f"  raised at {where['file']}:{where['line']} in {where['function']}: {where['code']}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the re-run is stopped")
     r.add_argument("--cuda-gdb", action="store_true", help="print the cuda-gdb command that stops at the fault")
     r.add_argument("--run", action="store_true", help="with --cuda-gdb: run that command (interactive)")
+    r.add_argument("--sanitizer", choices=TOOLS, help="re-run under compute-sanitizer with this tool")
+    r.add_argument("--kernel", metavar="NAME", help="with --sanitizer: check only kernels whose name holds NAME")
+    r.add_argument("--all", action="store_true", help="with --sanitizer: show the findings set aside as noise too")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--inner"]:
         return _inner(argv[1])
@@ -176,8 +220,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.run and not args.cuda_gdb:
         print("graphtree debug rerun: --run goes with --cuda-gdb", file=sys.stderr)
         return UNUSABLE
+    if (args.kernel or args.all) and not args.sanitizer:
+        print("graphtree debug rerun: --kernel and --all go with --sanitizer", file=sys.stderr)
+        return UNUSABLE
+    if args.cuda_gdb and args.sanitizer:
+        print("graphtree debug rerun: choose one of --cuda-gdb and --sanitizer", file=sys.stderr)
+        return UNUSABLE
     if args.cuda_gdb:
         return _cuda_gdb(args.dump, args.run)
+    if args.sanitizer:
+        return _sanitize(args.dump, args.sanitizer, args.kernel, args.all, args.timeout)
     print(f"re-running {args.dump} in a fresh process (CUDA_LAUNCH_BLOCKING=1) ...", flush=True)
     result = rerun(args.dump, timeout=args.timeout)
     print(_render(result))
@@ -197,6 +249,37 @@ def _cuda_gdb(path: str, run: bool) -> int:
         return NO_TOOL
     env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def _sanitize(path: str, tool: str, kernel: str | None, show_noise: bool, timeout: float) -> int:
+    from graphtree.debug.doctor import TOOLKIT_HINT, find_cuda_tool
+    from graphtree.debug.sanitizer import render, report_or_none, run_sanitizer, sanitizer_command, tail
+
+    exe = find_cuda_tool("compute-sanitizer")
+    if exe is None:
+        print(f"graphtree debug rerun: compute-sanitizer is not installed: {TOOLKIT_HINT}", file=sys.stderr)
+        return NO_TOOL
+    xml_path, log = Path(f"{path}.{tool}.xml"), Path(f"{path}.{tool}.log")
+    xml_path.unlink(missing_ok=True)
+    cmd = sanitizer_command(path, tool, xml_path, kernel, exe)
+    print(f"re-running {path} under compute-sanitizer --tool {tool} (slow: tens of times an eager run) ...", flush=True)
+    print(f"  {shlex.join(cmd)}", flush=True)
+    status, seconds = run_sanitizer(cmd, log, timeout, tool)
+    if status is None:
+        print(f"the sanitizer run did not finish in {timeout:.0f} s (its output: {log})")
+        return CRASHED
+    text = tail(log, 1 << 20)
+    for line in text.splitlines():
+        if line.startswith(_MARK) and json.loads(line[len(_MARK) :])["status"] == UNUSABLE:
+            print(_render(json.loads(line[len(_MARK) :])))
+            return UNUSABLE
+    report, why = report_or_none(xml_path, log)
+    if report is None:
+        print(f"the sanitizer run failed (exit status {status}): {why}\n{tail(log)}")
+        return CRASHED
+    print(render(report, tool, show_noise))
+    print(f"({seconds:.0f} s; report: {xml_path}, output: {log})")
+    return REPRODUCED if report.groups else NOT_REPRODUCED
 
 
 if __name__ == "__main__":
