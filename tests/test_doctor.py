@@ -218,6 +218,17 @@ def test_matching_versions_are_fine(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert rows["compute-sanitizer version"].startswith("not found: it comes with the CUDA toolkit")
 
 
+def test_the_cuda_gdb_wrappers_exec_line_is_not_taken_for_its_version(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # what /usr/local/cuda/bin/cuda-gdb --version printed on the H100 machine (CUDA 13.0)
+    out = "exec: /usr/local/cuda/bin/cuda-gdb-python3.12-tui --version\nNVIDIA (R) CUDA Debugger\n13.0 release"
+    _fake_tool(tmp_path, "nvidia-smi", "CUDA Version: 13.0")
+    _fake_tool(tmp_path, "cuda-gdb", out)
+    rows = _rows(monkeypatch, tmp_path, "13.0")
+    assert rows["cuda-gdb"].startswith("13.0 release"), rows["cuda-gdb"]
+
+
 def test_a_debugger_newer_than_the_driver_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _fake_tool(tmp_path, "nvidia-smi", "CUDA Version: 12.2")
     _fake_tool(tmp_path, "cuda-gdb", "NVIDIA (R) CUDA Debugger\n13.0 release")

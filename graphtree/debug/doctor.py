@@ -366,7 +366,9 @@ def _debugger_rows(driver: tuple[int, int] | None) -> list[Row]:
             continue
         text = _run_tool(exe, "--version")
         cuda = _release(text, r"(?:CUDA|Release|release)\D{0,12}(\d+)\.(\d+)")
-        first = next((ln.strip() for ln in text.splitlines() if re.search(r"\d+\.\d+", ln)), "version unknown")
+        # cuda-gdb's wrapper script first says which binary it picked ("exec: .../cuda-gdb-python3.12-tui")
+        lines = [ln.strip() for ln in text.splitlines() if not ln.startswith("exec:")]
+        first = next((ln for ln in lines if re.search(r"\d+\.\d+", ln)), "version unknown")
         note = ""
         if cuda and driver and cuda > driver:
             note = f"; built for CUDA {_fmt(cuda)}, newer than the driver's {_fmt(driver)}: it may refuse to run"
