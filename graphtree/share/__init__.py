@@ -1,8 +1,21 @@
-"""graphtree.share: zero-copy GPU tensors and graph outputs across processes (being built).
+"""graphtree.share: zero-copy GPU tensors across processes of one user (being built).
 
-Only the trusted channel that carries memory handles exists so far
-(:mod:`graphtree.share._rendezvous`, CPU-tested); the public publish/attach API and the GPU
-memory export/import are not built yet. ``DESIGN.md`` beside this file has the plan.
+A :class:`Publisher` allocates tensors in shareable GPU memory (an IPC-enabled CUDA memory pool,
+through NVIDIA's ``cuda.core``) and serves them by name; :func:`attach` maps them into another
+process as torch tensors on the same memory. Handles travel only over a Unix-domain socket whose
+peer's uid the kernel vouches for. Not built yet: versions with inter-process events, graph
+outputs written into shared memory, a re-created consumer context, the benchmark (``DESIGN.md``).
+
+Example::
+
+    # producer                                        # consumer
+    pub = graphtree.share.Publisher("decoder")         shared = graphtree.share.attach("decoder")
+    x = pub.publish("x", torch.ones(4, device="cuda")) print(shared["x"])
 """
 
-__all__: list[str] = []
+from graphtree.share._memory import ShareUnavailableError
+from graphtree.share._rendezvous import RefusedError
+from graphtree.share.consumer import Attached, attach
+from graphtree.share.producer import Publisher
+
+__all__ = ["Attached", "Publisher", "RefusedError", "ShareUnavailableError", "attach"]

@@ -12,8 +12,8 @@ socket file is created owner-only (0600) inside an owner-only directory (0700). 
 written to disk but the socket file, and no handle is ever printed.
 
 Every wait has a timeout; a malformed or oversized request gets an error reply and never stops the
-server. The GPU side (exporting and importing memory, the public ``publish``/``attach`` API) is
-not built yet: see ``DESIGN.md``.
+server. The GPU side is :mod:`graphtree.share._memory`; the public API is
+:class:`graphtree.share.Publisher` and :func:`graphtree.share.attach`.
 
 Example::
 
