@@ -27,10 +27,11 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["LaunchWatch", "demangle", "short_name"]
+__all__ = ["LaunchWatch", "demangle", "package_dir", "short_name"]
 
 
-def _package_dir(name: str) -> str | None:
+def package_dir(name: str) -> str | None:
+    """The folder of installed package ``name`` (with a trailing separator), or ``None``."""
     try:
         module = importlib.import_module(name)
     except Exception:  # noqa: BLE001 - a package that is not there has no frames to skip
@@ -53,7 +54,7 @@ class LaunchWatch:
         self._cupti: Any = None
         self._subscriber: Any = None
         self._callback: Any = None
-        dirs = [_package_dir(n) for n in ("torch", "triton", "graphtree")]
+        dirs = [package_dir(n) for n in ("torch", "triton", "graphtree")]
         self._skip = tuple(d for d in dirs if d)
 
     def start(self) -> None:

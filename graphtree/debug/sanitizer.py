@@ -107,9 +107,9 @@ def _in_packages(path: str) -> bool:
     """Inside this process's torch, Triton or graphtree (the report was made on this machine)."""
     global _PACKAGE_DIRS
     if _PACKAGE_DIRS is None:
-        from graphtree.debug.launches import _package_dir
+        from graphtree.debug.launches import package_dir
 
-        _PACKAGE_DIRS = tuple(d.replace(os.sep, "/") for d in map(_package_dir, ("torch", "triton")) if d)
+        _PACKAGE_DIRS = tuple(d.replace(os.sep, "/") for d in map(package_dir, ("torch", "triton")) if d)
     return path.startswith(_PACKAGE_DIRS)
 
 
