@@ -44,9 +44,13 @@ class Attached(Mapping[str, torch.Tensor]):
         return len(self._tensors)
 
     def get(  # type: ignore[override]
-        self, name: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None
+        self, name: str, *, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """The tensor ``name``, checked against the ``shape`` and ``dtype`` expected (``ValueError``)."""
+        """The tensor ``name``, checked against the ``shape`` and ``dtype`` expected (``ValueError``).
+
+        Unlike ``dict.get`` it has no default: an unknown name raises ``KeyError`` naming the
+        published ones (``shape`` and ``dtype`` are keyword-only, so ``get(name, None)`` is refused).
+        """
         t = self[name]
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name!r} has shape {tuple(t.shape)}, not the {tuple(shape)} expected")
