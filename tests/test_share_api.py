@@ -26,3 +26,17 @@ def test_a_missing_cuda_core_names_the_install(monkeypatch):
 
 def test_the_public_names_are_few():
     assert sorted(share.__all__) == ["Attached", "Publisher", "RefusedError", "ShareUnavailableError", "attach"]
+
+
+def test_attached_checks_names_shapes_and_dtypes():
+    shared = share.Attached("/run/x.sock", {"x": torch.zeros(2, 3), "h": torch.zeros(1, dtype=torch.float16)})
+    assert sorted(shared) == ["h", "x"] and len(shared) == 2
+    assert shared.get("x", shape=(2, 3), dtype=torch.float32) is shared["x"]
+    with pytest.raises(KeyError, match=r"publishes no tensor 'y' \(it publishes: h, x\)"):
+        shared["y"]
+    with pytest.raises(ValueError, match=r"has shape \(2, 3\), not the \(6,\) expected"):
+        shared.get("x", shape=(6,))
+    with pytest.raises(ValueError, match=r"has dtype torch\.float16, not the torch\.float32 expected"):
+        shared.get("h", dtype=torch.float32)
+    with pytest.raises(TypeError):
+        shared.get("x", None)  # not dict.get: no default, shape is keyword-only
