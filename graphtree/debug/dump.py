@@ -80,7 +80,7 @@ class Dump:
     error: str  # "TypeName: message"
     traceback: str
     created: float
-    origin: str = "the call that raised"  # or "the call before it" (a fault reported one call late)
+    origin: str = ORIGIN_RAISED  # or ORIGIN_BEFORE (a fault reported one call late)
 
     def resolve(self) -> Callable[..., Any]:
         """Import the callable the dump was taken from (``ValueError`` if it cannot be)."""
@@ -314,8 +314,7 @@ def dump_failure(
     With ``snapshots``, the dumps hold the inputs as they were before the call: one of the call
     that raised (``NAME-TIME-PID.gtdump``) and one of the call before it
     (``NAME-TIME-PID-before.gtdump``, for a CUDA error only), each when its copy is known to be
-    whole; the call that
-    raised falls back to its arguments as they are now. Adds a note to ``error`` for each dump
+    whole; the call that raised falls back to its arguments as they are now. Adds a note to ``error`` for each dump
     written or not written (and why): it never raises itself, so the caller's error always
     reaches the caller. Used by :func:`dump_on_error` and ``graphtree.graphed(..., debug=dir)``.
 

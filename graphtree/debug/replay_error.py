@@ -51,8 +51,9 @@ def explain(
     "while replaying the recording of RECORDING" when the error came before the replay.
     """
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = f"the graph replayed before it, {previous}, or this one" if previous else "this graph"
-    if during is not None:
+    if during is None:
+        where = f"the graph replayed before it, {previous}, or this one" if previous else "this graph"
+    else:  # this graph never ran
         where = f"the graph replayed before it, {previous}" if previous else "GPU work launched before it"
     lines = [
         f"graphtree: a CUDA error surfaced {during or f'while replaying the recording of {recording}'}: {first}",

@@ -64,14 +64,12 @@ class _Slot:
     def __init__(self) -> None:
         self.n = -1  # the call's number once every copy is queued; -1 while (or if never) taken
         self.spec: Any = None
-        self.leaves: list[Any] = []
-        self.layouts: list[dict[str, Any]] = []
+        self.leaves: list[Any] = []  # the call's leaves, tensors replaced by their buffers
         self.buffers: dict[int, torch.Tensor] = {}  # leaf index -> host buffer (reused)
         self.marks: dict[torch.device, torch.Tensor] = {}  # device -> pinned int64 scalar
         self.active: list[torch.Tensor] = []  # the markers of this call's devices
         self.layouts_by_leaf: dict[int, dict[str, Any]] = {}  # leaf index -> layout of its buffer
         self.rng: dict[str, Any] = {}
-        self.too_large = 0
 
 
 class InputSnapshots:
@@ -80,7 +78,7 @@ class InputSnapshots:
     ``take(args, kwargs)`` queues the copies (tensors on CUDA go to pinned memory with
     ``non_blocking=True``; other tensors are copied at once); ``completed()`` returns the
     snapshots known to be whole, newest first. Calls whose tensors exceed ``limit_bytes`` are
-    not snapshotted (``completed`` says so through :attr:`skipped`). Not thread-safe: one per
+    not snapshotted (:meth:`lost` says so). Not thread-safe: one per
     graphed callable, whose calls graphtree already serialises per thread.
 
     Example::
@@ -105,7 +103,6 @@ class InputSnapshots:
         slot.n = -1
         leaves, slot.spec = _torch.tree_flatten((args, kwargs))
         host: list[Any] = []
-        layouts: list[dict[str, Any]] = []
         devices: set[torch.device] = set()
         with torch.no_grad():
             for i, x in enumerate(leaves):
@@ -123,7 +120,6 @@ class InputSnapshots:
                 else:
                     buf.copy_(x)
                 host.append(buf)
-                layouts.append(slot.layouts_by_leaf[i])
             slot.rng = {"cpu": torch.get_rng_state()}
             for d in devices:
                 slot.rng[f"cuda:{d.index}"] = torch.cuda.get_rng_state(d)
@@ -132,7 +128,7 @@ class InputSnapshots:
                     mark = slot.marks[d] = torch.full((), -1, dtype=torch.int64, pin_memory=True)
                 mark.copy_(self._source(d)[n % _MARKS], non_blocking=True)
         self.skipped = ""
-        slot.leaves, slot.layouts = host, layouts
+        slot.leaves = host
         slot.active = [slot.marks[d] for d in devices]
         slot.n = n
 
@@ -184,7 +180,8 @@ class InputSnapshots:
             if n <= 0 or slot.n != n or not self._arrived(slot, n):
                 continue
             args, kwargs = _torch.tree_unflatten([_copy(x) for x in slot.leaves], slot.spec)
-            out.append(Snapshot(origin, args, kwargs, list(slot.layouts), dict(slot.rng)))
+            layouts = [slot.layouts_by_leaf[i] for i, x in enumerate(slot.leaves) if isinstance(x, torch.Tensor)]
+            out.append(Snapshot(origin, args, kwargs, layouts, dict(slot.rng)))
         return out
 
     def lost(self) -> str:
