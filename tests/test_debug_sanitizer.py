@@ -97,3 +97,41 @@ def test_options_that_do_not_go_together_are_refused(tmp_path, extra):
     from graphtree.debug.rerun import main
 
     assert main(["rerun", str(dump), *extra]) == 2
+
+
+FAKE_SANITIZER = """#!{python}
+# Stands in for compute-sanitizer: writes a report recorded on the GPU where --save says, prints its
+# text output, and exits as the real one did.
+import gzip, sys
+args = sys.argv[1:]
+report = args[args.index("--save") + 1]
+with open(report, "wb") as f:
+    f.write(gzip.decompress(open({xml!r}, "rb").read()))
+sys.stdout.write(gzip.decompress(open({log!r}, "rb").read()).decode())
+sys.exit(0)
+"""
+
+
+def test_a_sanitizer_rerun_parses_the_report_beside_the_dump_and_exits_1(tmp_path):
+    import torch
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(
+        FAKE_SANITIZER.format(
+            python=sys.executable,
+            xml=str(FIXTURES / "memcheck-write.xml.gz"),
+            log=str(FIXTURES / "memcheck-write.log.gz"),
+        )
+    )
+    fake.chmod(0o755)
+    dump = write_dump(tmp_path / "d.gtdump", double, (torch.ones(2),), {})
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    cmd = [sys.executable, "-m", "graphtree", "debug", "rerun", str(dump), "--sanitizer", "memcheck"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # 1: the sanitizer found errors
+    assert "32 x Invalid __global__ write of size 4 bytes is out of bounds" in proc.stdout
+    assert "kernel _write_past_end (at _faults.py:22)" in proc.stdout
+    assert (tmp_path / "d.gtdump.memcheck.xml").is_file() and (tmp_path / "d.gtdump.memcheck.log").is_file()
+    assert "compute-sanitizer memcheck" in proc.stderr  # the progress line (tqdm writes to stderr)

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import shutil
@@ -27,10 +28,10 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["LaunchWatch", "demangle", "package_dir", "short_name"]
+__all__ = ["LaunchWatch", "demangle", "internal_dirs", "short_name"]
 
 
-def package_dir(name: str) -> str | None:
+def _package_dir(name: str) -> str | None:
     """The folder of installed package ``name`` (with a trailing separator), or ``None``."""
     try:
         module = importlib.import_module(name)
@@ -38,6 +39,12 @@ def package_dir(name: str) -> str | None:
         return None
     file = getattr(module, "__file__", None)
     return os.path.dirname(os.path.abspath(file)) + os.sep if file else None
+
+
+@functools.cache
+def internal_dirs() -> tuple[str, ...]:
+    """The folders of torch, Triton and graphtree here: frames in them are never the caller's line."""
+    return tuple(d for d in map(_package_dir, ("torch", "triton", "graphtree")) if d)
 
 
 class LaunchWatch:
@@ -54,8 +61,7 @@ class LaunchWatch:
         self._cupti: Any = None
         self._subscriber: Any = None
         self._callback: Any = None
-        dirs = [package_dir(n) for n in ("torch", "triton", "graphtree")]
-        self._skip = tuple(d for d in dirs if d)
+        self._skip = internal_dirs()
 
     def start(self) -> None:
         """Subscribe to CUPTI's kernel-launch callbacks (or note why not)."""

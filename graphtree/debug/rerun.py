@@ -114,6 +114,19 @@ def _inner(path: str) -> int:
     return NOT_REPRODUCED
 
 
+def _env(**extra: str) -> dict[str, str]:
+    """The environment of every re-run: kernels finish before the next Python line."""
+    return {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _result(output: str) -> dict[str, Any] | None:
+    """The result line the fresh process printed (see ``_inner``), if any."""
+    for line in output.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK) :])
+    return None
+
+
 def rerun(path: str | os.PathLike[str], timeout: float = 600.0) -> dict[str, Any]:
     """Re-run the dump at ``path`` in a fresh process; the result as a dict (``status`` is the exit code).
 
@@ -122,21 +135,19 @@ def rerun(path: str | os.PathLike[str], timeout: float = 600.0) -> dict[str, Any
         r = rerun("graphtree-dumps/step.gtdump")
         print(r["status"], r.get("error"), r.get("where"))
     """
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "graphtree.debug.rerun", "--inner", os.fspath(path)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""
         return {"status": CRASHED, "error": f"the re-run did not finish in {timeout:.0f} s", "output": tail}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            result = json.loads(line[len(_MARK) :])
-            asserts = [a.strip() for a in proc.stderr.splitlines() if _ASSERT.search(a)]
-            if asserts:
-                result["assertion"] = asserts[0]
-                result["assertions"] = len(asserts)
-            return result
+    result = _result(proc.stdout)
+    if result is not None:
+        asserts = [a.strip() for a in proc.stderr.splitlines() if _ASSERT.search(a)]
+        if asserts:
+            result["assertion"] = asserts[0]
+            result["assertions"] = len(asserts)
+        return result
     output = (proc.stdout + proc.stderr)[-4000:]
     return {"status": CRASHED, "error": f"the re-run ended with exit status {proc.returncode}", "output": output}
 
@@ -247,13 +258,12 @@ def _cuda_gdb(path: str, run: bool) -> int:
     if exe is None:
         print(f"graphtree debug rerun: cuda-gdb is not installed: {TOOLKIT_HINT}", file=sys.stderr)
         return NO_TOOL
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, env=env, check=False).returncode
+    return subprocess.run(cmd, env=_env(), check=False).returncode
 
 
 def _sanitize(path: str, tool: str, kernel: str | None, show_noise: bool, timeout: float) -> int:
     from graphtree.debug.doctor import TOOLKIT_HINT, find_cuda_tool
-    from graphtree.debug.sanitizer import render, report_or_none, run_sanitizer, sanitizer_command, tail
+    from graphtree.debug.sanitizer import SANITIZER_ENV, read_report, render, run_sanitizer, sanitizer_command
 
     exe = find_cuda_tool("compute-sanitizer")
     if exe is None:
@@ -264,18 +274,18 @@ def _sanitize(path: str, tool: str, kernel: str | None, show_noise: bool, timeou
     cmd = sanitizer_command(path, tool, xml_path, kernel, exe)
     print(f"re-running {path} under compute-sanitizer --tool {tool} (slow: tens of times an eager run) ...", flush=True)
     print(f"  {shlex.join(cmd)}", flush=True)
-    status, seconds = run_sanitizer(cmd, log, timeout, tool)
+    status, seconds = run_sanitizer(cmd, log, timeout, tool, _env(**SANITIZER_ENV))
     if status is None:
         print(f"the sanitizer run did not finish in {timeout:.0f} s (its output: {log})")
         return CRASHED
-    text = tail(log, 1 << 20)
-    for line in text.splitlines():
-        if line.startswith(_MARK) and json.loads(line[len(_MARK) :])["status"] == UNUSABLE:
-            print(_render(json.loads(line[len(_MARK) :])))
-            return UNUSABLE
-    report, why = report_or_none(xml_path, log)
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    result = _result(text)
+    if result is not None and result["status"] == UNUSABLE:
+        print(_render(result))
+        return UNUSABLE
+    report, why = read_report(xml_path, text)
     if report is None:
-        print(f"the sanitizer run failed (exit status {status}): {why}\n{tail(log)}")
+        print(f"the sanitizer run failed (exit status {status}): {why}\n{text[-3000:]}")
         return CRASHED
     print(render(report, tool, show_noise))
     print(f"({seconds:.0f} s; report: {xml_path}, output: {log})")

@@ -35,9 +35,20 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-__all__ = ["NOISE_LIBRARIES", "TOOLS", "Finding", "Group", "Report", "parse_report", "render", "sanitizer_command"]
+__all__ = [
+    "NOISE_LIBRARIES",
+    "SANITIZER_ENV",
+    "TOOLS",
+    "Finding",
+    "Group",
+    "Report",
+    "parse_report",
+    "read_report",
+    "render",
+    "run_sanitizer",
+    "sanitizer_command",
+]
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 NOISE_LIBRARIES = ("libcudnn", "libcublas")
@@ -105,15 +116,9 @@ def _is_internal(path: str) -> bool:
 
 def _in_packages(path: str) -> bool:
     """Inside this process's torch, Triton or graphtree (the report was made on this machine)."""
-    global _PACKAGE_DIRS
-    if _PACKAGE_DIRS is None:
-        from graphtree.debug.launches import package_dir
+    from graphtree.debug.launches import internal_dirs
 
-        _PACKAGE_DIRS = tuple(d.replace(os.sep, "/") for d in map(package_dir, ("torch", "triton")) if d)
-    return path.startswith(_PACKAGE_DIRS)
-
-
-_PACKAGE_DIRS: tuple[str, ...] | None = None
+    return path.startswith(tuple(d.replace(os.sep, "/") for d in internal_dirs()))
 
 
 def _finding(record: ET.Element) -> Finding:
@@ -225,26 +230,30 @@ def sanitizer_command(
     return [*cmd, sys.executable, "-m", "graphtree.debug.rerun", "--inner", os.fspath(dump)]
 
 
-def sanitizer_env() -> dict[str, str]:
-    """The environment of a sanitizer re-run (see the module's docstring)."""
-    return {
-        **os.environ,
-        "CUDA_LAUNCH_BLOCKING": "1",
-        "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
-        "PYTHONUNBUFFERED": "1",
-        "GRAPHTREE_RERUN_WATCH": "0",  # the sanitizer names kernels itself; leave CUPTI alone
-    }
+SANITIZER_ENV = {
+    "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",  # every tensor its own allocation (see the module's docstring)
+    "GRAPHTREE_RERUN_WATCH": "0",  # the sanitizer names kernels itself; leave CUPTI alone
+}
+"""What a sanitizer re-run adds to a re-run's environment."""
 
 
-def run_sanitizer(cmd: Sequence[str], log: Path, timeout: float, tool: str) -> tuple[int | None, float]:
+def run_sanitizer(
+    cmd: Sequence[str], log: Path, timeout: float, tool: str, env: dict[str, str]
+) -> tuple[int | None, float]:
     """Run ``cmd`` with its output to ``log``, showing a progress line (elapsed time, findings so
-    far) while it runs; returns (exit status or ``None`` on timeout, seconds)."""
+    far, counted in the output as it grows) while it runs; returns (exit status or ``None`` on
+    timeout, seconds)."""
     from tqdm import tqdm
 
     start = time.monotonic()
+    found, partial = 0, ""
     bar_format = "{desc}: {elapsed}{postfix}"
-    with open(log, "w") as out, tqdm(total=None, desc=f"compute-sanitizer {tool}", bar_format=bar_format) as bar:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=sanitizer_env())
+    with (
+        open(log, "w") as out,
+        open(log, errors="replace") as reading,
+        tqdm(total=None, desc=f"compute-sanitizer {tool}", bar_format=bar_format) as bar,
+    ):
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         while True:
             try:
                 status: int | None = proc.wait(timeout=0.5)
@@ -255,41 +264,19 @@ def run_sanitizer(cmd: Sequence[str], log: Path, timeout: float, tool: str) -> t
                     proc.wait()
                     status = None
                     break
-                bar.set_postfix_str(f"{_findings_so_far(log)} finding(s) so far", refresh=False)
+                *lines, partial = (partial + reading.read()).split("\n")
+                found += sum(1 for line in lines if _FINDING_LINE.match(line))
+                bar.set_postfix_str(f"{found} finding(s) so far", refresh=False)
                 bar.update(0)
     return status, time.monotonic() - start
 
 
-def _findings_so_far(log: Path) -> int:
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return 0
-    return sum(1 for line in text.splitlines() if _FINDING_LINE.match(line))
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def report_or_none(xml_path: Path, log: Path) -> tuple[Report | None, str]:
-    """The parsed report, or ``None`` and why not."""
+def read_report(xml_path: Path, log_text: str) -> tuple[Report | None, str]:
+    """The parsed report (``log_text`` is the run's text output, for the error total), or
+    ``None`` and why not."""
     if not xml_path.is_file() or xml_path.stat().st_size == 0:
         return None, "compute-sanitizer wrote no report"
     try:
-        return parse_report(xml_path.read_text(errors="replace"), tail(log, 1 << 20)), ""
+        return parse_report(xml_path.read_text(errors="replace"), log_text), ""
     except ValueError as e:
         return None, str(e)
-
-
-def as_dict(report: Report) -> dict[str, Any]:
-    """The report as JSON-ready data."""
-    return {
-        "total": report.total,
-        "summary_total": report.summary_total,
-        "groups": [dataclasses.asdict(g) for g in report.groups],
-        "noise": [dataclasses.asdict(g) for g in report.noise],
-    }
