@@ -69,6 +69,7 @@ class _Slot:
         self.marks: dict[torch.device, torch.Tensor] = {}  # device -> pinned int64 scalar
         self.active: list[torch.Tensor] = []  # the markers of this call's devices
         self.layouts_by_leaf: dict[int, dict[str, Any]] = {}  # leaf index -> layout of its buffer
+        self.devices_by_leaf: dict[int, torch.device] = {}  # leaf index -> device of the tensor it copies
         self.rng: dict[str, Any] = {}
 
 
@@ -110,7 +111,13 @@ class InputSnapshots:
                     host.append(x)
                     continue
                 buf = slot.buffers.get(i)
-                if buf is None or buf.shape != x.shape or buf.stride() != x.stride() or buf.dtype != x.dtype:
+                if (
+                    buf is None
+                    or buf.shape != x.shape
+                    or buf.stride() != x.stride()
+                    or buf.dtype != x.dtype
+                    or slot.devices_by_leaf[i] != x.device  # pinned or not, and the layout's device
+                ):
                     buf = self._allocate(slot, i, x)
                     if buf is None:
                         return
@@ -149,6 +156,7 @@ class InputSnapshots:
         buf = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=x.is_cuda)
         slot.buffers[i] = buf
         slot.layouts_by_leaf[i] = layout_of(x)
+        slot.devices_by_leaf[i] = x.device
         return buf
 
     def _source(self, device: torch.device) -> list[torch.Tensor]:
