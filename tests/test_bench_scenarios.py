@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from graphtree.bench import contenders, scenarios, timing
+from graphtree.bench import share as bench_share
 from graphtree.bench.harness import Progress, render_table, to_json, validate_json
 from graphtree.demo.gpt import GPTConfig
 
@@ -35,6 +36,35 @@ class _FakeHandGraph:
         return self.output
 
 
+def _fake_share_measure(steps, **sizes):
+    """The figures graphtree.bench.share.measure returns, made up (it needs a GPU and processes)."""
+    lat = {"median": 500.0, "p10": 400.0, "p90": 600.0, "mean": 510.0, "n": 40}
+    base = {"producer_cpu_per_step_us": 80.0, "producer_wall_per_step_us": 150.0}
+    return [
+        {"way": "none", **base, "copied_bytes_per_step": 0},
+        {
+            "way": "graphtree.share",
+            **base,
+            "copied_bytes_per_step": 0,
+            "next_us": 5.0,
+            "commit_us": 4.0,
+            "consumer_latency_us": lat,
+            "versions_read": 40,
+            "tokens_equal": True,
+            "attach_first_ms": 300.0,
+            "attach_cached_ms": 0.8,
+        },
+        {
+            "way": "mp-queue",
+            **base,
+            "copied_bytes_per_step": 4096,
+            "consumer_latency_us": lat,
+            "versions_read": 40,
+            "tokens_equal": True,
+        },
+    ]
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Fake the CUDA-only calls; returns the list the fake compiler logs its calls to."""
@@ -47,6 +77,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     monkeypatch.setattr(contenders.gc, "collect", lambda *a: 0)  # a full collection is slow
     monkeypatch.setattr(timing, "calibrate_spin", lambda *a, **k: 1e9)
+    monkeypatch.setattr(bench_share, "measure", _fake_share_measure)
 
     def gpu_time(fn, spin_cycles=0):
         t0 = time.perf_counter()
@@ -122,10 +153,16 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
     validate_json(to_json(rows, meta))  # includes: every scenario x contender has a row
 
     # the failing compile contender is reported in every scenario it applies to, with type and first line
-    bad = [r for r in rows if r.contender == "compile-cudagraphs" and r.scenario != "generate"]
+    bad = [r for r in rows if r.contender == "compile-cudagraphs" and r.scenario not in ("generate", "share")]
     assert bad and all(not r.ok for r in bad)
     assert {r.error for r in bad} == {"RuntimeError: backend failed"}
-    assert {r.scenario for r in bad} == set(scenarios.SCENARIOS) - {"generate"}
+    assert {r.scenario for r in bad} == set(scenarios.SCENARIOS) - {"generate", "share"}
+    # share: graphtree.share is the graphtree row, the other ways are contenders of their own
+    share = {(r.contender, r.metric): r for r in rows if r.scenario == "share"}
+    assert share[("graphtree", "copied_per_step")].value == 0
+    assert share[("mp-queue", "copied_per_step")].value == 4 * 1024
+    assert share[("graphtree", "consumer_latency")].stats["n"] == 40
+    assert share[("eager", "producer_time_per_step")].note == "not a way to share"
     # generate() applies to eager, graphtree and reduce-overhead; without transformers it says so
     gen = {r.contender: r for r in rows if r.scenario == "generate"}
     assert set(gen) == set(cfg.contenders) and all(r.ok and r.value is None for r in gen.values())

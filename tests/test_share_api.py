@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import graphtree.share as share
+from graphtree.share._control import ControlBlock, Membership
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -28,8 +29,12 @@ def test_the_public_names_are_few():
     assert sorted(share.__all__) == ["Attached", "Publisher", "RefusedError", "ShareUnavailableError", "attach"]
 
 
+def _attached(tensors, block=None):
+    return share.Attached("/run/x.sock", tensors, {}, Membership(block or ControlBlock.create(), 0))
+
+
 def test_attached_checks_names_shapes_and_dtypes():
-    shared = share.Attached("/run/x.sock", {"x": torch.zeros(2, 3), "h": torch.zeros(1, dtype=torch.float16)})
+    shared = _attached({"x": torch.zeros(2, 3), "h": torch.zeros(1, dtype=torch.float16)})
     assert sorted(shared) == ["h", "x"] and len(shared) == 2
     assert shared.get("x", shape=(2, 3), dtype=torch.float32) is shared["x"]
     with pytest.raises(KeyError, match=r"publishes no tensor 'y' \(it publishes: h, x\)"):
@@ -40,3 +45,18 @@ def test_attached_checks_names_shapes_and_dtypes():
         shared.get("h", dtype=torch.float32)
     with pytest.raises(TypeError):
         shared.get("x", None)  # not dict.get: no default, shape is keyword-only
+
+
+def test_closing_an_attached_frees_its_consumer_slot_and_says_so():
+    block = ControlBlock.create()
+    mine = ControlBlock(__import__("os").dup(block.fd))
+    with block.locked():
+        block.set(block.pid_cell(0), 4242)
+    shared = _attached({"x": torch.zeros(1)}, mine)
+    with shared, pytest.raises(KeyError, match=r"publishes no channel 'logits' \(it publishes: none\)"):
+        shared.channel("logits")
+    assert block.get(block.pid_cell(0)) == 0, "the producer sees the consumer gone"
+    with pytest.raises(KeyError, match="this consumer is closed"):
+        shared.channel("logits")
+    shared.close()  # idempotent
+    assert torch.equal(shared["x"], torch.zeros(1)), "tensors taken stay usable"

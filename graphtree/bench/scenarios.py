@@ -72,7 +72,7 @@ from graphtree.bench.harness import (
 from graphtree.bench.workloads import MLP, MMChain
 from graphtree.demo.gpt import GPTConfig
 
-SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate")
+SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate", "share")
 """Scenario names, in the order they run."""
 
 BUDGET_WEIGHTS: dict[str, float] = {
@@ -82,6 +82,7 @@ BUDGET_WEIGHTS: dict[str, float] = {
     "capture": 1.5,
     "branching": 1.0,
     "generate": 2.0,
+    "share": 1.0,
 }
 """Relative share of the time budget per scenario (unused time rolls over to later ones)."""
 
@@ -937,6 +938,12 @@ def _branch_contender(
     raise ValueError(f"unknown contender {name!r}")
 
 
+def _run_share(ctx: _Ctx) -> list[Result]:
+    from graphtree.bench.share import run_share  # spawns consumer processes only when it runs
+
+    return run_share(ctx)
+
+
 def _run_generate(ctx: _Ctx) -> list[Result]:
     from graphtree.bench.generate import run_generate  # imports transformers only when it runs
 
@@ -954,6 +961,7 @@ RUNNERS: dict[str, Callable[[_Ctx], list[Result]]] = {
     "capture": run_capture,
     "branching": run_branching,
     "generate": _run_generate,
+    "share": _run_share,
 }
 
 

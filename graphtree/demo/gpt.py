@@ -151,7 +151,7 @@ class TinyGPT(nn.Module):
             self.v_cache.zero_()
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run one decode step and return the next-token logits.
 
         Writes this step's keys and values into the caches at index ``pos`` (in place, indexed
@@ -163,9 +163,11 @@ class TinyGPT(nn.Module):
             tokens: int64 ``[batch, 1]``, the current token of each sequence.
             pos: int64 0-dim tensor on the model's device, the position of ``tokens``
                 (the same for the whole batch); must be in ``[0, max_seq)``.
+            out: where to write the logits (``[batch, vocab]``, the model's dtype and device),
+                for example a :mod:`graphtree.share` channel's slot; a new tensor if ``None``.
 
         Returns:
-            Logits ``[batch, vocab]`` in the model's dtype.
+            Logits ``[batch, vocab]`` in the model's dtype (``out`` when given).
 
         Example::
 
@@ -201,7 +203,9 @@ class TinyGPT(nn.Module):
             x = x + blk.fc_out(F.gelu(blk.fc(blk.ln2(x))))
 
         x = self.ln_f(x[:, 0])
-        return F.linear(x, self.wte.weight)  # tied head
+        if out is None:
+            return F.linear(x, self.wte.weight)  # tied head
+        return torch.mm(x, self.wte.weight.t(), out=out)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Same as :meth:`decode_step`."""

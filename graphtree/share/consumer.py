@@ -5,17 +5,23 @@ Example::
     shared = graphtree.share.attach("decoder")
     logits = shared["logits"]                  # a torch tensor on the producer's memory
     w = shared.get("weights", shape=(4096, 4096), dtype=torch.float16)   # checked
+    with shared.channel("tokens").read() as frame:   # the newest version, GPU-ordered
+        print(frame.version, frame.tensor)
+    shared.close()                                    # or let it go: the memory lives while tensors do
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from graphtree.share._control import ControlBlock, Membership
 from graphtree.share._memory import ImportPool, ShareUnavailableError
 from graphtree.share._rendezvous import default_path, request
+from graphtree.share.channel import Subscription
 
 __all__ = ["Attached", "attach"]
 
@@ -24,11 +30,50 @@ class Attached(Mapping[str, torch.Tensor]):
     """A producer's tensors, mapped into this process (a read-only mapping of name to tensor).
 
     The memory stays valid while any tensor of it is alive here, even after the producer exits.
+    Channels (versions, see :meth:`channel`) are read through their :class:`Subscription`;
+    :meth:`close` (or the object's end) tells the producer this consumer reads no more.
     """
 
-    def __init__(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        path: str,
+        tensors: dict[str, torch.Tensor],
+        channels: dict[str, Subscription],
+        membership: Membership,
+        *,
+        no_channels: str = "",
+    ) -> None:
         self.path = path
         self._tensors = tensors
+        self._channels = channels
+        self._no_channels = no_channels  # why this consumer cannot read channels ("" when it can)
+        self._membership = membership
+
+    def __enter__(self) -> Attached:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Detach: the producer stops waiting for this consumer (idempotent). Tensors already
+        taken stay valid; channels can no longer be read. Without it, the consumer detaches when
+        neither this object nor any of its channels is referenced."""
+        self._membership.close()
+        self._channels = {}
+
+    def channel(self, name: str) -> Subscription:
+        """The channel ``name``, to read its versions (``KeyError`` naming the published ones)."""
+        try:
+            return self._channels[name]
+        except KeyError:
+            known = ", ".join(sorted(self._channels)) or "none"
+            state = f"it publishes: {known}"
+            if self._membership.closed:
+                state = "this consumer is closed"
+            elif self._no_channels:
+                state = self._no_channels
+            raise KeyError(f"{self.path} publishes no channel {name!r} ({state})") from None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
@@ -59,6 +104,13 @@ class Attached(Mapping[str, torch.Tensor]):
         return t
 
 
+def _dtype(name: str, meta: dict[str, Any]) -> torch.dtype:
+    dtype = getattr(torch, str(meta["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ShareUnavailableError(f"{name!r} has a dtype this torch does not know: {meta['dtype']}")
+    return dtype
+
+
 def _device_with_uuid(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
@@ -84,18 +136,32 @@ def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
         raise ShareUnavailableError("graphtree.share needs a CUDA GPU, and torch sees none")
     path = name_or_path if os.sep in name_or_path else default_path(name_or_path)
     reply, fds = request(path, {"op": "attach"}, timeout=timeout)
+    membership = None
     try:
-        if len(fds) != 1:
-            raise ShareUnavailableError(f"{path} sent {len(fds)} handles, expected 1")
+        if len(fds) != 2:
+            raise ShareUnavailableError(f"{path} sent {len(fds)} handles, expected 2")
         device = _device_with_uuid(reply["device_uuid"])
         pool = ImportPool(device, fds[0])  # cuda.core imports from it and leaves it open: closed below
-        tensors: dict[str, torch.Tensor] = {}
-        for name, meta in reply["tensors"].items():
-            dtype = getattr(torch, str(meta["dtype"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ShareUnavailableError(f"{name!r} has a dtype this torch does not know: {meta['dtype']}")
-            tensors[name] = pool.tensor(meta["export"], tuple(meta["shape"]), dtype)
+        membership = Membership(ControlBlock(os.dup(fds[1])), int(reply["consumer"]))
+        tensors = {n: pool.tensor(m["export"], tuple(m["shape"]), _dtype(n, m)) for n, m in reply["tensors"].items()}
+        channels = {}
+        same_process = int(reply["pid"]) == os.getpid()
+        for name, meta in () if same_process else reply["channels"].items():
+            shape, dtype = tuple(meta["shape"]), _dtype(name, meta)
+
+            def events(key: str, meta: dict[str, Any] = meta) -> list[torch.cuda.Event]:
+                return [torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(h)) for h in meta[key]]
+
+            buffers = [pool.tensor(export, shape, dtype) for export in meta["slots"]]
+            channels[name] = Subscription(
+                name, int(meta["index"]), buffers, events("written"), events("read_done"), membership
+            )
+    except BaseException:
+        if membership is not None:
+            membership.close()
+        raise
     finally:
         for fd in fds:
             os.close(fd)
-    return Attached(path, tensors)
+    no_channels = "channels are read from other processes: CUDA opens an inter-process event only there"
+    return Attached(path, tensors, channels, membership, no_channels=no_channels if same_process else "")

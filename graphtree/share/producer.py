@@ -5,20 +5,25 @@ Example::
     pub = graphtree.share.Publisher("decoder")
     logits = pub.empty("logits", (8, 32000), torch.float16)   # write into it; consumers see it
     pub.publish("weights", w)                                 # a shared copy of an existing tensor
+    ch = pub.channel("tokens", (8,), torch.int64)             # versions, stream-ordered
+    ch.next().copy_(t); ch.commit()
     ...
     pub.close()   # no new consumers; memory stays valid while any consumer holds it
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from graphtree.share._control import MAX_CHANNELS, MAX_CONSUMERS, MAX_SLOTS, ControlBlock
 from graphtree.share._memory import ExportPool, ShareUnavailableError
 from graphtree.share._rendezvous import Peer, Server, default_path
+from graphtree.share.channel import Channel
 
 __all__ = ["Publisher"]
 
@@ -59,6 +64,9 @@ class Publisher:
         self._uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         self._pool = ExportPool(self.device, max_bytes)
         self._tensors: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+        self._channels: dict[str, tuple[Channel, list[dict[str, Any]]]] = {}
+        self._block = ControlBlock.create()
+        self._consumer_events: dict[int, dict[str, list[torch.cuda.Event]]] = {}  # consumer -> channel -> slot
         self._lock = threading.Lock()
         self._server = Server(self.path, handler=self._serve, allow_uids=allow_uids)
 
@@ -70,16 +78,9 @@ class Publisher:
 
     def empty(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A new tensor (uninitialised) in shared memory, published as ``name``; write into it."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a tensor's name is a non-empty str, got {name!r}")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"a shape has no negative sizes, got {shape}")
+        shape = _check(name, shape, dtype)
         with self._lock:
-            if name in self._tensors:
-                raise ValueError(f"{name!r} is already published by this producer")
+            self._unused(name)
             t, export = self._pool.tensor(shape, dtype)
             meta = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "export": export}
             self._tensors[name] = (t, meta)
@@ -97,18 +98,134 @@ class Publisher:
         torch.cuda.current_stream(self.device).synchronize()  # consumers read it as soon as they attach
         return shared
 
-    def names(self) -> list[str]:
-        """The names published so far."""
+    def channel(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32, *, slots: int = 3
+    ) -> Channel:
+        """A channel ``name``: versions of a ``shape``/``dtype`` tensor in ``slots`` rotating buffers.
+
+        Write each version into ``ch.next()`` and publish it with ``ch.commit()``; consumers read
+        the newest with ``attach(...).channel(name).read()`` (see :class:`~graphtree.share.channel.Channel`).
+        More slots let the producer run further ahead of slow readers (each is one more buffer,
+        and one more recording when a graphed step writes into it); one slot is overwritten in
+        place once its readers are done.
+        """
+        shape = _check(name, shape, dtype)
+        if type(slots) is not int or not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots is an int from 1 to {MAX_SLOTS}, got {slots!r}")
         with self._lock:
-            return list(self._tensors)
+            self._unused(name)
+            if len(self._channels) >= MAX_CHANNELS:
+                raise ValueError(f"a producer has at most {MAX_CHANNELS} channels")
+            made = [self._pool.tensor(shape, dtype) for _ in range(slots)]
+            ch = Channel(
+                name,
+                len(self._channels),
+                [t for t, _ in made],
+                self._block,
+                consumer_events=lambda c: self._consumer_events.get(c, {}).get(name),
+                reap=self._reap,
+            )
+            self._channels[name] = (ch, [export for _, export in made])
+        torch.cuda.current_stream(self.device).synchronize()  # the buffers exist before consumers map them
+        return ch
+
+    def names(self) -> list[str]:
+        """The names published so far (tensors and channels)."""
+        with self._lock:
+            return [*self._tensors, *self._channels]
+
+    def consumers(self) -> list[int]:
+        """The process ids of the consumers attached now (dead ones are dropped first)."""
+        self._reap()
+        with self._block.locked():
+            return [p for c in range(MAX_CONSUMERS) if (p := self._block.get(self._block.pid_cell(c)))]
 
     def close(self) -> None:
         """Stop serving new consumers (idempotent). Memory already attached stays valid."""
         self._server.close()
 
+    def _unused(self, name: str) -> None:
+        if name in self._tensors or name in self._channels:
+            raise ValueError(f"{name!r} is already published by this producer")
+
+    def _reap(self) -> None:
+        """Forget consumers that detached or died: their claims on slots and their events."""
+        block = self._block
+        with self._lock, block.locked():
+            for c in list(self._consumer_events):
+                pid = block.get(block.pid_cell(c))
+                if pid and _alive(pid):
+                    continue
+                bit = ~(1 << c)
+                for ch, _ in self._channels.values():
+                    for s in range(len(ch.buffers)):
+                        for cell in (block.reading_cell(ch.index, s), block.done_cell(ch.index, s)):
+                            block.set(cell, block.get(cell) & bit)
+                block.set(block.pid_cell(c), 0)
+                del self._consumer_events[c]
+
     def _serve(self, request: dict[str, Any], peer: Peer) -> tuple[dict[str, Any], list[int]]:
         if request.get("op") != "attach":
             raise ValueError(f"unknown request {request.get('op')!r}")
+        self._reap()
+        block = self._block
         with self._lock:
             tensors = {n: meta for n, (_, meta) in self._tensors.items()}
-        return {"device_uuid": self._uuid, "tensors": tensors}, [self._pool.fd()]
+            with block.locked():
+                free = [c for c in range(MAX_CONSUMERS) if c not in self._consumer_events]
+                if not free:
+                    raise RuntimeError(f"{MAX_CONSUMERS} consumers are attached already")
+                c = free[0]
+                block.set(block.pid_cell(c), peer.pid)
+            with torch.cuda.device(self.device):
+                events = {n: _events(len(ch.buffers)) for n, (ch, _) in self._channels.items()}
+            self._consumer_events[c] = events
+            channels = {
+                n: {
+                    "index": ch.index,
+                    "shape": list(ch.buffers[0].shape),
+                    "dtype": str(ch.buffers[0].dtype).removeprefix("torch."),
+                    "slots": exports,
+                    "written": [bytes(e.ipc_handle()).hex() for e in ch.written],
+                    "read_done": [bytes(e.ipc_handle()).hex() for e in events[n]],
+                }
+                for n, (ch, exports) in self._channels.items()
+            }
+        reply = {"device_uuid": self._uuid, "pid": os.getpid(), "tensors": tensors, "channels": channels, "consumer": c}
+        return reply, [self._pool.fd(), block.fd]
+
+
+def _events(n: int) -> list[torch.cuda.Event]:
+    """``n`` inter-process events, each recorded once (a wait before the first real record is a no-op)."""
+    events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
+    for e in events:
+        e.record()
+    return events
+
+
+def _check(name: str, shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tensor's name is a non-empty str, got {name!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"a shape has no negative sizes, got {shape}")
+    return shape
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet waited for, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process (allow_uids): alive
+    return True

@@ -1,0 +1,321 @@
+"""The ``share`` measurement: a graphed decode loop hands each step's logits to another process.
+
+The producer (this process) runs the demo model's decode step through :func:`graphtree.graphed`
+for ``steps`` steps; a consumer process (a ``spawn`` child) reads every step's logits and takes
+their argmax. Ways to hand the logits over:
+
+- ``none``: no consumer, the baseline producer loop (the step's logits stay in the graph's pool);
+- ``graphtree.share``: the step writes its logits straight into a channel's slot (``out=``, a
+  static argument of the recording, so no copy), ``commit()`` records an inter-process event;
+  the consumer's stream waits on it (:mod:`graphtree.share.channel`);
+- ``mp-queue``: ``torch.multiprocessing`` queue of CUDA tensors: ``q.put(logits.clone())`` (a
+  clone, since the next replay overwrites the graph's output; torch sends a legacy IPC handle);
+- ``pinned-copy``: the logits are copied into pinned shared host memory (``cudaHostRegister`` on
+  both sides), the producer waits for the copy, the consumer copies them back to its GPU.
+
+Reported per way: the producer's CPU time per step (median), its time per step with the GPU
+(steps / wall time), the consumer's latency from the producer's call of the step to the moment
+the consumer's argmax of that step is done (median, p90; CLOCK_MONOTONIC is shared by the two
+processes), the bytes each step copies, and whether the consumer's tokens equal the producer's.
+The producer waits for its GPU at the end of each step (outside the CPU time), as a decode loop
+that checks for its end does, so latencies are not inflated by a growing GPU queue.
+For ``graphtree.share`` also the attach time (first in the consumer, then cached: the median of
+20 more) and ``next()``/``commit()`` alone.
+
+Example::
+
+    rows = measure(steps=200)                 # a dict per way
+    python -m graphtree.bench.share --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from typing import Any
+
+import torch
+
+WAYS = ("none", "graphtree.share", "mp-queue", "pinned-copy")
+_SLOTS = 3
+
+
+def _model(layers: int, d_model: int, vocab: int, batch: int) -> Any:
+    from graphtree.demo.gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(n_layer=layers, n_head=max(1, d_model // 64), d_model=d_model, vocab=vocab, max_seq=256)
+    return TinyGPT(cfg, batch=batch).to("cuda").eval()
+
+
+def _summary_us(xs: list[float]) -> dict[str, float]:
+    """``median, p10, p90, mean`` in microseconds and ``n`` of ``xs`` (seconds)."""
+    xs = sorted(xs)
+    at = lambda q: xs[round(q * (len(xs) - 1))] * 1e6  # noqa: E731
+    return {
+        "median": statistics.median(xs) * 1e6,
+        "p10": at(0.1),
+        "p90": at(0.9),
+        "mean": statistics.fmean(xs) * 1e6,
+        "n": len(xs),
+    }
+
+
+def _median_us(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e6
+
+
+def _consumer(way: str, name: str, steps: int, first: int, q: Any, out: Any, pinned: list[torch.Tensor]) -> None:
+    """The consumer process: read versions ``first..first+steps-1``, report read times and tokens."""
+    torch.cuda.init()
+    times: dict[int, float] = {}
+    tokens: dict[int, list[int]] = {}
+    report: dict[str, Any] = {}
+    if way == "graphtree.share":
+        import graphtree.share as share
+
+        t = time.perf_counter()
+        shared = share.attach(name, timeout=30)
+        report["attach_first_s"] = time.perf_counter() - t
+        again = []
+        for _ in range(20):
+            t = time.perf_counter()
+            share.attach(name, timeout=30).close()
+            again.append(time.perf_counter() - t)
+        report["attach_cached_s"] = statistics.median(again)
+        sub = shared.channel("logits")
+        q.put("ready")
+        while sub.last < first + steps - 1:
+            with sub.read(timeout=60) as frame:
+                tok = frame.tensor.argmax(-1)
+            torch.cuda.current_stream().synchronize()
+            times[frame.version] = time.perf_counter()
+            tokens[frame.version] = tok.tolist()
+        shared.close()
+    elif way == "mp-queue":
+        q.put("ready")
+        while True:
+            v, logits = q.get(timeout=60)
+            tok = logits.argmax(-1)
+            torch.cuda.current_stream().synchronize()
+            times[v] = time.perf_counter()
+            tokens[v] = tok.tolist()
+            del logits
+            if v >= first + steps - 1:
+                break
+    else:
+        cudart = torch.cuda.cudart()
+        for p in pinned:
+            cudart.cudaHostRegister(p.data_ptr(), p.numel() * p.element_size(), 0)
+        dev = torch.empty(pinned[0].shape, dtype=pinned[0].dtype, device="cuda")
+        q.put("ready")
+        while True:
+            v, slot = q.get(timeout=60)
+            dev.copy_(pinned[slot], non_blocking=True)
+            tok = dev.argmax(-1)
+            torch.cuda.current_stream().synchronize()
+            times[v] = time.perf_counter()
+            tokens[v] = tok.tolist()
+            out.put(("done", v))
+            if v >= first + steps - 1:
+                break
+    report["times"] = times
+    report["tokens"] = tokens
+    out.put(("report", report))
+
+
+def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    import graphtree
+
+    graphtree.reset()
+    model.reset_cache()
+    b, vocab = model.batch, model.cfg.vocab
+    step = graphtree.graphed(model.decode_step)
+    tokens = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+    pos = torch.zeros((), dtype=torch.long, device="cuda")
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    pub = ch = child = None
+    pinned: list[torch.Tensor] = []
+    ev, done = torch.cuda.Event(), torch.cuda.current_stream()
+    if way == "graphtree.share":
+        import graphtree.share as share
+
+        pub = share.Publisher(name)
+        ch = pub.channel("logits", (b, vocab), model.wte.weight.dtype, slots=_SLOTS)
+        for buf in ch.buffers:
+            graphtree.mark_static(buf)
+    if way == "pinned-copy":
+        pinned = [torch.empty(b, vocab, dtype=model.wte.weight.dtype).share_memory_() for _ in range(2)]
+        for p in pinned:
+            torch.cuda.cudart().cudaHostRegister(p.data_ptr(), p.numel() * p.element_size(), 0)
+    if way != "none":
+        child = ctx.Process(target=_consumer, args=(way, name, steps, warmup + 1, q, out, pinned), daemon=True)
+        child.start()
+        assert q.get(timeout=120) == "ready"
+    started: dict[int, float] = {}
+    produced: dict[int, torch.Tensor] = {}
+    cpu: list[float] = []
+    nexts: list[float] = []
+    commits: list[float] = []
+    acked = 0
+    total = warmup + steps
+    torch.cuda.synchronize()
+    wall = 0.0
+    for v in range(1, total + 1):
+        if v == warmup + 1:
+            torch.cuda.synchronize()
+            wall = time.perf_counter()
+        if v % model.cfg.max_seq == 0:
+            pos.zero_()
+        t0 = time.perf_counter()
+        graphtree.mark_step()
+        if ch is not None:
+            t1 = time.perf_counter()
+            buf = ch.next(timeout=60)
+            t2 = time.perf_counter()
+            nexts.append(t2 - t1)
+            logits = step(tokens, pos, out=buf)
+            t3 = time.perf_counter()
+            ch.commit()
+            commits.append(time.perf_counter() - t3)
+        else:
+            logits = step(tokens, pos)
+            if way == "mp-queue":
+                q.put((v, logits.clone()))
+            elif way == "pinned-copy":
+                while acked < v - 2:  # the slot's previous version was read
+                    acked = out.get(timeout=60)[1]
+                pinned[v % 2].copy_(logits, non_blocking=True)
+                ev.record()
+                ev.synchronize()
+                q.put((v, v % 2))
+        tokens = logits.argmax(-1, keepdim=True)
+        pos += 1
+        cpu.append(time.perf_counter() - t0)
+        started[v] = t0
+        produced[v] = tokens
+        done.synchronize()  # as a decode loop that checks for its end each step: the GPU queue stays short
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    result: dict[str, Any] = {
+        "way": way,
+        "producer_cpu_per_step_us": _median_us(cpu[warmup:]),
+        "producer_wall_per_step_us": wall / steps * 1e6,
+        "copied_bytes_per_step": {"none": 0, "graphtree.share": 0}.get(
+            way, b * vocab * model.wte.weight.dtype.itemsize
+        ),
+    }
+    if ch is not None:
+        result["next_us"] = _median_us(nexts[warmup:])
+        result["commit_us"] = _median_us(commits[warmup:])
+    if child is not None:
+        report: dict[str, Any] = {}
+        while not report:
+            kind, value = out.get(timeout=120)
+            if kind == "report":
+                report = value
+        child.join(timeout=60)
+        lat = sorted(report["times"][v] - started[v] for v in report["times"] if v > warmup)
+        result["consumer_latency_us"] = {
+            "median": statistics.median(lat) * 1e6,
+            "p90": lat[int(0.9 * (len(lat) - 1))] * 1e6,
+        }
+        result["versions_read"] = len(lat)
+        result["tokens_equal"] = all(report["tokens"][v] == produced[v].flatten().tolist() for v in report["tokens"])
+        for k in ("attach_first_s", "attach_cached_s"):
+            if k in report:
+                result[k.replace("_s", "_ms")] = report[k] * 1e3
+    if pub is not None:
+        pub.close()
+    for p in pinned:
+        torch.cuda.cudart().cudaHostUnregister(p.data_ptr())
+    return result
+
+
+def measure(
+    steps: int = 200, warmup: int = 8, layers: int = 2, d_model: int = 256, vocab: int = 32000, batch: int = 1
+) -> list[dict[str, Any]]:
+    """Run every way in :data:`WAYS` on one model; a dict of figures per way (see the module)."""
+    model = _model(layers, d_model, vocab, batch)
+    with torch.no_grad():
+        return [_one_way(w, model, steps, warmup) for w in WAYS]
+
+
+SCENARIO = "share"
+_METRICS = (  # (key in a way's figures, metric, unit, scale to base units)
+    ("producer_cpu_per_step_us", "producer_cpu_per_step", "s", 1e-6),
+    ("producer_wall_per_step_us", "producer_time_per_step", "s", 1e-6),
+    ("next_us", "next_cpu", "s", 1e-6),
+    ("commit_us", "commit_cpu", "s", 1e-6),
+    ("attach_first_ms", "attach_first", "s", 1e-3),
+    ("attach_cached_ms", "attach_cached", "s", 1e-3),
+    ("copied_bytes_per_step", "copied_per_step", "bytes", 1),
+)
+
+
+def run_share(ctx: Any) -> list[Any]:
+    """The ``share`` scenario of ``graphtree bench``: :func:`measure` on the bench's decode model,
+    one row per figure; the ways are its contenders (``graphtree`` is ``graphtree.share``)."""
+    from graphtree.bench.harness import Result
+
+    cfg = ctx.cfg
+    gpt = cfg.gpt
+    steps = 50 if cfg.quick else 200
+    ctx.log(f"{SCENARIO}: a graphed decode loop hands {steps} steps of logits to a consumer process, 4 ways")
+    rows = measure(steps, layers=gpt.n_layer, d_model=gpt.d_model, vocab=gpt.vocab)
+    results = []
+    case = f"decode loop, vocab {gpt.vocab}"
+    for c in cfg.contenders:
+        if c != "graphtree":
+            results.append(Result(SCENARIO, case, c, "producer_time_per_step", None, "s", note="not a way to share"))
+    for r in rows:
+        name = "graphtree" if r["way"] == "graphtree.share" else r["way"]
+        for key, metric, unit, scale in _METRICS:
+            if key in r:
+                results.append(Result(SCENARIO, case, name, metric, r[key] * scale, unit))
+        if "consumer_latency_us" in r:
+            lat = r["consumer_latency_us"]
+            stats = {k: v if k == "n" else v * 1e-6 for k, v in lat.items()}
+            results.append(
+                Result(
+                    SCENARIO,
+                    case,
+                    name,
+                    "consumer_latency",
+                    lat["median"] * 1e-6,
+                    "s",
+                    stats=stats,
+                    equal_to_eager=r["tokens_equal"],
+                    note=f"{r['versions_read']} versions read",
+                )
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m graphtree.bench.share", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=1)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graphtree.bench.share needs a CUDA GPU; torch sees none")
+        return 2
+    rows = measure(args.steps, layers=args.layers, d_model=args.d_model, vocab=args.vocab, batch=args.batch)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, pid {os.getpid()}")
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

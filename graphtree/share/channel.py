@@ -1,0 +1,261 @@
+"""Versions of a shared tensor, stream-ordered on both sides: ``graphtree.share`` channels.
+
+A producer's :class:`Channel` rotates through ``slots`` GPU buffers of one shape. To publish a
+version it writes into the buffer :meth:`Channel.next` gives (its current stream first waits,
+on the GPU, for every consumer still reading what that buffer held) and calls
+:meth:`Channel.commit`, which records an inter-process CUDA event after the writes. A consumer's
+:meth:`Subscription.read` takes the newest committed version, makes its current stream wait on
+that event (a GPU wait: the CPU goes on) and, when the ``with`` block ends, records its own
+inter-process event, which the producer's next write into that buffer waits for. So a reader
+never sees a half-written version and a writer never overwrites a version being read, without
+either CPU waiting for the other's GPU. The bookkeeping (which slot holds which version, who
+reads it) is in a shared page (:mod:`graphtree.share._control`).
+
+Constraints: one writing thread per channel; a consumer uses a version's tensor only inside its
+``with`` block and on its current stream (as with ``Tensor.record_stream``, other streams must
+be ordered after it). A slow consumer holds back the producer when every other slot is in use:
+:meth:`Channel.next` then waits on the CPU, up to ``timeout`` seconds.
+
+Example::
+
+    ch = pub.channel("logits", (8, 32000), torch.float16)       # producer
+    step(x, out=ch.next()); ch.commit()
+
+    with shared.channel("logits").read() as frame:              # consumer
+        tokens = frame.tensor.argmax(-1)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+
+from graphtree.share._control import ControlBlock, Membership
+
+__all__ = ["Channel", "Frame", "Subscription"]
+
+
+class Frame(NamedTuple):
+    """One version of a channel as a consumer reads it: the tensor and its version number."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _wait(ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+    """Poll ``ready`` (spinning briefly, then sleeping a little) until it holds or ``timeout``."""
+    start = time.perf_counter()
+    spins = 0
+    while not ready():
+        spins += 1
+        elapsed = time.perf_counter() - start
+        if elapsed > timeout:
+            raise TimeoutError(what())
+        if spins > 200:
+            time.sleep(min(1e-3, 1e-5 * spins / 200))
+        else:
+            os.sched_yield()
+
+
+class Channel:
+    """The producer's side of a channel: rotate through ``slots`` buffers, one version at a time.
+
+    Made by :meth:`graphtree.share.Publisher.channel`. Example::
+
+        ch = pub.channel("logits", (8, 32000), torch.float16, slots=3)
+        for x in batches:
+            torch.matmul(x, w, out=ch.next())   # or a graphed step writing into it
+            ch.commit()
+    """
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        buffers: list[torch.Tensor],
+        block: ControlBlock,
+        consumer_events: Callable[[int], list[torch.cuda.Event] | None],
+        reap: Callable[[], None],
+    ) -> None:
+        self.name = name
+        self.index = index
+        self.buffers = buffers
+        self.device = buffers[0].device
+        with torch.cuda.device(self.device):
+            self.written = [torch.cuda.Event(interprocess=True) for _ in buffers]
+            for e in self.written:
+                e.record()  # recorded once, so a wait before the first version is a no-op
+        self._block = block
+        self._consumer_events = consumer_events
+        self._reap = reap
+        self._writing = -1
+        self._latest_slot = -1
+        self.version = 0
+        n = len(buffers)
+        self._latest_cell = block.latest_cell(index)
+        self._version_cells = [block.version_cell(index, s) for s in range(n)]
+        self._reading_cells = [block.reading_cell(index, s) for s in range(n)]
+        self._done_cells = [block.done_cell(index, s) for s in range(n)]
+        # the slots to try after the newest is in slot k (key -1: none yet); one slot: itself
+        self._tries = {k: [s for s in ((k + i) % n for i in range(1, n + 1)) if s != k or n == 1] for k in range(-1, n)}
+
+    def next(self, *, timeout: float = 5.0) -> torch.Tensor:
+        """The buffer to write the next version into (ordered after its readers on the GPU)."""
+        if self._writing >= 0:
+            raise RuntimeError(f"channel {self.name!r}: commit() the version being written before next()")
+        taken = self._take()
+        if taken is None:  # every other slot is being read: wait for a reader to finish (or die)
+            held: list[tuple[int, int]] = []
+
+            def free() -> bool:
+                t = self._take()
+                if t is None:
+                    self._reap()  # a consumer killed while reading holds its slot until reaped
+                    return False
+                held.append(t)
+                return True
+
+            _wait(free, timeout, lambda: f"channel {self.name!r}: every slot is being read after {timeout} s")
+            taken = held[0]
+        s, done = taken
+        if done:
+            stream = torch.cuda.current_stream(self.device)
+            c = 0
+            while done:
+                events = self._consumer_events(c) if done & 1 else None
+                if events is not None:  # None: the consumer detached or died since
+                    stream.wait_event(events[s])
+                done >>= 1
+                c += 1
+        self._writing = s
+        return self.buffers[s]
+
+    def commit(self) -> int:
+        """Publish what was written into :meth:`next`'s buffer as the newest version (stream-ordered)."""
+        s = self._writing
+        if s < 0:
+            raise RuntimeError(f"channel {self.name!r}: next() gives the buffer to write before commit()")
+        self.written[s].record(torch.cuda.current_stream(self.device))
+        block, cells = self._block, self._block.cells
+        self.version += 1
+        block.acquire()
+        cells[self._version_cells[s]] = self.version
+        cells[self._latest_cell] = self.version
+        block.release()
+        self._latest_slot, self._writing = s, -1
+        return self.version
+
+    def _take(self) -> tuple[int, int] | None:
+        """A slot nobody reads, oldest version first and never the newest (readers may want it),
+        marked as being written; with the consumers that read it since its last write."""
+        block, cells = self._block, self._block.cells
+        block.acquire()
+        try:
+            for s in self._tries[self._latest_slot]:
+                if cells[self._reading_cells[s]] == 0:
+                    done = cells[self._done_cells[s]]
+                    cells[self._done_cells[s]] = 0
+                    cells[self._version_cells[s]] = -1
+                    return s, done
+            return None
+        finally:
+            block.release()
+
+
+class Subscription:
+    """A consumer's side of a channel: read its newest versions (see :meth:`read`).
+
+    Made by :meth:`graphtree.share.Attached.channel`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        buffers: list[torch.Tensor],
+        written: list[torch.cuda.Event],
+        read_done: list[torch.cuda.Event],
+        membership: Membership,
+    ) -> None:
+        self.name = name
+        self.index = index
+        self.buffers = buffers
+        self.device = buffers[0].device
+        self._bit = 1 << membership.index
+        self._written = written
+        self._read_done = read_done
+        self._membership = membership  # kept: this consumer stays registered while it can read
+        block = self._block = membership.block
+        self._latest_cell = block.latest_cell(index)
+        self._version_cells = [block.version_cell(index, s) for s in range(len(buffers))]
+        self._reading_cells = [block.reading_cell(index, s) for s in range(len(buffers))]
+        self._done_cells = [block.done_cell(index, s) for s in range(len(buffers))]
+        self.last = 0  # the newest version this consumer has read
+
+    @property
+    def latest(self) -> int:
+        """The newest version the producer has committed (0 before any)."""
+        return self._block.cells[self._latest_cell]
+
+    @contextmanager
+    def read(self, *, after: int | None = None, timeout: float = 5.0) -> Iterator[Frame]:
+        """Wait for a version newer than ``after`` (default: the last one read here) and read it.
+
+        The current stream waits (on the GPU) for the producer's writes of that version; use the
+        tensor only inside the ``with`` block, on the current stream. Raises ``TimeoutError``
+        when no newer version comes within ``timeout`` seconds.
+
+        Example::
+
+            with sub.read() as frame:
+                out.copy_(frame.tensor)
+        """
+        if self._membership.closed:
+            raise RuntimeError(f"channel {self.name!r}: this consumer was closed (Attached.close())")
+        after = self.last if after is None else int(after)
+        taken = self._claim(after)
+        if taken is None:
+            held: list[tuple[int, int]] = []
+
+            def claimed() -> bool:
+                t = self._claim(after)
+                if t is not None:
+                    held.append(t)
+                return t is not None
+
+            _wait(claimed, timeout, lambda: f"channel {self.name!r}: no version newer than {after} within {timeout} s")
+            taken = held[0]
+        s, v = taken
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self._written[s])
+        try:
+            yield Frame(self.buffers[s], v)
+        finally:
+            self._read_done[s].record(stream)
+            block, cells, bit = self._block, self._block.cells, self._bit
+            block.acquire()
+            cells[self._reading_cells[s]] &= ~bit
+            cells[self._done_cells[s]] |= bit
+            block.release()
+            self.last = v
+
+    def _claim(self, after: int) -> tuple[int, int] | None:
+        """Mark the slot of the newest version as read by this consumer, if it is newer than ``after``."""
+        block, cells = self._block, self._block.cells
+        if cells[self._latest_cell] <= after:  # unlocked peek: a stale value only delays the claim
+            return None
+        block.acquire()
+        try:
+            v = cells[self._latest_cell]
+            for s, cell in enumerate(self._version_cells):
+                if cells[cell] == v:
+                    cells[self._reading_cells[s]] |= self._bit
+                    return s, v
+            return None
+        finally:
+            block.release()
