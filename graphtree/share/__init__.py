@@ -1,16 +1,19 @@
-"""graphtree.share: zero-copy GPU tensors across processes of one user (being built).
+"""graphtree.share: zero-copy GPU tensors across processes of one user.
 
 A :class:`Publisher` allocates tensors in shareable GPU memory (an IPC-enabled CUDA memory pool,
 through NVIDIA's ``cuda.core``) and serves them by name; :func:`attach` maps them into another
-process as torch tensors on the same memory. Handles travel only over a Unix-domain socket whose
-peer's uid the kernel vouches for. Not built yet: versions with inter-process events, graph
-outputs written into shared memory, a re-created consumer context, the benchmark (``DESIGN.md``).
+process as torch tensors on the same memory. A channel (``Publisher.channel``) publishes versions
+of a tensor, ordered on the GPU by inter-process CUDA events: a reader never sees a half-written
+version. Handles travel only over a Unix-domain socket whose peer's uid the kernel vouches for.
+What holds, what was measured and what does not hold yet: ``DESIGN.md``.
 
 Example::
 
-    # producer                                        # consumer
+    # producer                                        # consumer (another process)
     pub = graphtree.share.Publisher("decoder")         shared = graphtree.share.attach("decoder")
     x = pub.publish("x", torch.ones(4, device="cuda")) print(shared["x"])
+    ch = pub.channel("y", (4,))                        with shared.channel("y").read() as frame:
+    ch.next().fill_(1.0); ch.commit()                      print(frame.version, frame.tensor)
 """
 
 from graphtree.share._memory import ShareUnavailableError
