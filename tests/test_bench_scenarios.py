@@ -38,7 +38,7 @@ class _FakeHandGraph:
 
 def _fake_share_measure(steps, **sizes):
     """The figures graphtree.bench.share.measure returns, made up (it needs a GPU and processes)."""
-    lat = {"median": 500.0, "p10": 400.0, "p90": 600.0, "mean": 510.0, "n": 40}
+    lat = bench_share._summary_us([400e-6 + k * 5e-6 for k in range(40)])  # the real summary's shape
     base = {"producer_cpu_per_step_us": 80.0, "producer_wall_per_step_us": 150.0}
     return [
         {"way": "none", **base, "copied_bytes_per_step": 0},

@@ -143,7 +143,7 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
     name = f"bench-{uuid.uuid4().hex[:8]}"
     pub = ch = child = None
     pinned: list[torch.Tensor] = []
-    ev, done = torch.cuda.Event(), torch.cuda.current_stream()
+    ev, stream = torch.cuda.Event(), torch.cuda.current_stream()
     if way == "graphtree.share":
         import graphtree.share as share
 
@@ -201,16 +201,14 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
         cpu.append(time.perf_counter() - t0)
         started[v] = t0
         produced[v] = tokens
-        done.synchronize()  # as a decode loop that checks for its end each step: the GPU queue stays short
+        stream.synchronize()  # as a decode loop that checks for its end each step: the GPU queue stays short
     torch.cuda.synchronize()
     wall = time.perf_counter() - wall
     result: dict[str, Any] = {
         "way": way,
         "producer_cpu_per_step_us": _median_us(cpu[warmup:]),
         "producer_wall_per_step_us": wall / steps * 1e6,
-        "copied_bytes_per_step": {"none": 0, "graphtree.share": 0}.get(
-            way, b * vocab * model.wte.weight.dtype.itemsize
-        ),
+        "copied_bytes_per_step": 0 if way in ("none", "graphtree.share") else logits.numel() * logits.element_size(),
     }
     if ch is not None:
         result["next_us"] = _median_us(nexts[warmup:])
@@ -222,11 +220,8 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
             if kind == "report":
                 report = value
         child.join(timeout=60)
-        lat = sorted(report["times"][v] - started[v] for v in report["times"] if v > warmup)
-        result["consumer_latency_us"] = {
-            "median": statistics.median(lat) * 1e6,
-            "p90": lat[int(0.9 * (len(lat) - 1))] * 1e6,
-        }
+        lat = [report["times"][v] - started[v] for v in report["times"] if v > warmup]
+        result["consumer_latency_us"] = _summary_us(lat)
         result["versions_read"] = len(lat)
         result["tokens_equal"] = all(report["tokens"][v] == produced[v].flatten().tolist() for v in report["tokens"])
         for k in ("attach_first_s", "attach_cached_s"):
