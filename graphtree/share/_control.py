@@ -133,6 +133,18 @@ class ControlBlock:
     def done_cell(channel: int, slot: int) -> int:
         return MAX_CONSUMERS + channel * _CHANNEL_CELLS + 1 + 2 * MAX_SLOTS + slot
 
+    @classmethod
+    def channel_cells(cls, channel: int, slots: int) -> tuple[int, list[int], list[int], list[int]]:
+        """Channel ``channel``'s cells, for its hot paths: ``latest`` and, per slot, ``version``,
+        ``reading`` and ``done``."""
+        each = range(slots)
+        return (
+            cls.latest_cell(channel),
+            [cls.version_cell(channel, s) for s in each],
+            [cls.reading_cell(channel, s) for s in each],
+            [cls.done_cell(channel, s) for s in each],
+        )
+
 
 class Membership:
     """A consumer's place in a producer's block: consumer number ``index``, given up (its pid cell

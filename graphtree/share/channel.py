@@ -31,13 +31,15 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from graphtree.share._control import ControlBlock, Membership
 
-__all__ = ["Channel", "Frame", "Subscription"]
+__all__ = ["Channel", "Frame", "Subscription", "interprocess_events"]
+
+_T = TypeVar("_T")
 
 
 class Frame(NamedTuple):
@@ -47,11 +49,12 @@ class Frame(NamedTuple):
     version: int
 
 
-def _wait(ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
-    """Poll ``ready`` (spinning briefly, then sleeping a little) until it holds or ``timeout``."""
+def _poll(attempt: Callable[[], _T | None], timeout: float, what: Callable[[], str]) -> _T:
+    """Call ``attempt`` (spinning briefly, then sleeping a little) until it gives something, or
+    raise ``TimeoutError(what())`` after ``timeout`` seconds."""
     start = time.perf_counter()
     spins = 0
-    while not ready():
+    while (result := attempt()) is None:
         spins += 1
         elapsed = time.perf_counter() - start
         if elapsed > timeout:
@@ -60,6 +63,17 @@ def _wait(ready: Callable[[], bool], timeout: float, what: Callable[[], str]) ->
             time.sleep(min(1e-3, 1e-5 * spins / 200))
         else:
             os.sched_yield()
+    return result
+
+
+def interprocess_events(n: int, device: torch.device | int) -> list[torch.cuda.Event]:
+    """``n`` inter-process CUDA events on ``device``, each recorded once, so that a wait before
+    the first real record is a no-op."""
+    with torch.cuda.device(device):
+        events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
+        for e in events:
+            e.record()
+    return events
 
 
 class Channel:
@@ -86,10 +100,7 @@ class Channel:
         self.index = index
         self.buffers = buffers
         self.device = buffers[0].device
-        with torch.cuda.device(self.device):
-            self.written = [torch.cuda.Event(interprocess=True) for _ in buffers]
-            for e in self.written:
-                e.record()  # recorded once, so a wait before the first version is a no-op
+        self.written = interprocess_events(len(buffers), self.device)
         self._block = block
         self._consumer_events = consumer_events
         self._reap = reap
@@ -97,10 +108,7 @@ class Channel:
         self._latest_slot = -1
         self.version = 0
         n = len(buffers)
-        self._latest_cell = block.latest_cell(index)
-        self._version_cells = [block.version_cell(index, s) for s in range(n)]
-        self._reading_cells = [block.reading_cell(index, s) for s in range(n)]
-        self._done_cells = [block.done_cell(index, s) for s in range(n)]
+        self._latest_cell, self._version_cells, self._reading_cells, self._done_cells = block.channel_cells(index, n)
         # the slots to try after the newest is in slot k (key -1: none yet); one slot: itself
         self._tries = {k: [s for s in ((k + i) % n for i in range(1, n + 1)) if s != k or n == 1] for k in range(-1, n)}
 
@@ -110,18 +118,11 @@ class Channel:
             raise RuntimeError(f"channel {self.name!r}: commit() the version being written before next()")
         taken = self._take()
         if taken is None:  # every other slot is being read: wait for a reader to finish (or die)
-            held: list[tuple[int, int]] = []
-
-            def free() -> bool:
-                t = self._take()
-                if t is None:
-                    self._reap()  # a consumer killed while reading holds its slot until reaped
-                    return False
-                held.append(t)
-                return True
-
-            _wait(free, timeout, lambda: f"channel {self.name!r}: every slot is being read after {timeout} s")
-            taken = held[0]
+            taken = _poll(
+                self._take_or_reap,
+                timeout,
+                lambda: f"channel {self.name!r}: every slot is being read after {timeout} s",
+            )
         s, done = taken
         if done:
             stream = torch.cuda.current_stream(self.device)
@@ -149,6 +150,12 @@ class Channel:
         block.release()
         self._latest_slot, self._writing = s, -1
         return self.version
+
+    def _take_or_reap(self) -> tuple[int, int] | None:
+        taken = self._take()
+        if taken is None:
+            self._reap()  # a consumer killed while reading holds its slot until reaped
+        return taken
 
     def _take(self) -> tuple[int, int] | None:
         """A slot nobody reads, oldest version first and never the newest (readers may want it),
@@ -191,10 +198,9 @@ class Subscription:
         self._read_done = read_done
         self._membership = membership  # kept: this consumer stays registered while it can read
         block = self._block = membership.block
-        self._latest_cell = block.latest_cell(index)
-        self._version_cells = [block.version_cell(index, s) for s in range(len(buffers))]
-        self._reading_cells = [block.reading_cell(index, s) for s in range(len(buffers))]
-        self._done_cells = [block.done_cell(index, s) for s in range(len(buffers))]
+        self._latest_cell, self._version_cells, self._reading_cells, self._done_cells = block.channel_cells(
+            index, len(buffers)
+        )
         self.last = 0  # the newest version this consumer has read
 
     @property
@@ -220,16 +226,11 @@ class Subscription:
         after = self.last if after is None else int(after)
         taken = self._claim(after)
         if taken is None:
-            held: list[tuple[int, int]] = []
-
-            def claimed() -> bool:
-                t = self._claim(after)
-                if t is not None:
-                    held.append(t)
-                return t is not None
-
-            _wait(claimed, timeout, lambda: f"channel {self.name!r}: no version newer than {after} within {timeout} s")
-            taken = held[0]
+            taken = _poll(
+                lambda: self._claim(after),
+                timeout,
+                lambda: f"channel {self.name!r}: no version newer than {after} within {timeout} s",
+            )
         s, v = taken
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self._written[s])

@@ -23,7 +23,7 @@ import torch
 from graphtree.share._control import MAX_CHANNELS, MAX_CONSUMERS, MAX_SLOTS, ControlBlock
 from graphtree.share._memory import ExportPool, ShareUnavailableError
 from graphtree.share._rendezvous import Peer, Server, default_path
-from graphtree.share.channel import Channel
+from graphtree.share.channel import Channel, interprocess_events
 
 __all__ = ["Publisher"]
 
@@ -177,8 +177,7 @@ class Publisher:
                     raise RuntimeError(f"{MAX_CONSUMERS} consumers are attached already")
                 c = free[0]
                 block.set(block.pid_cell(c), peer.pid)
-            with torch.cuda.device(self.device):
-                events = {n: _events(len(ch.buffers)) for n, (ch, _) in self._channels.items()}
+            events = {n: interprocess_events(len(ch.buffers), self.device) for n, (ch, _) in self._channels.items()}
             self._consumer_events[c] = events
             channels = {
                 n: {
@@ -193,14 +192,6 @@ class Publisher:
             }
         reply = {"device_uuid": self._uuid, "pid": os.getpid(), "tensors": tensors, "channels": channels, "consumer": c}
         return reply, [self._pool.fd(), block.fd]
-
-
-def _events(n: int) -> list[torch.cuda.Event]:
-    """``n`` inter-process events, each recorded once (a wait before the first real record is a no-op)."""
-    events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
-    for e in events:
-        e.record()
-    return events
 
 
 def _check(name: str, shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
