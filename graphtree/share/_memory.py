@@ -4,7 +4,7 @@ The producer allocates from an IPC-enabled memory pool (``cuda.core.DeviceMemory
 ``ipc_enabled=True``: a ``cuMemPool`` whose handle is a POSIX file descriptor). A consumer
 imports the pool from that descriptor (``DeviceMemoryResource.from_allocation_handle``) and each
 buffer from its export data (``Buffer.from_ipc_descriptor``), then views it as a torch tensor
-through DLPack: the same memory, no copy.
+(``__cuda_array_interface__``): the same memory, no copy.
 
 The export data of a buffer is cuda.core's ``IPCBufferDescriptor`` (64 bytes of
 ``cuMemPoolExportPointer`` data and a size). It is sent as JSON, not pickled, and rebuilt with
@@ -18,12 +18,15 @@ Example::
     ...
     imported = ImportPool(device=0, fd=fd)       # consumer, fd received over the rendezvous
     t = imported.tensor(export, (1024,), torch.float32)
+    imported.done()                              # the import closes when ``t`` and its views are gone
 """
 
 from __future__ import annotations
 
 import base64
 import importlib
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -72,10 +75,25 @@ def _descriptor_type() -> Any:
     raise ShareUnavailableError(f"this cuda.core has no IPCBufferDescriptor._init: {INSTALL_HINT}")
 
 
-def _views(buf: Any, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    raw = torch.from_dlpack(buf)  # keeps ``buf`` (and its pool) alive as long as the tensor lives
+def _views(raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (bytes, at least one) seen as a ``shape``/``dtype`` tensor (an empty one too)."""
     raw = raw.view(torch.uint8) if raw.element_size() == 1 else raw.view(-1).view(torch.uint8)
-    return raw[:nbytes].view(dtype).view(shape)
+    return raw[: _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+class _Mapping:
+    """A mapped buffer's bytes as ``__cuda_array_interface__``, for ``torch.as_tensor``: the tensor's
+    storage keeps this object alive, and this object's end (a ``weakref.finalize``) is the
+    signal that the last tensor on the buffer is gone."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 2,
+        }
 
 
 class ExportPool:
@@ -95,33 +113,71 @@ class ExportPool:
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
         """A new tensor in the pool and the JSON-ready data a consumer imports it with."""
-        nbytes = max(1, _numel(shape) * torch.empty((), dtype=dtype).element_size())
+        nbytes = max(1, _numel(shape) * dtype.itemsize)
         buf = self._mr.allocate(nbytes, stream=torch_stream(self.device))
         reserved, size = buf.ipc_descriptor.__reduce__()[1][:2]
         export = {"data": base64.b64encode(bytes(reserved)).decode(), "size": int(size), "nbytes": nbytes}
-        return _views(buf, nbytes, shape, dtype), export
+        # DLPack keeps ``buf`` (and the pool) alive as long as the tensor lives; the producer's
+        # pool is never closed, so nothing needs to know when that ends
+        return _views(torch.from_dlpack(buf), shape, dtype), export
 
 
 class ImportPool:
-    """The consumer's view of a producer's pool, imported from the pool's file descriptor."""
+    """The consumer's view of a producer's pool, imported from the pool's file descriptor.
+
+    The import holds the producer's memory in this process until it is closed, and cuda.core
+    closes an imported pool only on an explicit ``close()`` (measured on the H100: dropping
+    every buffer and the resource left the whole pool allocated). So this object counts the
+    tensors it mapped and closes the import when :meth:`done` was called and the last of them is
+    gone: a buffer is freed (on torch's current stream) when the last tensor on it is collected,
+    then, after the last buffer, the pool.
+    """
 
     def __init__(self, device: int, fd: int) -> None:
         cc = cuda_core()
         dev = cc.Device(device)
         dev.set_current()
         self._descriptor = _descriptor_type()
+        self._buffer = cc.Buffer
         self._mr = cc.DeviceMemoryResource.from_allocation_handle(dev, fd)
         self.device = device
+        self._lock = threading.Lock()
+        self._live = 1  # the mapped buffers, plus one until done()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the import was given back (no tensor of it is left)."""
+        return self._live == 0
 
     def tensor(self, export: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The producer's tensor described by ``export``, mapped here (no copy)."""
-        desc = self._descriptor._init(base64.b64decode(export["data"]), int(export["size"]))
-        buf = self._buffer_type().from_ipc_descriptor(self._mr, desc, stream=torch_stream(self.device))
-        return _views(buf, int(export["nbytes"]), shape, dtype)
+        with self._lock:
+            if self._live == 0:
+                raise RuntimeError("this import of the producer's pool was closed")
+            desc = self._descriptor._init(base64.b64decode(export["data"]), int(export["size"]))
+            buf = self._buffer.from_ipc_descriptor(self._mr, desc, stream=torch_stream(self.device))
+            self._live += 1
+        mapping = _Mapping(int(buf.handle), int(export["nbytes"]))
+        weakref.finalize(mapping, self._unmap, buf).atexit = False  # at exit the process frees it all
+        return _views(torch.as_tensor(mapping, device=f"cuda:{self.device}"), shape, dtype)
 
-    @staticmethod
-    def _buffer_type() -> Any:
-        return cuda_core().Buffer
+    def done(self) -> None:
+        """No more tensors will be mapped: close the import once the last one is gone (now if none)."""
+        self._release()
+
+    def _unmap(self, buf: Any) -> None:
+        buf.close(stream=torch_stream(self.device))
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live:
+                return
+        # the buffers' frees are queued on streams; an imported pool destroyed before they ran
+        # kept the producer's memory allocated (H100, driver 580), so wait for them first
+        torch.cuda.synchronize(self.device)
+        self._mr.close()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

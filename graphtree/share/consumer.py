@@ -136,7 +136,7 @@ def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
         raise ShareUnavailableError("graphtree.share needs a CUDA GPU, and torch sees none")
     path = name_or_path if os.sep in name_or_path else default_path(name_or_path)
     reply, fds = request(path, {"op": "attach"}, timeout=timeout)
-    membership = None
+    membership = pool = None
     try:
         if len(fds) != 2:
             raise ShareUnavailableError(f"{path} sent {len(fds)} handles, expected 2")
@@ -161,6 +161,8 @@ def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
             membership.close()
         raise
     finally:
+        if pool is not None:
+            pool.done()  # the import is given back when the last of these tensors is gone
         for fd in fds:
             os.close(fd)
     no_channels = "channels are read from other processes: CUDA opens an inter-process event only there"

@@ -136,12 +136,6 @@ sys.stdin.readline()
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured on the H100 (2026-11-23): the 1 GiB stays allocated after the consumer lets go; "
-    "cuda.core frees an imported pool's memory only on an explicit DeviceMemoryResource.close() (a probe "
-    "freed it that way), which attach does not call yet (fix drafted in ../shared/patches/, not GPU-tested)",
-)
 def test_memory_lives_while_a_consumer_holds_it_and_is_freed_when_the_last_holder_lets_go():
     gib = 1 << 30
     name = f"mem-{uuid.uuid4().hex[:8]}"

@@ -22,6 +22,7 @@ pub = share.Publisher(sys.argv[1])
 x = pub.publish("x", torch.arange(1024, dtype=torch.float32, device="cuda"))
 h = pub.empty("h", (3, 5), torch.float16)
 h.fill_(2.5)
+pub.empty("e", (0, 4), torch.float32)  # empty: attached as an empty tensor
 torch.cuda.synchronize()
 print("READY", flush=True)
 for line in sys.stdin:
@@ -51,7 +52,8 @@ def _fds() -> int:
 def test_attach_sees_the_producers_memory_and_the_producer_sees_our_writes(producer):
     name, proc = producer
     shared = share.attach(name)
-    assert sorted(shared) == ["h", "x"]
+    assert sorted(shared) == ["e", "h", "x"]
+    assert shared["e"].shape == (0, 4) and shared["e"].dtype == torch.float32 and shared["e"].is_cuda
     x = shared.get("x", shape=(1024,), dtype=torch.float32)
     assert torch.equal(x, torch.arange(1024, dtype=torch.float32, device="cuda"))
     assert torch.equal(shared["h"], torch.full((3, 5), 2.5, dtype=torch.float16, device="cuda"))
@@ -78,7 +80,7 @@ def test_the_memory_outlives_a_producer_killed_with_sigkill(producer):
 def test_bad_input_gets_clear_errors(producer, tmp_path):
     name, _ = producer
     shared = share.attach(name)
-    with pytest.raises(KeyError, match=r"publishes no tensor 'y' \(it publishes: h, x\)"):
+    with pytest.raises(KeyError, match=r"publishes no tensor 'y' \(it publishes: e, h, x\)"):
         shared["y"]
     with pytest.raises(ValueError, match=r"has shape \(1024,\), not the \(4, 256\) expected"):
         shared.get("x", shape=(4, 256))
