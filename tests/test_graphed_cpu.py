@@ -147,6 +147,24 @@ def test_signature_rules():
     assert read_call((1,), {"k": 2}, None).key != read_call((1,), {"k": 3}, None).key
 
 
+def test_keyword_names_and_containers_are_part_of_the_signature():
+    # The same leaves passed another way are another call: f(x, a=y) and f(x, b=y) may do
+    # different things, and replaying one's recording for the other would be wrong.
+    calls = [((1, 2), {}), ((1,), {"a": 2}), ((1,), {"b": 2}), ((), {"a": 1, "b": 2}), ((1, [2]), {}), (([1, 2],), {})]
+    keys = [read_call(args, kwargs, None).key for args, kwargs in calls]
+    assert len(set(keys)) == len(calls), keys
+    for args, kwargs in calls:  # and each rebuilds the call it read
+        assert read_call(args, kwargs, None).arguments() == (args, kwargs)
+
+
+def test_flat_keyword_calls_skip_the_pytree():
+    x = torch.ones(2)
+    leaves, spec = flatten((x, 3), {"out": x, "k": None})
+    assert list(leaves) == [x, 3, x, None] and spec == (2, ("out", "k"))
+    args, kwargs = unflatten(leaves, spec)
+    assert args == (x, 3) and kwargs["out"] is x and kwargs == {"out": x, "k": None}
+
+
 def test_buckets_pick_the_next_size():
     b = Bucketing([8, 1, 4, 2])
     assert b.sizes == [1, 2, 4, 8]
@@ -291,3 +309,8 @@ def test_describe_names_every_kind_of_signature_part():
         key = (1, (((2, 3), torch.float16, (3, 1)), *call.key, ("training", False)))
 
     assert _sig(FakeNode()) == "(float16[2, 3], 3, 2.0, 's', Cache, Linear, eval)"
+
+    class WithKeywords:
+        key = (1, read_call((3,), {"n": 2, "s": None}, None).key)
+
+    assert _sig(WithKeywords()) == "(3, n=2, s=None)"

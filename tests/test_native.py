@@ -95,7 +95,7 @@ def test_signature_matches_read_call_for_plain_values_and_defers_the_rest(native
 
 @needs_toolchain
 def test_read_call_gives_the_same_answers_with_and_without_the_helpers(native, monkeypatch) -> None:
-    calls = [((1, None, "a"), {}), ((torch.ones(2),), {}), ((object(),), {}), ((1,), {"k": 2})]
+    calls = [((1, None, "a"), {}), ((torch.ones(2),), {}), ((object(),), {}), ((1,), {"k": 2}), ((1,), {"j": 2})]
 
     def answers() -> list:
         out = []

@@ -19,6 +19,11 @@ def _sig(node: Node) -> str:
             parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
         elif p[0] == "training":  # a graphed module's mode
             parts.append("train" if p[1] else "eval")
+        elif p[0] == "keywords":  # the last len(names) leaves were passed by keyword
+            k = len(p[1])
+            parts[len(parts) - k :] = [f"{n}={v}" for n, v in zip(p[1], parts[len(parts) - k :], strict=True)]
+        elif p[0] == "structure":  # containers among the arguments: their leaves are shown flat
+            continue
         elif isinstance(p[0], type) and p[0] in PLAIN_TYPES:  # a plain value
             parts.append(repr(p[1]))
         else:  # an object argument: its type (its state is in the key, too long to show)

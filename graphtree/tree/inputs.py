@@ -31,18 +31,29 @@ class Unsupported(Exception):
     """The call cannot be graphed; ``str(self)`` is the reason shown in ``stats()``."""
 
 
+class _Keywords(NamedTuple):
+    """The spec of a flat call with keywords: ``n_args`` positional leaves, then one per name."""
+
+    n_args: int
+    names: tuple[str, ...]
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, _Tensor) or type(x) in _PLAIN
+
+
 def flatten(args: tuple, kwargs: dict) -> tuple[Sequence[Any], Any]:
-    """The call's leaves and a spec to rebuild it (``None`` when it is plain positional).
+    """The call's leaves and a spec to rebuild it: ``None`` when it is plain positional, a
+    :class:`_Keywords` when it is flat with keywords (``f(x, out=y)``), else a pytree spec.
 
     Plain positional calls hand back ``args`` itself: the leaves are only read, and code that
-    needs to change one makes a list first.
+    needs to change one makes a list first. Flat calls skip the pytree machinery (about 8 µs).
     """
-    if not kwargs:
-        for a in args:
-            if not isinstance(a, _Tensor) and type(a) not in _PLAIN:
-                break
-        else:
+    if all(map(_is_leaf, args)):
+        if not kwargs:
             return args, None
+        if all(map(_is_leaf, kwargs.values())):
+            return (*args, *kwargs.values()), _Keywords(len(args), tuple(kwargs))
     return _torch.tree_flatten((args, kwargs))
 
 
@@ -50,8 +61,22 @@ def unflatten(leaves: Sequence[Any], spec: Any) -> tuple[tuple, dict]:
     """Inverse of :func:`flatten`."""
     if spec is None:
         return tuple(leaves), {}
+    if type(spec) is _Keywords:
+        n = spec.n_args
+        return tuple(leaves[:n]), dict(zip(spec.names, leaves[n:], strict=True))
     args, kwargs = _torch.tree_unflatten(list(leaves), spec)
     return args, kwargs
+
+
+def _key(parts: Sequence[Any], spec: Any) -> tuple:
+    """A call's recording key: its leaves' parts and, unless it is plain positional, how they
+    nest (keyword names, containers), so that ``f(x, a=y)``, ``f(x, b=y)``, ``f(x, y)`` and
+    ``f([x, y])`` are recorded apart."""
+    if spec is None:
+        return tuple(parts)
+    if type(spec) is _Keywords:
+        return (*parts, ("keywords", spec.names))
+    return (*parts, ("structure", spec))
 
 
 class Bucketing:
@@ -127,12 +152,19 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
     several GPUs, an object whose state cannot be read, or a batch larger than every bucket.
     """
     native = _native.loaded
-    if native is not None and bucketing is None and not kwargs:
+    if native is not None and bucketing is None:
         # One C++ loop for a call of tensors and plain values (the common case); None sends
         # anything else (objects, subclasses, CPU tensors) down the Python path below.
-        sig = native.signature(args, _PLAIN)
-        if sig is not None:
-            return Call(args, None, sig[0], sig[1], sig[2], -1, -1, (), len(args))
+        if not kwargs:
+            sig = native.signature(args, _PLAIN)
+            if sig is not None:
+                return Call(args, None, sig[0], sig[1], sig[2], -1, -1, (), len(args))
+        else:
+            flat = (*args, *kwargs.values())
+            sig = native.signature(flat, _PLAIN)
+            if sig is not None:
+                spec = _Keywords(len(args), tuple(kwargs))
+                return Call(flat, spec, _key(sig[0], spec), sig[1], sig[2], -1, -1, (), len(flat))
     leaves, spec = flatten(args, kwargs)
     parts: list[Any] = []
     device = -2
@@ -158,7 +190,7 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
                     held = HeldTensors()
                 parts.append(read_object(x, held))
         if not held:
-            return Call(leaves, spec, tuple(parts), device, needs_grad, -1, -1, (), len(leaves))
+            return Call(leaves, spec, _key(parts, spec), device, needs_grad, -1, -1, (), len(leaves))
         return _with_held(leaves, spec, parts, device, needs_grad, -1, -1, (), held)
     held = HeldTensors()
     n = bucket = -1
@@ -244,7 +276,7 @@ def _with_held(
     return Call(
         [*leaves, *held.tensors],
         spec,
-        tuple(parts),
+        _key(parts, spec),
         device,
         needs_grad or held.needs_grad,
         n,

@@ -322,6 +322,21 @@ def test_one_recording_per_signature():
     assert graphtree.stats().recordings == 3
 
 
+def test_the_same_tensors_passed_by_another_keyword_are_another_recording():
+    # Keys once held only the leaves: f(x, b=y) replayed f(x, a=y)'s graph (a wrong answer).
+    def f(x, a=None, b=None):
+        return x + (0 if a is None else a) + (0 if b is None else 10 * b)
+
+    g = graphtree.graphed(f)
+    x, y = torch.ones(4, device=DEV), torch.full((4,), 2.0, device=DEV)
+    for _ in range(4):  # warm-up, recording, replays of each
+        graphtree.mark_step()
+        ra, rb, rp = g(x, a=y).clone(), g(x, b=y).clone(), g(x, y).clone()
+        assert torch.equal(ra, f(x, a=y)) and torch.equal(rb, f(x, b=y)) and torch.equal(rp, f(x, y))
+    stats = graphtree.stats()
+    assert stats.recordings == 3 and stats.replays >= 6, stats
+
+
 def test_sixteen_buckets_share_the_largest_buckets_memory():
     torch.manual_seed(0)
     w1 = torch.randn(1024, 4096, device=DEV) / 32
