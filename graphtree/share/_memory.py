@@ -128,9 +128,10 @@ class ImportPool:
     The import holds the producer's memory in this process until it is closed, and cuda.core
     closes an imported pool only on an explicit ``close()`` (measured on the H100: dropping
     every buffer and the resource left the whole pool allocated). So this object counts the
-    tensors it mapped and closes the import when :meth:`done` was called and the last of them is
-    gone: a buffer is freed (on torch's current stream) when the last tensor on it is collected,
-    then, after the last buffer, the pool.
+    buffers it mapped and closes the import once :meth:`done` was called (as many times as the
+    import was taken: the constructor and each :meth:`reuse`) and the last buffer is gone. A
+    buffer is mapped once however many tensors view it, and freed (on torch's current stream)
+    when the last of them is collected.
     """
 
     def __init__(self, device: int, fd: int) -> None:
@@ -141,32 +142,51 @@ class ImportPool:
         self._buffer = cc.Buffer
         self._mr = cc.DeviceMemoryResource.from_allocation_handle(dev, fd)
         self.device = device
-        self._lock = threading.Lock()
-        self._live = 1  # the mapped buffers, plus one until done()
+        self._lock = threading.RLock()  # a collection inside tensor() may run _unmap on this thread
+        self._live = 1  # the mapped buffers, plus one per taker until its done()
+        self._mapped: dict[str, weakref.ref[_Mapping]] = {}  # export data -> the buffer's mapping
 
     @property
     def closed(self) -> bool:
         """Whether the import was given back (no tensor of it is left)."""
         return self._live == 0
 
+    def reuse(self) -> bool:
+        """Take the import again (for another attach; :meth:`done` when finished). False when it
+        was closed already: import the pool anew then."""
+        with self._lock:
+            if self._live == 0:
+                return False
+            self._live += 1
+            return True
+
     def tensor(self, export: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The producer's tensor described by ``export``, mapped here (no copy)."""
+        key = export["data"]
         with self._lock:
             if self._live == 0:
                 raise RuntimeError("this import of the producer's pool was closed")
-            desc = self._descriptor._init(base64.b64decode(export["data"]), int(export["size"]))
-            buf = self._buffer.from_ipc_descriptor(self._mr, desc, stream=torch_stream(self.device))
-            self._live += 1
-        mapping = _Mapping(int(buf.handle), int(export["nbytes"]))
-        weakref.finalize(mapping, self._unmap, buf).atexit = False  # at exit the process frees it all
+            ref = self._mapped.get(key)
+            mapping = None if ref is None else ref()
+            if mapping is None:
+                desc = self._descriptor._init(base64.b64decode(key), int(export["size"]))
+                buf = self._buffer.from_ipc_descriptor(self._mr, desc, stream=torch_stream(self.device))
+                self._live += 1
+                mapping = _Mapping(int(buf.handle), int(export["nbytes"]))
+                weakref.finalize(mapping, self._unmap, key, buf).atexit = False  # at exit the process frees it all
+                self._mapped[key] = weakref.ref(mapping)
         return _views(torch.as_tensor(mapping, device=f"cuda:{self.device}"), shape, dtype)
 
     def done(self) -> None:
-        """No more tensors will be mapped: close the import once the last one is gone (now if none)."""
+        """This taker maps no more: close the import once the last tensor is gone (now if none)."""
         self._release()
 
-    def _unmap(self, buf: Any) -> None:
+    def _unmap(self, key: str, buf: Any) -> None:
         buf.close(stream=torch_stream(self.device))
+        with self._lock:
+            ref = self._mapped.get(key)
+            if ref is not None and ref() is None:  # not a newer mapping of the same buffer
+                del self._mapped[key]
         self._release()
 
     def _release(self) -> None:

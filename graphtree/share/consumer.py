@@ -13,6 +13,8 @@ Example::
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -120,6 +122,23 @@ def _device_with_uuid(uuid: str) -> int:
     )
 
 
+_imports: weakref.WeakValueDictionary[tuple[str, int], ImportPool] = weakref.WeakValueDictionary()
+_imports_lock = threading.Lock()
+
+
+def _import(pool_id: str | None, device: int, fd: int) -> ImportPool:
+    """The producer's pool imported into this process: the import still open from an earlier
+    attach to the same pool (its buffers are then not mapped again), else a new one."""
+    if not pool_id:
+        return ImportPool(device, fd)
+    with _imports_lock:
+        pool = _imports.get((pool_id, device))
+        if pool is not None and pool.reuse():
+            return pool
+        pool = _imports[(pool_id, device)] = ImportPool(device, fd)
+        return pool
+
+
 def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
     """Map the tensors a :class:`~graphtree.share.Publisher` publishes into this process.
 
@@ -141,7 +160,7 @@ def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
         if len(fds) != 2:
             raise ShareUnavailableError(f"{path} sent {len(fds)} handles, expected 2")
         device = _device_with_uuid(reply["device_uuid"])
-        pool = ImportPool(device, fds[0])  # cuda.core imports from it and leaves it open: closed below
+        pool = _import(reply.get("pool"), device, fds[0])  # fds are closed below
         membership = Membership(ControlBlock(os.dup(fds[1])), int(reply["consumer"]))
         tensors = {n: pool.tensor(m["export"], tuple(m["shape"]), _dtype(n, m)) for n, m in reply["tensors"].items()}
         channels = {}

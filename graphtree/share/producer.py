@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,6 +64,7 @@ class Publisher:
         self.path = path or default_path(name)
         self._uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         self._pool = ExportPool(self.device, max_bytes)
+        self._pool_id = uuid.uuid4().hex  # names the pool to consumers, who reuse an open import of it
         self._tensors: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
         self._channels: dict[str, tuple[Channel, list[dict[str, Any]]]] = {}
         self._block = ControlBlock.create()
@@ -190,7 +192,14 @@ class Publisher:
                 }
                 for n, (ch, exports) in self._channels.items()
             }
-        reply = {"device_uuid": self._uuid, "pid": os.getpid(), "tensors": tensors, "channels": channels, "consumer": c}
+        reply = {
+            "device_uuid": self._uuid,
+            "pid": os.getpid(),
+            "pool": self._pool_id,
+            "tensors": tensors,
+            "channels": channels,
+            "consumer": c,
+        }
         return reply, [self._pool.fd(), block.fd]
 
 

@@ -143,13 +143,19 @@ def test_memory_lives_while_a_consumer_holds_it_and_is_freed_when_the_last_holde
     free_before = torch.cuda.mem_get_info()[0]
     proc = _start(HOLDER, name)
     shared = share.attach(name)
+    again = share.attach(name)  # the same import, taken twice: freed only when both let go
     big = shared["big"]
+    assert again["big"].data_ptr() == big.data_ptr(), "mapped once"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     time.sleep(1.0)
     free_held = torch.cuda.mem_get_info()[0]
     assert float(big[-1]) == 3.0, "readable after the producer was killed"
     del big, shared
+    gc.collect()
+    torch.cuda.synchronize()
+    assert float(again["big"][0]) == 3.0, "still held by the second attach"
+    del again
     gc.collect()
     torch.cuda.synchronize()
     time.sleep(1.0)
