@@ -46,6 +46,7 @@ def _fake_share_measure(steps, **sizes):
             "way": "graphtree.share",
             **base,
             "copied_bytes_per_step": 0,
+            "producer_cpu_over_none_us": 9.0,
             "next_us": 5.0,
             "commit_us": 4.0,
             "consumer_latency_us": lat,
@@ -160,6 +161,7 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
     # share: graphtree.share is the graphtree row, the other ways are contenders of their own
     share = {(r.contender, r.metric): r for r in rows if r.scenario == "share"}
     assert share[("graphtree", "copied_per_step")].value == 0
+    assert share[("graphtree", "producer_cpu_over_none")].value == pytest.approx(9e-6)
     assert share[("mp-queue", "copied_per_step")].value == 4 * 1024
     assert share[("graphtree", "consumer_latency")].stats["n"] == 40
     assert share[("eager", "producer_time_per_step")].note == "not a way to share"
