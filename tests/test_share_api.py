@@ -60,3 +60,15 @@ def test_closing_an_attached_frees_its_consumer_slot_and_says_so():
         shared.channel("logits")
     shared.close()  # idempotent
     assert torch.equal(shared["x"], torch.zeros(1)), "tensors taken stay usable"
+
+
+def test_a_producer_gpu_this_process_cannot_see_is_named(monkeypatch):
+    from types import SimpleNamespace
+
+    from graphtree.share import consumer
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
+    assert consumer._device_with_uuid("GPU-1") == 1  # device numbers differ between processes: found by uuid
+    with pytest.raises(share.ShareUnavailableError, match=r"uuid GPU-7\) is not visible.*CUDA_VISIBLE_DEVICES"):
+        consumer._device_with_uuid("GPU-7")

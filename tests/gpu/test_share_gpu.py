@@ -88,6 +88,10 @@ def test_bad_input_gets_clear_errors(producer, tmp_path):
         shared.get("x", dtype=torch.float16)
     with pytest.raises(FileNotFoundError, match=r"no graphtree\.share producer serves"):
         share.attach(f"nobody-{uuid.uuid4().hex[:8]}", timeout=2)
+    closed = share.Publisher(f"closed-{uuid.uuid4().hex[:8]}", max_bytes=1 << 20)
+    closed.close()
+    with pytest.raises(FileNotFoundError, match=r"no graphtree\.share producer serves"):
+        share.attach(closed.path, timeout=2)
     with share.Publisher(f"local-{uuid.uuid4().hex[:8]}", max_bytes=1 << 20) as pub:
         with pytest.raises(TypeError, match="publishes CUDA tensors, got a tensor on cpu"):
             pub.publish("cpu", torch.ones(2))
