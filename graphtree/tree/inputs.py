@@ -38,10 +38,6 @@ class _Keywords(NamedTuple):
     names: tuple[str, ...]
 
 
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, _Tensor) or type(x) in _PLAIN
-
-
 def flatten(args: tuple, kwargs: dict) -> tuple[Sequence[Any], Any]:
     """The call's leaves and a spec to rebuild it: ``None`` when it is plain positional, a
     :class:`_Keywords` when it is flat with keywords (``f(x, out=y)``), else a pytree spec.
@@ -49,10 +45,16 @@ def flatten(args: tuple, kwargs: dict) -> tuple[Sequence[Any], Any]:
     Plain positional calls hand back ``args`` itself: the leaves are only read, and code that
     needs to change one makes a list first. Flat calls skip the pytree machinery (about 8 µs).
     """
-    if all(map(_is_leaf, args)):
+    for a in args:  # inline loops: this runs on every call of the Python path
+        if not isinstance(a, _Tensor) and type(a) not in _PLAIN:
+            break
+    else:
         if not kwargs:
             return args, None
-        if all(map(_is_leaf, kwargs.values())):
+        for a in kwargs.values():
+            if not isinstance(a, _Tensor) and type(a) not in _PLAIN:
+                break
+        else:
             return (*args, *kwargs.values()), _Keywords(len(args), tuple(kwargs))
     return _torch.tree_flatten((args, kwargs))
 
