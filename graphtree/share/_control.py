@@ -5,8 +5,10 @@ which consumers are reading it and which have finished is bookkeeping both proce
 at once, so it lives in shared host memory: an anonymous ``memfd`` the producer creates and hands
 to consumers over the rendezvous socket with the pool's descriptor (it has no name, so nobody
 else can open it). Cells are int64; every change is made under a process lock (``lockf`` on the
-memfd, plus a thread lock in each process, since POSIX record locks do not exclude threads).
-A consumer killed while holding the lock frees it (the kernel drops a dead process's locks).
+memfd, plus a thread lock in each process, since POSIX record locks do not exclude threads),
+except a channel's publication of a new version, which only its producer thread writes (see
+:meth:`graphtree.share.channel.Channel.commit`). A consumer killed while holding the lock frees
+it (the kernel drops a dead process's locks).
 
 Layout (int64 cells): ``pid[c]`` of each consumer slot ``c`` (0: free), then per channel ``j``:
 ``latest`` (the newest committed version, 0 before any), and per slot ``s``: ``version[s]``
