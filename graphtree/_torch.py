@@ -375,7 +375,7 @@ def raw_copier() -> Callable[[int, int, int, int], None] | None:
     memcpy = cudart.cudaMemcpyAsync
     kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
     ok = cudart.cudaError_t.cudaSuccess
-    current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    current_stream = raw_stream_getter()
     if current_stream is None:
         return None
 
