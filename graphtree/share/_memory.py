@@ -27,6 +27,8 @@ import base64
 import importlib
 import threading
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -56,8 +58,11 @@ def torch_stream(device: int) -> Any:
     kernel still read it (an illegal address, seen on the H100). Work on other streams needs the
     tensor kept alive until it is done, as with ``Tensor.record_stream``.
     """
+    return _cc_stream(device, torch.cuda.current_stream(device))
+
+
+def _cc_stream(device: int, s: torch.cuda.Stream) -> Any:
     cc = cuda_core()
-    s = torch.cuda.current_stream(device)
     from_handle = getattr(cc.Stream, "from_handle", None)
     if from_handle is not None:
         return from_handle(s.cuda_stream)
@@ -181,8 +186,16 @@ class ImportPool:
         """This taker maps no more: close the import once the last tensor is gone (now if none)."""
         self._release()
 
-    def _unmap(self, key: str, buf: Any) -> None:
-        buf.close(stream=torch_stream(self.device))
+    def _unmap(self, key: str, buf: Any, stream: torch.cuda.Stream | None = None) -> None:
+        """Free ``buf`` on ``stream`` (default: the current one) and give up its count."""
+        stream = stream or torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing():
+            # the last tensor went while this thread captures a graph: a free now would become a
+            # node of the graph, and the wait in _release would end the capture with an error;
+            # so free on the same stream once its capture is over
+            _after_capture(self.device, stream.cuda_stream, lambda: self._unmap(key, buf, stream))
+            return
+        buf.close(stream=_cc_stream(self.device, stream))
         with self._lock:
             ref = self._mapped.get(key)
             if ref is not None and ref() is None:  # not a newer mapping of the same buffer
@@ -194,10 +207,56 @@ class ImportPool:
             self._live -= 1
             if self._live:
                 return
+        if torch.cuda.is_current_stream_capturing():  # done() inside a capture: close after it
+            _after_capture(self.device, torch.cuda.current_stream(self.device).cuda_stream, self._close)
+        else:
+            self._close()
+
+    def _close(self) -> None:
         # the buffers' frees are queued on streams; an imported pool destroyed before they ran
-        # kept the producer's memory allocated (H100, driver 580), so wait for them first
-        torch.cuda.synchronize(self.device)
+        # kept the producer's memory allocated (H100, driver 580), so wait for them first (in
+        # the relaxed capture mode: another thread may be capturing a graph, see _after_capture)
+        with _relaxed_capture_mode():
+            torch.cuda.synchronize(self.device)
         self._mr.close()
+
+
+@contextmanager
+def _relaxed_capture_mode() -> Iterator[None]:
+    """This thread's CUDA calls in the *relaxed* stream-capture mode: in the default *global*
+    mode, a synchronizing call made while any thread captures a graph ends that capture with an
+    error. (A thread's own capture is never waited for here: see ``ImportPool._unmap``.)"""
+    from cuda.bindings import runtime as cudart
+
+    mode = cudart.cudaStreamCaptureMode
+    err, before = cudart.cudaThreadExchangeStreamCaptureMode(mode.cudaStreamCaptureModeRelaxed)
+    try:
+        yield
+    finally:
+        if err == cudart.cudaError_t.cudaSuccess:
+            cudart.cudaThreadExchangeStreamCaptureMode(before)
+
+
+def _after_capture(device: int, stream: int, then: Callable[[], None], every: float = 0.01) -> None:
+    """Call ``then`` on a timer thread (``device`` current) once ``stream`` (a raw handle) no
+    longer captures a graph."""
+
+    def check() -> None:
+        from cuda.bindings import runtime as cudart
+
+        cuda_core().Device(device).set_current()  # a new thread has no current CUDA context
+        err, status = cudart.cudaStreamIsCapturing(stream)
+        if (
+            err == cudart.cudaError_t.cudaSuccess
+            and status != cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
+        ):
+            _after_capture(device, stream, then, every)
+            return
+        then()
+
+    timer = threading.Timer(every, check)
+    timer.daemon = True
+    timer.start()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

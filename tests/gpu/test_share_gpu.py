@@ -117,3 +117,46 @@ def test_a_thousand_attach_detach_cycles_leak_no_descriptor(producer):
     torch.cuda.synchronize()
     print(f"attach: {(time.perf_counter() - start) * 1e3 / 1000:.3f} ms each (connect, import, map)")
     assert _fds() - before <= 2, (before, _fds())
+
+
+DROPPED_IN_A_CAPTURE = """
+import sys, time, torch, graphtree.share as share
+from graphtree.share import consumer
+shared = share.attach(sys.argv[1])
+x, h = shared["x"], shared["h"]
+assert torch.equal(x, torch.arange(1024, device="cuda", dtype=torch.float32))
+pool = next(iter(consumer._imports.values()))
+graph, static = torch.cuda.CUDAGraph(), torch.zeros(1024, device="cuda")
+with torch.cuda.graph(graph):
+    static.add_(1)
+    del shared, h        # the last tensors on two buffers ("h", "e") go while this thread captures
+    if sys.argv[2] == "all":
+        del x            # ... and the last of all: the import is to close
+graph.replay()
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(static, torch.full_like(static, 2)), static
+if sys.argv[2] != "all":
+    del x
+deadline = time.monotonic() + 5
+while not pool._mr.is_closed and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("CLOSED", pool._mr.is_closed, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["some", "all"])
+def test_a_shared_tensor_dropped_inside_a_graph_capture_is_freed_after_it(producer, how):
+    """Freeing (and closing the import) inside a capture would add a free node to the graph or end
+    the capture with an error; both wait for the capture's end."""
+    name, _ = producer
+    run = subprocess.run(
+        [sys.executable, "-c", DROPPED_IN_A_CAPTURE, name, how],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "CLOSED True" in run.stdout, (run.stdout, run.stderr[-3000:])
+    assert "Exception" not in run.stderr, run.stderr[-3000:]  # none ignored in a finalizer or a thread
