@@ -52,16 +52,11 @@ def _model(layers: int, d_model: int, vocab: int, batch: int) -> Any:
 
 
 def _summary_us(xs: list[float]) -> dict[str, float]:
-    """``median, p10, p90, mean`` in microseconds and ``n`` of ``xs`` (seconds)."""
-    xs = sorted(xs)
-    at = lambda q: xs[round(q * (len(xs) - 1))] * 1e6  # noqa: E731
-    return {
-        "median": statistics.median(xs) * 1e6,
-        "p10": at(0.1),
-        "p90": at(0.9),
-        "mean": statistics.fmean(xs) * 1e6,
-        "n": len(xs),
-    }
+    """The bench's :func:`~graphtree.bench.harness.summarize` of ``xs`` (seconds), in microseconds
+    (``n`` stays a count)."""
+    from graphtree.bench.harness import summarize
+
+    return {k: v if k == "n" else v * 1e6 for k, v in summarize(xs).items()}
 
 
 def _median_us(xs: list[float]) -> float:
