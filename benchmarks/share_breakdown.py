@@ -1,12 +1,13 @@
 """Where a graphtree.share channel's per-step producer time goes: each piece timed alone.
 
 Run on a GPU: ``python benchmarks/share_breakdown.py [--steps 2000]``. Prints one JSON object of
-median microseconds per call: the CUDA calls a step makes (finding the current stream, recording
-an inter-process event, a stream's wait on one), the control block's lock, and ``next()`` /
-``commit()`` in a loop that writes each version and waits for its GPU (as a decode loop does),
-with no consumer and with a consumer process reading every version. ``read_done_wait`` is the
-producer's stream waiting on the consumer's own ``read_done`` event, the wait ``next()`` makes
-when it reuses a slot that consumer read.
+median microseconds per call: the CUDA calls the plain ``next()``/``commit()`` path makes (finding
+the current stream, the ``cuStreamWriteValue64`` of a slot's ``ready`` cell), what the earlier
+event-based protocol made (an inter-process event record, a stream's wait on one), the control
+block's lock (which consumers take; the producer does not on x86-64), ``next()`` / ``commit()``
+in a loop that writes each version and waits for its GPU, with no consumer and with a consumer
+process reading every version, and a graphed writer's call against the same graphed function
+writing into a buffer of its own (:meth:`graphtree.share.channel.Channel.graphed`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+import graphtree
 from graphtree import _torch
 
 
@@ -34,6 +36,18 @@ def _median_us(fn: Callable[[], Any], n: int) -> float:
         fn()
         xs.append(time.perf_counter() - t)
     return round(statistics.median(xs) * 1e6, 2)
+
+
+def _synced_median_us(fn: Callable[[int], Any], n: int) -> float:
+    """Median time of ``fn(i)``, the GPU waited for after each call (outside the time)."""
+    stream = torch.cuda.current_stream()
+    xs = []
+    for i in range(n + 200):
+        t = time.perf_counter()
+        fn(i)
+        xs.append(time.perf_counter() - t)
+        stream.synchronize()
+    return round(statistics.median(xs[200:]) * 1e6, 2)
 
 
 def _loop(ch: Any, steps: int) -> tuple[float, float]:
@@ -84,22 +98,32 @@ def main(argv: list[str] | None = None) -> int:
     out["torch.cuda.current_stream"] = _median_us(lambda: torch.cuda.current_stream(dev), n)
     if raw is not None:
         out["raw current stream handle"] = _median_us(lambda: raw(dev), n)
-    out["interprocess event record"] = _median_us(lambda: event.record(stream), n)
-    out["stream wait on own interprocess event"] = _median_us(lambda: stream.wait_event(event), n)
+    out["interprocess event record (earlier protocol)"] = _median_us(lambda: event.record(stream), n)
+    out["stream wait on an interprocess event (earlier protocol)"] = _median_us(lambda: stream.wait_event(event), n)
     pub = share.Publisher(f"breakdown-{uuid.uuid4().hex[:8]}")
     try:
         block = pub._block
         out["control block lock + unlock"] = _median_us(lambda: (block.acquire(), block.release()), n)
         ch = pub.channel("x", (1024,), torch.float32, slots=3)
+        order, handle = ch._order, stream.cuda_stream
+        out["cuStreamWriteValue64 of a ready cell"] = _median_us(lambda: order.mark(handle, 0, 0), n)
         out["next, no consumer"], out["commit, no consumer"] = _loop(ch, n)
+        x = torch.ones(1024, device="cuda")
+
+        def scale(v: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+            return torch.mul(v, 2.0, out=out)
+
+        own = [graphtree.mark_static(torch.empty(1024, device="cuda")) for _ in range(3)]
+        step, publish = graphtree.graphed(scale), ch.graphed(scale)
+        out["graphed step writing into out=, no consumer"] = _synced_median_us(lambda i: step(x, out=own[i % 3]), n)
+        out["graphed writer call, no consumer"] = _synced_median_us(lambda i: publish(x), n)
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         child = ctx.Process(target=_reader, args=(pub.path, ready), daemon=True)
         child.start()
         ready.get(timeout=120)
         out["next, one consumer reading"], out["commit, one consumer reading"] = _loop(ch, n)
-        events = next(iter(pub._consumer_events.values()))["x"]
-        out["read_done_wait"] = _median_us(lambda: stream.wait_event(events[0]), n)
+        out["graphed writer call, one consumer reading"] = _synced_median_us(lambda i: publish(x), n)
         child.kill()
         child.join(timeout=30)
     finally:

@@ -1,65 +1,45 @@
 """The bookkeeping of graphtree.share channels, on the CPU: which slot the producer writes, which
-version a reader gets, which reader events a write waits for. CUDA events and streams are
-replaced by recorders (the GPU side is tested in tests/gpu/test_share_channel_gpu.py)."""
+version a reader gets, when a slot may be written again. With CPU buffers the ``ready`` cells are
+written and read by the CPU (on a GPU, by the producer's stream and the consumer's stream: tested
+in tests/gpu/test_share_channel_gpu.py)."""
 
-import contextlib
 import os
 
 import pytest
 import torch
 
+import graphtree
 from graphtree.share._control import ControlBlock, Membership
-from graphtree.share.channel import Channel, Subscription
-
-
-class _Event:
-    def __init__(self, interprocess=False):
-        self.records = 0
-
-    def record(self, stream=None):
-        self.records += 1
-
-
-class _Stream:
-    def __init__(self):
-        self.waited: list[_Event] = []
-
-    def wait_event(self, event):
-        self.waited.append(event)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    stream = _Stream()
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    return stream
+from graphtree.share.channel import Channel, Subscription, drain_reads
 
 
 def _pair(slots, reap=lambda: None):
     """A producer's channel and one consumer's subscription to it (consumer number 3)."""
     block = ControlBlock.create()
     buffers = [torch.zeros(2) for _ in range(slots)]
-    read_done = [_Event() for _ in range(slots)]
-    ch = Channel("logits", 0, buffers, block, consumer_events=lambda c: read_done if c == 3 else None, reap=reap)
-    sub = Subscription("logits", 0, buffers, ch.written, read_done, Membership(ControlBlock(os.dup(block.fd)), 3))
-    return ch, sub, read_done
+    ch = Channel("logits", 0, buffers, block, reap=reap)
+    sub = Subscription("logits", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 3), os.getpid())
+    return ch, sub
 
 
-def test_a_reader_gets_the_newest_version_and_its_slot(fake_cuda):
-    ch, sub, _ = _pair(3)
+def _ready(ch, s):
+    return ch._block.cells[ch._cells.ready[s]]
+
+
+def test_a_reader_gets_the_newest_version_and_its_slot():
+    ch, sub = _pair(3)
     for value in (1.0, 2.0):
         ch.next().fill_(value)
         assert ch.commit() == value
+    assert [_ready(ch, s) for s in range(3)] == [1, 2, 0], "commit() marks the slot's version written"
     with sub.read(timeout=1) as frame:
-        assert frame.version == 2 and torch.equal(frame.tensor, torch.full((2,), 2.0))
-        assert fake_cuda.waited[-1] is ch.written[1], "the reader's stream waits on that slot's written event"
+        assert frame.version == 2 and frame.tensor is ch.buffers[1]
+        assert torch.equal(frame.tensor, torch.full((2,), 2.0))
     assert sub.last == 2
 
 
-def test_the_slot_being_read_is_never_written_and_its_next_write_waits_for_the_reader(fake_cuda):
-    ch, sub, read_done = _pair(2)
+def test_the_slot_being_read_is_never_written_until_the_read_ends():
+    ch, sub = _pair(2)
     ch.next().fill_(1.0)
     ch.commit()  # version 1 in slot 0
     with sub.read(timeout=1) as frame:
@@ -68,17 +48,28 @@ def test_the_slot_being_read_is_never_written_and_its_next_write_waits_for_the_r
         ch.commit()
         with pytest.raises(TimeoutError, match="every slot is being read"):
             ch.next(timeout=0.05)  # slot 0 is claimed by the reader, slot 1 is the newest
-    assert read_done[0].records == 1, "the reader recorded its event when its block ended"
-    waited_before = len(fake_cuda.waited)
-    assert ch.next(timeout=1) is ch.buffers[0]
-    assert fake_cuda.waited[waited_before:] == [read_done[0]], "the write waits (on the GPU) for the read"
+    assert ch.next(timeout=1) is ch.buffers[0], "free once the read ended"
     ch.commit()
-    ch.next()  # slot 1 again: nobody read it since its last write, so no wait
-    assert fake_cuda.waited[waited_before + 1 :] == []
+    assert drain_reads(1)
 
 
-def test_one_slot_is_rewritten_in_place_after_its_reader(fake_cuda):
-    ch, sub, _ = _pair(1)
+def test_a_slot_is_not_written_again_before_the_gpu_wrote_its_last_version():
+    # the producer's GPU may lag its CPU: a slot whose ready cell is behind the version last
+    # committed there is still being written, and writing it again would mix two versions
+    ch, _ = _pair(2)
+    for _ in range(2):
+        ch.next()
+        ch.commit()  # versions 1 (slot 0) and 2 (slot 1)
+    ch._block.cells[ch._cells.ready[0]] = 0  # as if the GPU had not yet reached version 1's write
+    with pytest.raises(TimeoutError, match="not yet written"):
+        ch.next(timeout=0.05)
+    ch._block.cells[ch._cells.ready[0]] = 1
+    assert ch.next(timeout=1) is ch.buffers[0]
+    assert ch._block.cells[ch._cells.pending[0]] == 3, "the version to be written there"
+
+
+def test_one_slot_is_rewritten_in_place_after_its_reader():
+    ch, sub = _pair(1)
     ch.next()
     ch.commit()
     with sub.read(timeout=1), pytest.raises(TimeoutError):
@@ -86,8 +77,8 @@ def test_one_slot_is_rewritten_in_place_after_its_reader(fake_cuda):
     assert ch.next(timeout=1) is ch.buffers[0]
 
 
-def test_a_reader_waits_for_a_newer_version_and_says_when_none_comes(fake_cuda):
-    ch, sub, _ = _pair(2)
+def test_a_reader_waits_for_a_newer_version_and_says_when_none_comes():
+    ch, sub = _pair(2)
     with pytest.raises(TimeoutError, match=r"no version newer than 0 within 0\.05 s"):
         sub.read(timeout=0.05).__enter__()
     ch.next()
@@ -100,7 +91,79 @@ def test_a_reader_waits_for_a_newer_version_and_says_when_none_comes(fake_cuda):
         assert frame.version == 1
 
 
-def test_a_dead_readers_claim_is_dropped_by_reaping(fake_cuda):
+def test_a_claim_on_a_slot_the_producer_took_meanwhile_is_let_go():
+    # the consumer saw version 1 as the newest, but before its claim was checked the producer
+    # published version 2 and took version 1's slot: the claim must not stand
+    ch, sub = _pair(2)
+    ch.next()
+    ch.commit()
+    cells, c = ch._block.cells, ch._cells
+    import graphtree.share.channel as channel
+
+    saved = channel._fence
+
+    def producer_moves_on():  # at the consumer's fence, between its claim and its check
+        channel._fence = saved
+        ch.next()
+        ch.commit()  # version 2 in slot 1
+        claims = cells[c.reading[0]]
+        cells[c.reading[0]] = 0  # the producer's look at the claims came before this claim's store
+        assert ch.next() is ch.buffers[0]  # so it takes version 1's slot
+        cells[c.reading[0]] = claims
+
+    if not channel._LOCK_FREE:
+        pytest.skip("the producer takes slots under the lock on this machine")
+    channel._fence = producer_moves_on
+    try:
+        taken = sub._claim(0)
+    finally:
+        channel._fence = saved
+    assert taken is None, "the claim saw its slot taken and gave up"
+    assert cells[c.reading[0]] == 0, "and let it go"
+
+
+def test_the_producer_backs_off_a_slot_claimed_while_it_was_taking_it():
+    # a consumer that saw version 1 as the newest claims its slot after the producer looked at
+    # the claims and before it marked the slot: the producer must see the claim and leave the slot
+    import types
+
+    import graphtree.share.channel as channel
+
+    if not channel._LOCK_FREE:
+        pytest.skip("the producer takes slots under the lock on this machine")
+    ch, sub = _pair(3)
+    ch.next()
+    ch.commit()  # version 1, slot 0
+    ch.next()
+    ch.commit()  # version 2, slot 1
+    real, c = ch._block.cells, ch._cells
+    seen = {}
+
+    class Cells:  # the producer's view of the cells, with the consumer's claim slipped in
+        def __getitem__(self, i):
+            return real[i]
+
+        def __setitem__(self, i, value):
+            if i == c.version[0] and value == -1 and not seen:
+                real[c.latest] = 1  # the consumer's earlier look at "latest"
+                seen["claim"] = sub._claim(0)
+                real[c.latest] = 2
+            real[i] = value
+
+    ch.next()
+    ch.commit()  # version 3, slot 2: the producer now tries slot 0 first
+    block = ch._block
+    ch._block = types.SimpleNamespace(cells=Cells(), acquire=block.acquire, release=block.release)
+    try:
+        s = ch._take()
+    finally:
+        ch._block = block
+    assert seen["claim"] == (0, 1), "the consumer's claim of version 1 stood (its check came first)"
+    assert s == 1, "so the producer left slot 0 to it and took the next free one"
+    assert real[c.version[0]] == 1, "slot 0 still holds version 1"
+
+
+def test_a_dead_readers_claim_is_dropped_by_reaping():
     block_holder = {}
 
     def reap():
@@ -109,7 +172,7 @@ def test_a_dead_readers_claim_is_dropped_by_reaping(fake_cuda):
             for s in range(2):
                 block.set(block.reading_cell(0, s), 0)
 
-    ch, sub, _ = _pair(2, reap=reap)
+    ch, sub = _pair(2, reap=reap)
     block_holder["block"] = ch._block
     ch.next()
     ch.commit()
@@ -119,8 +182,8 @@ def test_a_dead_readers_claim_is_dropped_by_reaping(fake_cuda):
     assert ch.next(timeout=1) is ch.buffers[0], "the producer reaped the claim instead of waiting"
 
 
-def test_misuse_is_refused(fake_cuda):
-    ch, sub, _ = _pair(2)
+def test_misuse_is_refused():
+    ch, sub = _pair(2)
     with pytest.raises(RuntimeError, match=r"next\(\) gives the buffer to write before commit\(\)"):
         ch.commit()
     ch.next()
@@ -131,11 +194,38 @@ def test_misuse_is_refused(fake_cuda):
         sub.read(timeout=1).__enter__()
 
 
+def test_a_graphed_writer_publishes_each_call_as_the_next_version():
+    # without CUDA graphtree runs the function eagerly: the same calls, the same cells
+    ch, sub = _pair(3)
+    calls = []
+
+    def step(x, *, out):
+        calls.append(out)
+        return torch.mul(x, 2, out=out)
+
+    publish = ch.graphed(step)
+    for v in range(1, 6):
+        result = publish(torch.full((2,), float(v)))
+        assert result is ch.buffers[(v - 1) % 3] and ch.version == v
+        assert _ready(ch, (v - 1) % 3) == v, "the function's own write marks the version written"
+        with sub.read(timeout=1) as frame:
+            assert frame.version == v and torch.equal(frame.tensor, torch.full((2,), 2.0 * v))
+    with pytest.raises(TypeError, match="gives out= itself"):
+        publish(torch.ones(2), out=torch.ones(2))
+
+    def broken(x, *, out):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        ch.graphed(broken)(torch.ones(2))
+    assert ch.version == 5 and ch._writing == -1, "a writer that raised publishes nothing"
+    graphtree.reset()
+
+
 def _reader_process(fd, buffers, versions, out):
-    """A consumer in another process (forked: the fake CUDA comes along) reading every newest
-    version, several times within each read, and reporting any version it saw torn."""
-    read_done = [_Event() for _ in buffers]
-    sub = Subscription("logits", 0, buffers, [_Event() for _ in buffers], read_done, Membership(ControlBlock(fd), 5))
+    """A consumer in another process (forked) reading every newest version, several times
+    within each read, and reporting any version it saw torn."""
+    sub = Subscription("logits", 0, buffers, Membership(ControlBlock(fd), 5), os.getppid())
     torn = reads = 0
     while sub.last < versions:
         with sub.read(timeout=10) as frame:
@@ -147,17 +237,17 @@ def _reader_process(fd, buffers, versions, out):
     out.put((reads, torn))
 
 
-def test_a_reader_in_another_process_never_sees_a_version_being_written(fake_cuda):
-    # The producer writes each version in two halves while a forked reader reads in a tight
-    # loop: the bookkeeping alone (claims under the lock, the unlocked publication in commit())
-    # must keep the two apart. With _take not holding the lock it failed in 5 of 6 runs on the
-    # two-core CPU machine (2 to 10 torn reads each); as it is, it passed every run.
+def test_a_reader_in_another_process_never_sees_a_version_being_written():
+    # The producer writes each version in pieces while a forked reader reads in a tight loop:
+    # the bookkeeping alone (claims checked after a fence against the producer's lock-free take,
+    # the unlocked publication) must keep the two apart. Without the claim's check in _claim it
+    # failed (torn reads seen) on the two-core CPU machine; as it is, it passed every run.
     import multiprocessing
 
     versions, slots = 8000, 3
     buffers = [torch.zeros(4096).share_memory_() for _ in range(slots)]
     block = ControlBlock.create()
-    ch = Channel("logits", 0, buffers, block, consumer_events=lambda c: None, reap=lambda: None)
+    ch = Channel("logits", 0, buffers, block, reap=lambda: None)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     reader = ctx.Process(target=_reader_process, args=(os.dup(block.fd), buffers, versions, out), daemon=True)

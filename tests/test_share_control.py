@@ -16,13 +16,16 @@ def test_cells_do_not_overlap():
     for j in range(MAX_CHANNELS):
         cells.append(ControlBlock.latest_cell(j))
         for s in range(MAX_SLOTS):
-            cells += [ControlBlock.version_cell(j, s), ControlBlock.reading_cell(j, s), ControlBlock.done_cell(j, s)]
+            cells += [ControlBlock.version_cell(j, s), ControlBlock.reading_cell(j, s)]
+            cells += [ControlBlock.pending_cell(j, s), ControlBlock.ready_cell(j, s)]
     assert len(set(cells)) == len(cells)
     block = ControlBlock.create()
     block.set(max(cells), -1)  # the last cell fits in the block
     assert block.get(max(cells)) == -1
     block.close()
     block.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        block.acquire()  # a late user (a consumer's release thread) is told, not crashed
 
 
 CHILD = """
@@ -72,7 +75,7 @@ def test_a_consumer_stays_registered_while_a_channel_of_it_is_referenced():
     with block.locked():
         block.set(block.pid_cell(5), 4242)
     membership = Membership(ControlBlock(os.dup(block.fd)), 5)
-    sub = Subscription("logits", 0, [torch.zeros(1)], [None], [None], membership)
+    sub = Subscription("logits", 0, [torch.zeros(1)], membership, os.getpid())
     del membership  # attach(...).channel("logits"): the Attached is dropped at once
     gc.collect()
     assert block.get(block.pid_cell(5)) == 4242 and sub.latest == 0

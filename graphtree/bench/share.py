@@ -5,9 +5,10 @@ for ``steps`` steps; a consumer process (a ``spawn`` child) reads every step's l
 their argmax. Ways to hand the logits over:
 
 - ``none``: no consumer, the baseline producer loop (the step's logits stay in the graph's pool);
-- ``graphtree.share``: the step writes its logits straight into a channel's slot (``out=``, a
-  static argument of the recording, so no copy), ``commit()`` records an inter-process event;
-  the consumer's stream waits on it (:mod:`graphtree.share.channel`);
+- ``graphtree.share``: a channel's graphed writer (:meth:`~graphtree.share.channel.Channel.graphed`)
+  of the decode step: each call writes the logits straight into the next slot (``out=``, so no
+  copy) and its recording writes the slot's ``ready`` cell; the consumer's stream waits for that
+  cell (:mod:`graphtree.share.channel`);
 - ``mp-queue``: ``torch.multiprocessing`` queue of CUDA tensors: ``q.put(logits.clone())`` (a
   clone, since the next replay overwrites the graph's output; torch sends a legacy IPC handle);
 - ``pinned-copy``: the logits are copied into pinned shared host memory (``cudaHostRegister`` on
@@ -21,7 +22,8 @@ processes), the bytes each step copies, and whether the consumer's tokens equal 
 The producer waits for its GPU at the end of each step (outside the CPU time), as a decode loop
 that checks for its end does, so latencies are not inflated by a growing GPU queue.
 For ``graphtree.share`` also the attach time (first in the consumer, then cached: the median of
-20 more) and ``next()``/``commit()`` alone.
+20 more), the writer's call alone, and the publishing overhead measured apart from the loop's
+noise (:func:`publish_overhead`).
 
 Example::
 
@@ -136,16 +138,16 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q, out = ctx.Queue(), ctx.Queue()
     name = f"bench-{uuid.uuid4().hex[:8]}"
-    pub = ch = child = None
+    pub = child = None
     pinned: list[torch.Tensor] = []
     ev, stream = torch.cuda.Event(), torch.cuda.current_stream()
+    publish = None
     if way == "graphtree.share":
         import graphtree.share as share
 
         pub = share.Publisher(name)
-        ch = pub.channel("logits", (b, vocab), model.wte.weight.dtype, slots=_SLOTS)
-        for buf in ch.buffers:
-            graphtree.mark_static(buf)
+        channel = pub.channel("logits", (b, vocab), model.wte.weight.dtype, slots=_SLOTS)
+        publish = channel.graphed(model.decode_step, timeout=60)
     if way == "pinned-copy":
         pinned = [torch.empty(b, vocab, dtype=model.wte.weight.dtype).share_memory_() for _ in range(2)]
         for p in pinned:
@@ -157,8 +159,7 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
     started: dict[int, float] = {}
     produced: dict[int, torch.Tensor] = {}
     cpu: list[float] = []
-    nexts: list[float] = []
-    commits: list[float] = []
+    publishes: list[float] = []
     acked = 0
     total = warmup + steps
     torch.cuda.synchronize()
@@ -171,15 +172,10 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
             pos.zero_()
         t0 = time.perf_counter()
         graphtree.mark_step()
-        if ch is not None:
+        if publish is not None:
             t1 = time.perf_counter()
-            buf = ch.next(timeout=60)
-            t2 = time.perf_counter()
-            nexts.append(t2 - t1)
-            logits = step(tokens, pos, out=buf)
-            t3 = time.perf_counter()
-            ch.commit()
-            commits.append(time.perf_counter() - t3)
+            logits = publish(tokens, pos)  # next slot, the graphed step writing into it, published
+            publishes.append(time.perf_counter() - t1)
         else:
             logits = step(tokens, pos)
             if way == "mp-queue":
@@ -205,9 +201,8 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
         "producer_wall_per_step_us": wall / steps * 1e6,
         "copied_bytes_per_step": 0 if way in ("none", "graphtree.share") else logits.numel() * logits.element_size(),
     }
-    if ch is not None:
-        result["next_us"] = _median_us(nexts[warmup:])
-        result["commit_us"] = _median_us(commits[warmup:])
+    if publish is not None:
+        result["publish_us"] = _median_us(publishes[warmup:])
     if child is not None:
         report: dict[str, Any] = {}
         while not report:
@@ -239,10 +234,53 @@ def measure(
     model = _model(layers, d_model, vocab, batch)
     with torch.no_grad():
         rows = [_one_way(w, model, steps, warmup) for w in WAYS]
+        rows[1].update(publish_overhead(model))
     base = rows[0]["producer_cpu_per_step_us"]
     for r in rows[1:]:  # what handing the logits over adds to the producer's step
         r["producer_cpu_over_none_us"] = r["producer_cpu_per_step_us"] - base
     return rows
+
+
+def publish_overhead(model: Any, rounds: int = 10, calls: int = 300) -> dict[str, float]:
+    """What publishing costs the producer's CPU per step, measured apart from the noise of a live
+    loop: the graphed decode step writing its logits into a buffer of its own (``out=``, three
+    buffers in turn, as a channel's slots) against a channel's :meth:`~graphtree.share.channel.
+    Channel.graphed` writer of the same step (no consumer), in alternating rounds of ``calls``
+    calls, the GPU waited for after each call (outside the time). Medians of the rounds'
+    medians, in microseconds: ``step_out_us``, ``publish_call_us`` and their difference
+    ``publish_overhead_us``."""
+    import graphtree
+    import graphtree.share as share
+
+    graphtree.reset()
+    model.reset_cache()
+    b, vocab, dtype = model.batch, model.cfg.vocab, model.wte.weight.dtype
+    tokens = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+    pos = torch.zeros((), dtype=torch.long, device="cuda")
+    step = graphtree.graphed(model.decode_step)
+    own = [graphtree.mark_static(torch.empty(b, vocab, dtype=dtype, device="cuda")) for _ in range(_SLOTS)]
+    pub = share.Publisher(f"bench-{uuid.uuid4().hex[:8]}")
+    publish = pub.channel("logits", (b, vocab), dtype, slots=_SLOTS).graphed(model.decode_step, timeout=60)
+    stream = torch.cuda.current_stream()
+
+    def timed(call: Any) -> float:
+        xs = []
+        for i in range(calls):
+            t = time.perf_counter()
+            call(i)
+            xs.append(time.perf_counter() - t)
+            stream.synchronize()
+        return statistics.median(xs[calls // 10 :])
+
+    a: list[float] = []
+    c: list[float] = []
+    for _ in range(rounds):
+        a.append(timed(lambda i: step(tokens, pos, out=own[i % _SLOTS])))
+        c.append(timed(lambda i: publish(tokens, pos)))
+    pub.close()
+    graphtree.reset()
+    step_us, publish_us = statistics.median(a) * 1e6, statistics.median(c) * 1e6
+    return {"step_out_us": step_us, "publish_call_us": publish_us, "publish_overhead_us": publish_us - step_us}
 
 
 SCENARIO = "share"
@@ -250,8 +288,8 @@ _METRICS = (  # (key in a way's figures, metric, unit, scale to base units)
     ("producer_cpu_per_step_us", "producer_cpu_per_step", "s", 1e-6),
     ("producer_wall_per_step_us", "producer_time_per_step", "s", 1e-6),
     ("producer_cpu_over_none_us", "producer_cpu_over_none", "s", 1e-6),
-    ("next_us", "next_cpu", "s", 1e-6),
-    ("commit_us", "commit_cpu", "s", 1e-6),
+    ("publish_us", "publish_cpu", "s", 1e-6),
+    ("publish_overhead_us", "publish_overhead", "s", 1e-6),
     ("attach_first_ms", "attach_first", "s", 1e-3),
     ("attach_cached_ms", "attach_cached", "s", 1e-3),
     ("copied_bytes_per_step", "copied_per_step", "bytes", 1),

@@ -3,8 +3,9 @@
 A :class:`Publisher` allocates tensors in shareable GPU memory (an IPC-enabled CUDA memory pool,
 through NVIDIA's ``cuda.core``) and serves them by name; :func:`attach` maps them into another
 process as torch tensors on the same memory. A channel (``Publisher.channel``) publishes versions
-of a tensor, ordered on the GPU by inter-process CUDA events: a reader never sees a half-written
-version. Handles travel only over a Unix-domain socket whose peer's uid the kernel vouches for.
+of a tensor, ordered on the GPU by version cells in shared host memory that the producer's GPU
+writes and the consumer's GPU waits for: a reader never sees a half-written version. Handles
+travel only over a Unix-domain socket whose peer's uid the kernel vouches for.
 What holds, what was measured and what does not hold yet: ``DESIGN.md``.
 
 Example::

@@ -1,25 +1,34 @@
 """Versions of a shared tensor, stream-ordered on both sides: ``graphtree.share`` channels.
 
 A producer's :class:`Channel` rotates through ``slots`` GPU buffers of one shape. To publish a
-version it writes into the buffer :meth:`Channel.next` gives (its current stream first waits,
-on the GPU, for every consumer still reading what that buffer held) and calls
-:meth:`Channel.commit`, which records an inter-process CUDA event after the writes. A consumer's
-:meth:`Subscription.read` takes the newest committed version, makes its current stream wait on
-that event (a GPU wait: the CPU goes on) and, when the ``with`` block ends, records its own
-inter-process event, which the producer's next write into that buffer waits for. So a reader
-never sees a half-written version and a writer never overwrites a version being read, without
-either CPU waiting for the other's GPU. The bookkeeping (which slot holds which version, who
-reads it) is in a shared page (:mod:`graphtree.share._control`).
+version it writes into the buffer :meth:`Channel.next` gives and calls :meth:`Channel.commit`,
+which queues, after the writes on the current stream, a write of the version number into the
+slot's ``ready`` cell: a cell of host memory both processes map and have registered with CUDA
+(:mod:`graphtree.share._control`). A consumer's :meth:`Subscription.read` takes the newest
+committed version and makes its current stream wait, on the GPU, until that cell holds the
+version (``cuStreamWaitValue64``): the CPU goes on. When the ``with`` block ends, a thread of the
+consumer's process drops its claim on the slot once the GPU work queued inside the block is done;
+the producer writes a slot again only when no consumer claims it. So a reader never sees a
+half-written version and a writer never overwrites a version being read, and the producer makes
+no CUDA call for the ordering but that one write.
+
+:meth:`Channel.graphed` goes further: a function recorded by graphtree writes each call's result
+into the next slot, and the ``ready`` write is a node of its recording (a copy from the slot's
+``pending`` cell, which the CPU sets when it takes the slot): no CUDA call at all per version
+beyond the replay itself.
 
 Constraints: one writing thread per channel; a consumer uses a version's tensor only inside its
 ``with`` block and on its current stream (as with ``Tensor.record_stream``, other streams must
-be ordered after it). A slow consumer holds back the producer when every other slot is in use:
-:meth:`Channel.next` then waits on the CPU, up to ``timeout`` seconds.
+be ordered after it). A slow consumer holds back the producer when every other slot is in use,
+and the producer's GPU may be at most ``slots - 1`` versions behind its CPU: :meth:`Channel.next`
+then waits on the CPU, up to ``timeout`` seconds.
 
 Example::
 
     ch = pub.channel("logits", (8, 32000), torch.float16)       # producer
     step(x, out=ch.next()); ch.commit()
+    publish = ch.graphed(model.decode_step)                      # or: graphed, writing each call's
+    logits = publish(tokens, pos)                                # result as the next version
 
     with shared.channel("logits").read() as frame:              # consumer
         tokens = frame.tensor.argmax(-1)
@@ -27,18 +36,24 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from graphtree import _torch
-from graphtree.share._control import ControlBlock, Membership
+from graphtree.share._control import ChannelCells, ControlBlock, Membership, alive
 
-__all__ = ["Channel", "Frame", "Subscription", "interprocess_events"]
+__all__ = ["Channel", "Frame", "GraphedWriter", "Subscription"]
+
+log = logging.getLogger("graphtree")
 
 _T = TypeVar("_T")
 
@@ -67,8 +82,24 @@ def _poll(attempt: Callable[[], _T | None], timeout: float, what: Callable[[], s
     return result
 
 
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier on x86-64: a lock and unlock (an atomic read-modify-write, which
+    x86 orders against every earlier store and later load). See ``_LOCK_FREE``."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+_LOCK_FREE = platform.machine().lower() in ("x86_64", "amd64")
+"""Whether the producer takes slots without the control block's lock (the store, fence, load
+handshake of :meth:`Channel._take` and :meth:`Subscription._claim`); elsewhere it takes the lock,
+since ``_fence`` is a full barrier only under x86's memory order."""
+
+
 class _CurrentStream:
-    """``current()``: torch's current stream on ``device``, cheaply, for the channels' hot paths.
+    """``current()``: torch's current stream on ``device``, cheaply; ``raw()``: its handle.
 
     ``torch.cuda.current_stream`` builds a new ``Stream`` object on each call (3.1 µs on the H100
     host); the raw handle costs 0.17 µs, so the objects are kept by handle (a few streams at most)."""
@@ -77,6 +108,9 @@ class _CurrentStream:
         self._device = device.index
         self._raw = _torch.raw_stream_getter() if device.type == "cuda" else None
         self._known: dict[int, torch.cuda.Stream] = {}
+
+    def raw(self) -> int:
+        return 0 if self._raw is None else self._raw(self._device)
 
     def current(self) -> torch.cuda.Stream:
         if self._raw is None:
@@ -90,14 +124,55 @@ class _CurrentStream:
         return stream
 
 
-def interprocess_events(n: int, device: torch.device | int) -> list[torch.cuda.Event]:
-    """``n`` inter-process CUDA events on ``device``, each recorded once, so that a wait before
-    the first real record is a no-op."""
-    with torch.cuda.device(device):
-        events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
-        for e in events:
-            e.record()
-    return events
+class _Order:
+    """The GPU side of a channel's ordering: the ``ready`` cells written and waited for on streams.
+
+    ``mark(stream, s, v)`` queues ``ready[s] = v`` on ``stream`` (a raw handle) after the work
+    queued there; ``wait(stream, s, v)`` makes ``stream`` wait until ``ready[s] >= v``;
+    ``read_end(stream)`` is something whose ``query()`` says the work queued so far is done
+    (None: done now). ``marks[s]`` are ``(pending[s], ready[s])`` as tensors, for a recording
+    that writes ``ready[s]`` itself. With CPU buffers (tests of the bookkeeping) the cells are
+    written and read directly."""
+
+    def __init__(self, block: ControlBlock, cells: ChannelCells, device: torch.device) -> None:
+        self._block = block
+        self._ready = cells.ready
+        self.cuda = device.type == "cuda"
+        if not self.cuda:
+            view = torch.frombuffer(block.cells, dtype=torch.int64)
+            self.marks = [(view[p], view[r]) for p, r in zip(cells.pending, cells.ready, strict=True)]
+            return
+        from cuda.bindings import driver
+
+        view = block.gpu_cells(device.index)
+        self.marks = [(view[p], view[r]) for p, r in zip(cells.pending, cells.ready, strict=True)]
+        self._addresses = [block.device_address(r) for r in cells.ready]
+        self._write_value = driver.cuStreamWriteValue64
+        self._wait_value = driver.cuStreamWaitValue64
+        self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._ok = driver.CUresult.CUDA_SUCCESS
+
+    def mark(self, stream: int, s: int, v: int) -> None:
+        if not self.cuda:
+            self._block.cells[self._ready[s]] = v
+            return
+        (err,) = self._write_value(stream, self._addresses[s], v, 0)
+        if err != self._ok:
+            raise RuntimeError(f"cuStreamWriteValue64 of a channel's ready cell failed: {err!r}")
+
+    def wait(self, stream: int, s: int, v: int) -> None:
+        if not self.cuda:
+            return  # mark() wrote the cell already
+        (err,) = self._wait_value(stream, self._addresses[s], v, self._geq)
+        if err != self._ok:
+            raise RuntimeError(f"cuStreamWaitValue64 on a channel's ready cell failed: {err!r}")
+
+    def read_end(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
 
 class Channel:
@@ -107,7 +182,7 @@ class Channel:
 
         ch = pub.channel("logits", (8, 32000), torch.float16, slots=3)
         for x in batches:
-            torch.matmul(x, w, out=ch.next())   # or a graphed step writing into it
+            torch.matmul(x, w, out=ch.next())   # or ch.graphed(step) for a graphed step
             ch.commit()
     """
 
@@ -117,47 +192,49 @@ class Channel:
         index: int,
         buffers: list[torch.Tensor],
         block: ControlBlock,
-        consumer_events: Callable[[int], list[torch.cuda.Event] | None],
         reap: Callable[[], None],
     ) -> None:
         self.name = name
         self.index = index
         self.buffers = buffers
         self.device = buffers[0].device
-        self.written = interprocess_events(len(buffers), self.device)
         self._stream = _CurrentStream(self.device)
         self._block = block
-        self._consumer_events = consumer_events
         self._reap = reap
+        n = len(buffers)
+        self._cells = block.channel_cells(index, n)
+        self._order = _Order(block, self._cells, self.device)
         self._writing = -1
         self._latest_slot = -1
+        self._written = [0] * n  # the version last committed in each slot
         self.version = 0
-        n = len(buffers)
-        self._latest_cell, self._version_cells, self._reading_cells, self._done_cells = block.channel_cells(index, n)
-        # the slots to try after the newest is in slot k (key -1: none yet); one slot: itself
-        self._tries = {k: [s for s in ((k + i) % n for i in range(1, n + 1)) if s != k or n == 1] for k in range(-1, n)}
+        # the slots to try after the newest is in slot k (key -1: none yet); one slot: itself;
+        # each with its cell numbers: reading, ready, version, pending
+        c = self._cells
+        self._plan = {
+            k: [
+                (s, c.reading[s], c.ready[s], c.version[s], c.pending[s])
+                for s in ((k + i) % n for i in range(1, n + 1))
+                if s != k or n == 1
+            ]
+            for k in range(-1, n)
+        }
 
     def next(self, *, timeout: float = 5.0) -> torch.Tensor:
-        """The buffer to write the next version into (ordered after its readers on the GPU)."""
+        """The buffer to write the next version into: a slot no consumer reads and whose last
+        version this GPU has written (the CPU waits up to ``timeout`` seconds for one)."""
         if self._writing >= 0:
             raise RuntimeError(f"channel {self.name!r}: commit() the version being written before next()")
-        taken = self._take()
-        if taken is None:  # every other slot is being read: wait for a reader to finish (or die)
-            taken = _poll(
+        s = self._take()
+        if s is None:
+            s = _poll(
                 self._take_or_reap,
                 timeout,
-                lambda: f"channel {self.name!r}: every slot is being read after {timeout} s",
+                lambda: (
+                    f"channel {self.name!r}: every slot is being read after {timeout} s "
+                    "(or this GPU has not yet written the versions in them)"
+                ),
             )
-        s, done = taken
-        if done:
-            stream = self._stream.current()
-            c = 0
-            while done:
-                events = self._consumer_events(c) if done & 1 else None
-                if events is not None:  # None: the consumer detached or died since
-                    stream.wait_event(events[s])
-                done >>= 1
-                c += 1
         self._writing = s
         return self.buffers[s]
 
@@ -166,38 +243,143 @@ class Channel:
         s = self._writing
         if s < 0:
             raise RuntimeError(f"channel {self.name!r}: next() gives the buffer to write before commit()")
-        self.written[s].record(self._stream.current())
-        v = self.version = self.version + 1
-        # No lock: only this thread writes these two cells, the slot's first. A consumer that
-        # sees the new ``latest`` then finds its slot (or, where stores may be reordered, finds
-        # none and looks again); the slot is claimed under the lock, against _take.
-        cells = self._block.cells
-        cells[self._version_cells[s]] = v
-        cells[self._latest_cell] = v
+        v = self.version + 1
+        self._order.mark(self._stream.raw(), s, v)
+        return self._publish(s, v)
+
+    def graphed(
+        self, fn: Callable[..., Any], *, out: str = "out", timeout: float = 5.0, **options: Any
+    ) -> GraphedWriter:
+        """``fn`` recorded by graphtree, each call writing its result into the next version.
+
+        ``fn`` must write its result into the keyword argument ``out`` (as ``torch.mm(...,
+        out=out)`` does); each call takes a slot (:meth:`next`), calls the graphed ``fn`` with
+        ``out=`` that slot's buffer, and publishes the version. The write of the slot's ``ready``
+        cell is recorded with ``fn``, so a replayed version costs no CUDA call but the replay.
+        ``options`` are :func:`graphtree.graphed`'s. Calls are made on one stream (the
+        recordings' ``ready`` writes are ordered by it).
+
+        Example::
+
+            publish = ch.graphed(model.decode_step)      # decode_step(tokens, pos, out=None)
+            logits = publish(tokens, pos)                # the version's tensor (the slot's buffer)
+        """
+        return GraphedWriter(self, fn, out=out, timeout=timeout, **options)
+
+    def _publish(self, s: int, v: int) -> int:
+        # No lock: only this thread writes these cells, the slot's version first. A consumer
+        # that sees the new ``latest`` then finds its slot (or, where stores may be reordered,
+        # finds none and looks again); claims are checked against _take (see _claim).
+        cells, c = self._block.cells, self._cells
+        cells[c.version[s]] = v
+        cells[c.latest] = v
+        self.version = v
+        self._written[s] = v
         self._latest_slot, self._writing = s, -1
         return v
 
-    def _take_or_reap(self) -> tuple[int, int] | None:
+    def _abandon(self) -> None:
+        """Give up the version being written (its writer raised): the slot is not published."""
+        self._writing = -1
+
+    def _take_or_reap(self) -> int | None:
         taken = self._take()
         if taken is None:
             self._reap()  # a consumer killed while reading holds its slot until reaped
         return taken
 
-    def _take(self) -> tuple[int, int] | None:
-        """A slot nobody reads, oldest version first and never the newest (readers may want it),
-        marked as being written; with the consumers that read it since its last write."""
-        block, cells = self._block, self._block.cells
+    def _take(self) -> int | None:
+        """A slot nobody reads and whose last version the GPU has written, never the newest
+        (readers may want it), marked as being written, with ``pending`` set to the next version.
+
+        Lock-free on x86-64: mark the slot (version -1), fence, then look again for a claim. A
+        consumer sets its claim, fences, then checks the version (see :meth:`Subscription._claim`):
+        of two such store-fence-load sequences at least one sees the other's store, so the slot
+        is either taken here or read there, never both. (The hot path of every version: cell
+        numbers come precomputed per slot.)"""
+        if not _LOCK_FREE:
+            return self._take_locked()
+        cells, written = self._block.cells, self._written
+        for s, reading, ready, version, pending in self._plan[self._latest_slot]:
+            if cells[reading] or cells[ready] < written[s]:
+                continue
+            before = cells[version]
+            cells[version] = -1
+            _fence_lock.acquire()  # _fence(), inline
+            _fence_lock.release()
+            if cells[reading]:  # a consumer claimed it meanwhile: it keeps it
+                cells[version] = before
+                continue
+            cells[pending] = self.version + 1
+            return s
+        return None
+
+    def _take_locked(self) -> int | None:
+        """:meth:`_take` under the control block's lock (where ``_fence`` is not a full barrier)."""
+        block, written = self._block, self._written
         block.acquire()
         try:
-            for s in self._tries[self._latest_slot]:
-                if cells[self._reading_cells[s]] == 0:
-                    done = cells[self._done_cells[s]]
-                    cells[self._done_cells[s]] = 0
-                    cells[self._version_cells[s]] = -1
-                    return s, done
+            cells = block.cells
+            for s, reading, ready, version, pending in self._plan[self._latest_slot]:
+                if cells[reading] or cells[ready] < written[s]:
+                    continue
+                cells[version] = -1
+                cells[pending] = self.version + 1
+                return s
             return None
         finally:
             block.release()
+
+
+class GraphedWriter:
+    """A function recorded by graphtree that writes each call's result as a channel's next version.
+
+    Made by :meth:`Channel.graphed`; called like the function, without ``out=``; returns what
+    the function returns (the slot's buffer when it returns its ``out``)."""
+
+    def __init__(self, channel: Channel, fn: Callable[..., Any], *, out: str, timeout: float, **options: Any) -> None:
+        import graphtree
+
+        if not callable(fn):
+            raise TypeError(f"Channel.graphed needs a callable, got {type(fn).__name__}")
+        self.channel = channel
+        self._out = out
+        self._timeout = timeout
+        owner = getattr(fn, "__self__", None)  # a module of a bound method, kept in the closure:
+        # graphtree finds the module's parameters there
+        slots = {t.data_ptr(): s for s, t in enumerate(channel.buffers)}
+        marks = channel._order.marks
+
+        def write(*args: Any, **kwargs: Any) -> Any:
+            _ = owner
+            result = fn(*args, **kwargs)
+            # after fn's writes, on its stream: "version written". The slot's cells are found from
+            # its buffer (not passed as arguments: each tensor argument costs every replay ~3 µs)
+            pending, ready = marks[slots[kwargs[out].data_ptr()]]
+            torch.add(pending, 0, out=ready)
+            return result
+
+        options.setdefault("name", getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "write"))
+        self._call = graphtree.graphed(write, **options)
+        for t in channel.buffers:
+            graphtree.mark_static(t)
+
+    def __repr__(self) -> str:
+        return f"<graphtree.share GraphedWriter of channel {self.channel.name!r}: {self._call!r}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._out in kwargs:
+            raise TypeError(f"channel {self.channel.name!r} gives {self._out}= itself (the next slot's buffer)")
+        ch = self.channel
+        kwargs[self._out] = ch.next(timeout=self._timeout)
+        s = ch._writing
+        try:
+            result = self._call(*args, **kwargs)
+        except BaseException:
+            ch._abandon()
+            raise
+        ch._publish(s, ch.version + 1)
+        return result
 
 
 class Subscription:
@@ -211,29 +393,32 @@ class Subscription:
         name: str,
         index: int,
         buffers: list[torch.Tensor],
-        written: list[torch.cuda.Event],
-        read_done: list[torch.cuda.Event],
         membership: Membership,
+        producer_pid: int,
     ) -> None:
         self.name = name
         self.index = index
         self.buffers = buffers
         self.device = buffers[0].device
         self._bit = 1 << membership.index
-        self._written = written
-        self._read_done = read_done
         self._membership = membership  # kept: this consumer stays registered while it can read
+        self._producer_pid = producer_pid
         self._stream = _CurrentStream(self.device)
         block = self._block = membership.block
-        self._latest_cell, self._version_cells, self._reading_cells, self._done_cells = block.channel_cells(
-            index, len(buffers)
-        )
+        self._cells = block.channel_cells(index, len(buffers))
+        self._ordering: _Order | None = None  # made on the first read (it registers the block with CUDA)
         self.last = 0  # the newest version this consumer has read
+
+    @property
+    def _order(self) -> _Order:
+        if self._ordering is None:
+            self._ordering = _Order(self._block, self._cells, self.device)
+        return self._ordering
 
     @property
     def latest(self) -> int:
         """The newest version the producer has committed (0 before any)."""
-        return self._block.cells[self._latest_cell]
+        return self._block.cells[self._cells.latest]
 
     @contextmanager
     def read(self, *, after: int | None = None, timeout: float = 5.0) -> Iterator[Frame]:
@@ -259,31 +444,155 @@ class Subscription:
                 lambda: f"channel {self.name!r}: no version newer than {after} within {timeout} s",
             )
         s, v = taken
-        stream = self._stream.current()
-        stream.wait_event(self._written[s])
+        stream = self._stream.current() if self._order.cuda else None
         try:
+            self._order.wait(0 if stream is None else stream.cuda_stream, s, v)
             yield Frame(self.buffers[s], v)
         finally:
-            self._read_done[s].record(stream)
-            block, cells, bit = self._block, self._block.cells, self._bit
-            block.acquire()
-            cells[self._reading_cells[s]] &= ~bit
-            cells[self._done_cells[s]] |= bit
-            block.release()
             self.last = v
+            end = self._order.read_end(stream)
+            if end is None:
+                self._unclaim(s)
+            else:  # dropped once the GPU work queued inside the block is done
+                _releaser().put(end, self, s, v)
 
     def _claim(self, after: int) -> tuple[int, int] | None:
-        """Mark the slot of the newest version as read by this consumer, if it is newer than ``after``."""
-        block, cells = self._block, self._block.cells
-        if cells[self._latest_cell] <= after:  # unlocked peek: a stale value only delays the claim
+        """Claim the slot of the newest version for this consumer, if it is newer than ``after``."""
+        block, cells, c = self._block, self._block.cells, self._cells
+        if cells[c.latest] <= after:  # unlocked peek: a stale value only delays the claim
             return None
-        block.acquire()
+        block.acquire()  # against other consumers' read-modify-writes of the masks
         try:
-            v = cells[self._latest_cell]
-            for s, cell in enumerate(self._version_cells):
+            v = cells[c.latest]
+            for s, cell in enumerate(c.version):
                 if cells[cell] == v:
-                    cells[self._reading_cells[s]] |= self._bit
-                    return s, v
-            return None
+                    cells[c.reading[s]] |= self._bit
+                    break
+            else:
+                return None
         finally:
             block.release()
+        _fence()
+        if cells[c.version[s]] != v:  # the producer took the slot meanwhile (Channel._take)
+            self._unclaim(s)
+            return None
+        return s, v
+
+    def _unclaim(self, s: int) -> None:
+        block, cells = self._block, self._block.cells
+        try:
+            block.acquire()
+        except ValueError:  # this consumer left already: the producer drops its claims
+            return
+        try:
+            cells[self._cells.reading[s]] &= ~self._bit
+        finally:
+            block.release()
+
+    def _unblock_if_producer_died(self, s: int, v: int) -> bool:
+        """If the producer died before its GPU wrote version ``v``, write the ready cell from
+        here so that this process's GPU stops waiting (the version's data is incomplete)."""
+        cells = self._block.cells
+        if self._block.closed or cells[self._cells.ready[s]] >= v or alive(self._producer_pid):
+            return False
+        cells[self._cells.ready[s]] = v
+        log.warning(
+            "graphtree.share: the producer (pid %d) of channel %r died before its GPU wrote version %d; "
+            "this process's GPU no longer waits for it, and what it read of that version is incomplete",
+            self._producer_pid,
+            self.name,
+            v,
+        )
+        return True
+
+
+class _Releaser:
+    """The thread of a consumer process that ends reads: once the GPU work queued inside a
+    ``read()`` block is done (its event), the claim on the slot is dropped, so that the producer
+    may write the slot again. It polls the events (a short spin, then sleeps of up to 1 ms) and,
+    every 100 ms spent on one, checks that the producer lives: a producer killed before its GPU
+    wrote a version would leave this process's GPU waiting for ever."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Subscription | None, int, int]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="graphtree-share-release", daemon=True)
+        self._thread.start()
+
+    def put(self, event: torch.cuda.Event, sub: Subscription, s: int, v: int) -> None:
+        self._queue.put((event, sub, s, v))
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until the reads put so far are ended (False after ``timeout`` seconds)."""
+        done = threading.Event()
+        self._queue.put((done, None, 0, 0))
+        return done.wait(timeout)
+
+    def _run(self) -> None:
+        from graphtree.share._memory import _relaxed_capture_mode
+
+        with _relaxed_capture_mode():  # its event queries must not end another thread's capture
+            while True:
+                event, sub, s, v = self._queue.get()
+                if sub is None:
+                    event.set()
+                    continue
+                try:
+                    self._wait(event, sub, s, v)
+                except ValueError:  # the consumer closed its block meanwhile
+                    pass
+                except Exception:  # a broken context: drop the claim all the same
+                    log.exception("graphtree.share: waiting for the end of a read failed")
+                sub._unclaim(s)
+
+    @staticmethod
+    def _wait(event: torch.cuda.Event, sub: Subscription, s: int, v: int) -> None:
+        # First the producer's GPU, watched on the CPU (no CUDA call: one made while another
+        # thread of this process waits in a synchronisation may wait as long as it), then this
+        # process's own work on the version.
+        cells, ready = sub._block.cells, sub._cells.ready[s]
+        spins = 0
+        check = time.monotonic() + 0.1
+        while cells[ready] < v:
+            spins = _backoff(spins)
+            if time.monotonic() > check:
+                check = time.monotonic() + 0.1
+                if sub._unblock_if_producer_died(s, v):
+                    break
+        spins = 0
+        while not event.query():
+            spins = _backoff(spins)
+
+
+def _backoff(spins: int) -> int:
+    """Yield the CPU, then sleep a little longer each time (up to 1 ms); the next count."""
+    if spins > 200:
+        time.sleep(min(1e-3, 1e-5 * spins / 200))
+    else:
+        os.sched_yield()
+    return spins + 1
+
+
+_the_releaser: _Releaser | None = None
+_releaser_lock = threading.Lock()
+
+
+def _forget_releaser() -> None:  # a forked child has no thread of its parent's
+    global _the_releaser
+    _the_releaser = None
+
+
+os.register_at_fork(after_in_child=_forget_releaser)
+
+
+def _releaser() -> _Releaser:
+    global _the_releaser
+    if _the_releaser is None:
+        with _releaser_lock:
+            if _the_releaser is None:
+                _the_releaser = _Releaser()
+    return _the_releaser
+
+
+def drain_reads(timeout: float = 5.0) -> bool:
+    """Wait until every read this process ended has dropped its claim (False after ``timeout``)."""
+    return _the_releaser is None or _the_releaser.drain(timeout)

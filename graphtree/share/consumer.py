@@ -23,7 +23,7 @@ import torch
 from graphtree.share._control import ControlBlock, Membership
 from graphtree.share._memory import ImportPool, ShareUnavailableError
 from graphtree.share._rendezvous import default_path, request
-from graphtree.share.channel import Subscription
+from graphtree.share.channel import Subscription, drain_reads
 
 __all__ = ["Attached", "attach"]
 
@@ -61,6 +61,8 @@ class Attached(Mapping[str, torch.Tensor]):
         """Detach: the producer stops waiting for this consumer (idempotent). Tensors already
         taken stay valid; channels can no longer be read. Without it, the consumer detaches when
         neither this object nor any of its channels is referenced."""
+        if self._channels:
+            drain_reads()  # the claims of reads whose GPU work is still running go first
         self._membership.close()
         self._channels = {}
 
@@ -167,14 +169,8 @@ def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
         same_process = int(reply["pid"]) == os.getpid()
         for name, meta in () if same_process else reply["channels"].items():
             shape, dtype = tuple(meta["shape"]), _dtype(name, meta)
-
-            def events(key: str, meta: dict[str, Any] = meta) -> list[torch.cuda.Event]:
-                return [torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(h)) for h in meta[key]]
-
             buffers = [pool.tensor(export, shape, dtype) for export in meta["slots"]]
-            channels[name] = Subscription(
-                name, int(meta["index"]), buffers, events("written"), events("read_done"), membership
-            )
+            channels[name] = Subscription(name, int(meta["index"]), buffers, membership, int(reply["pid"]))
     except BaseException:
         if membership is not None:
             membership.close()
@@ -184,5 +180,5 @@ def attach(name_or_path: str, *, timeout: float = 5.0) -> Attached:
             pool.done()  # the import is given back when the last of these tensors is gone
         for fd in fds:
             os.close(fd)
-    no_channels = "channels are read from other processes: CUDA opens an inter-process event only there"
+    no_channels = "channels are read from other processes; the producer's own process has their buffers"
     return Attached(path, tensors, channels, membership, no_channels=no_channels if same_process else "")

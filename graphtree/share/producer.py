@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from graphtree.share._control import MAX_CHANNELS, MAX_CONSUMERS, MAX_SLOTS, ControlBlock
+from graphtree.share._control import MAX_CHANNELS, MAX_CONSUMERS, MAX_SLOTS, ControlBlock, alive
 from graphtree.share._memory import ExportPool, ShareUnavailableError
 from graphtree.share._rendezvous import Peer, Server, default_path
-from graphtree.share.channel import Channel, interprocess_events
+from graphtree.share.channel import Channel
 
 __all__ = ["Publisher"]
 
@@ -68,7 +68,7 @@ class Publisher:
         self._tensors: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
         self._channels: dict[str, tuple[Channel, list[dict[str, Any]]]] = {}
         self._block = ControlBlock.create()
-        self._consumer_events: dict[int, dict[str, list[torch.cuda.Event]]] = {}  # consumer -> channel -> slot
+        self._consumers: set[int] = set()  # the consumer numbers given out (their bits in the masks)
         self._lock = threading.Lock()
         self._server = Server(self.path, handler=self._serve, allow_uids=allow_uids)
 
@@ -119,14 +119,7 @@ class Publisher:
             if len(self._channels) >= MAX_CHANNELS:
                 raise ValueError(f"a producer has at most {MAX_CHANNELS} channels")
             made = [self._pool.tensor(shape, dtype) for _ in range(slots)]
-            ch = Channel(
-                name,
-                len(self._channels),
-                [t for t, _ in made],
-                self._block,
-                consumer_events=lambda c: self._consumer_events.get(c, {}).get(name),
-                reap=self._reap,
-            )
+            ch = Channel(name, len(self._channels), [t for t, _ in made], self._block, reap=self._reap)
             self._channels[name] = (ch, [export for _, export in made])
         torch.cuda.current_stream(self.device).synchronize()  # the buffers exist before consumers map them
         return ch
@@ -151,20 +144,20 @@ class Publisher:
             raise ValueError(f"{name!r} is already published by this producer")
 
     def _reap(self) -> None:
-        """Forget consumers that detached or died: their claims on slots and their events."""
+        """Forget consumers that detached or died, and their claims on slots."""
         block = self._block
         with self._lock, block.locked():
-            for c in list(self._consumer_events):
+            for c in list(self._consumers):
                 pid = block.get(block.pid_cell(c))
-                if pid and _alive(pid):
+                if pid and alive(pid):
                     continue
                 bit = ~(1 << c)
                 for ch, _ in self._channels.values():
                     for s in range(len(ch.buffers)):
-                        for cell in (block.reading_cell(ch.index, s), block.done_cell(ch.index, s)):
-                            block.set(cell, block.get(cell) & bit)
+                        cell = block.reading_cell(ch.index, s)
+                        block.set(cell, block.get(cell) & bit)
                 block.set(block.pid_cell(c), 0)
-                del self._consumer_events[c]
+                self._consumers.discard(c)
 
     def _serve(self, request: dict[str, Any], peer: Peer) -> tuple[dict[str, Any], list[int]]:
         if request.get("op") != "attach":
@@ -174,21 +167,18 @@ class Publisher:
         with self._lock:
             tensors = {n: meta for n, (_, meta) in self._tensors.items()}
             with block.locked():
-                free = [c for c in range(MAX_CONSUMERS) if c not in self._consumer_events]
+                free = [c for c in range(MAX_CONSUMERS) if c not in self._consumers]
                 if not free:
                     raise RuntimeError(f"{MAX_CONSUMERS} consumers are attached already")
                 c = free[0]
                 block.set(block.pid_cell(c), peer.pid)
-            events = {n: interprocess_events(len(ch.buffers), self.device) for n, (ch, _) in self._channels.items()}
-            self._consumer_events[c] = events
+            self._consumers.add(c)
             channels = {
                 n: {
                     "index": ch.index,
                     "shape": list(ch.buffers[0].shape),
                     "dtype": str(ch.buffers[0].dtype).removeprefix("torch."),
                     "slots": exports,
-                    "written": [bytes(e.ipc_handle()).hex() for e in ch.written],
-                    "read_done": [bytes(e.ipc_handle()).hex() for e in events[n]],
                 }
                 for n, (ch, exports) in self._channels.items()
             }
@@ -212,20 +202,3 @@ def _check(name: str, shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ..
     if any(s < 0 for s in shape):
         raise ValueError(f"a shape has no negative sizes, got {shape}")
     return shape
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed but not yet waited for, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process (allow_uids): alive
-    return True

@@ -1,7 +1,9 @@
 """graphtree.share channels on a GPU, across processes: versions are stream-ordered both ways
-(a reader never sees a half-written version, a writer never overwrites one being read), a
-consumer killed with SIGKILL leaks nothing in the producer, memory is freed when the last holder
-lets go, and a graphed decode loop hands every step's logits to a consumer with no copy."""
+(a reader never sees a half-written version, a writer never overwrites one being read), written
+by ``next()``/``commit()`` or by a graphed writer; a consumer killed with SIGKILL leaks nothing in
+the producer; a producer that died before its GPU wrote a version does not leave the consumer's
+GPU waiting for ever; memory is freed when the last holder lets go; and a graphed decode loop hands
+every step's logits to a consumer with no copy."""
 
 import gc
 import os
@@ -19,21 +21,31 @@ pytest.importorskip("cuda.core")
 import graphtree.share as share
 
 # Each version is written in two phases a GPU sleep apart: first -1 everywhere, then the version
-# number. A reader that did not wait for the producer's event would see -1 (or a mix).
+# number. A reader whose GPU did not wait for the producer's "ready" write would see -1 (or a mix).
+# "plain": next() and commit(); "graphed": a graphed writer, whose recording writes "ready".
 PRODUCER = """
 import sys, time, torch, graphtree.share as share
-name, n, slots = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+name, n, slots, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 pub = share.Publisher(name)
 ch = pub.channel("v", (1 << 20,), torch.float32, slots=slots)
+
+def write(value, *, out):
+    out.fill_(-1.0)
+    torch.cuda._sleep(20_000_000)   # about 10 ms of GPU time between the two phases
+    return out.copy_(value.expand_as(out))
+
+publish = ch.graphed(write, timeout=30)
+value = torch.zeros((), device="cuda")
 print("READY", flush=True)
 while not pub.consumers():
     time.sleep(0.01)
 for _ in range(n):
-    buf = ch.next(timeout=30)
-    buf.fill_(-1.0)
-    torch.cuda._sleep(20_000_000)   # about 10 ms of GPU time between the two phases
-    buf.fill_(float(ch.version + 1))
-    ch.commit()
+    value.fill_(float(ch.version + 1))
+    if how == "graphed":
+        publish(value)
+    else:
+        write(value, out=ch.next(timeout=30))
+        ch.commit()
 torch.cuda.synchronize()
 print("DONE", ch.version, flush=True)
 sys.stdin.readline()
@@ -54,9 +66,10 @@ def _stop(proc):
     proc.wait(timeout=30)
 
 
-def test_versions_are_stream_ordered_both_ways():
+@pytest.mark.parametrize("how", ["plain", "graphed"])
+def test_versions_are_stream_ordered_both_ways(how):
     name = f"ch-{uuid.uuid4().hex[:8]}"
-    proc = _start(PRODUCER, name, 40, 2)
+    proc = _start(PRODUCER, name, 40, 2, how)
     try:
         shared = share.attach(name)
         sub = shared.channel("v")
@@ -79,7 +92,7 @@ def test_versions_are_stream_ordered_both_ways():
 def test_reading_a_slot_without_the_protocol_sees_half_written_versions():
     """The control for the test above: the race it guards against is real on this GPU."""
     name = f"ch-{uuid.uuid4().hex[:8]}"
-    proc = _start(PRODUCER, name, 60, 2)
+    proc = _start(PRODUCER, name, 60, 2, "plain")
     try:
         shared = share.attach(name)
         sub = shared.channel("v")
@@ -121,9 +134,39 @@ def test_a_consumer_killed_with_sigkill_leaks_nothing_in_the_producer():
             if i == 1:
                 fds = len(os.listdir("/proc/self/fd"))
         assert len(os.listdir("/proc/self/fd")) <= fds, "no descriptor kept per dead consumer"
-        assert pub._consumer_events == {}, "no event kept per dead consumer"
+        assert pub._consumers == set(), "no consumer number kept per dead consumer"
     finally:
         pub.close()
+
+
+# The state a producer killed between publishing a version (on its CPU) and its GPU's "ready"
+# write leaves behind, built in one process: version 1 published, its ready cell never written,
+# and the producer's pid that of a process that has exited.
+STRANDED = """
+import os, subprocess, sys, time, torch
+from graphtree.share._control import ControlBlock, Membership
+from graphtree.share.channel import Channel, Subscription
+gone = subprocess.Popen(["true"]); gone.wait()
+block = ControlBlock.create()
+buffers = [torch.zeros(1024, device="cuda") for _ in range(2)]
+ch = Channel("v", 0, buffers, block, reap=lambda: None)
+ch.next()
+ch._publish(0, 1)                   # on the CPU only: no "ready" write queued
+sub = Subscription("v", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 0), gone.pid)
+with sub.read(timeout=30) as frame:  # this GPU now waits for ready >= 1
+    total = frame.tensor.sum()
+start = time.monotonic()
+torch.cuda.synchronize()            # without the release thread's check: waits for ever
+print("SYNCED %.2f" % (time.monotonic() - start), flush=True)
+"""
+
+
+def test_a_producer_that_died_before_its_gpu_wrote_a_version_does_not_hang_the_consumer():
+    run = subprocess.run([sys.executable, "-c", STRANDED], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("SYNCED"), (run.stdout, run.stderr[-2000:])
+    assert "died before its GPU wrote version 1" in run.stderr, run.stderr[-2000:]
+    print(run.stdout.strip(), "s: the consumer's GPU was released by its release thread")
 
 
 HOLDER = """
