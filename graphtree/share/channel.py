@@ -130,7 +130,8 @@ class _Order:
     ``mark(stream, s, v)`` queues ``ready[s] = v`` on ``stream`` (a raw handle) after the work
     queued there; ``wait(stream, s, v)`` makes ``stream`` wait until ``ready[s] >= v``;
     ``read_end(stream)`` is something whose ``query()`` says the work queued so far is done
-    (None: done now). ``marks[s]`` are ``(pending[s], ready[s])`` as tensors, for a recording
+    (None: done now). ``view`` is the whole block as an int64 tensor (on the GPU: its registered
+    mapping) and ``marks[s]`` the cell numbers ``(pending[s], ready[s])`` in it, for a recording
     that writes ``ready[s]`` itself. With CPU buffers (tests of the bookkeeping) the cells are
     written and read directly."""
 
@@ -139,13 +140,13 @@ class _Order:
         self._ready = cells.ready
         self.cuda = device.type == "cuda"
         if not self.cuda:
-            view = torch.frombuffer(block.cells, dtype=torch.int64)
-            self.marks = [(view[p], view[r]) for p, r in zip(cells.pending, cells.ready, strict=True)]
+            self.view = torch.frombuffer(block.cells, dtype=torch.int64)
+            self.marks = list(zip(cells.pending, cells.ready, strict=True))
             return
         from cuda.bindings import driver
 
-        view = block.gpu_cells(device.index)
-        self.marks = [(view[p], view[r]) for p, r in zip(cells.pending, cells.ready, strict=True)]
+        self.view = block.gpu_cells(device.index)
+        self.marks = list(zip(cells.pending, cells.ready, strict=True))
         self._addresses = [block.device_address(r) for r in cells.ready]
         self._write_value = driver.cuStreamWriteValue64
         self._wait_value = driver.cuStreamWaitValue64
@@ -348,7 +349,9 @@ class GraphedWriter:
         owner = getattr(fn, "__self__", None)  # a module of a bound method, kept in the closure:
         # graphtree finds the module's parameters there
         slots = {t.data_ptr(): s for s, t in enumerate(channel.buffers)}
-        marks = channel._order.marks
+        marks, cells = channel._order.marks, channel._order.view  # cells: a tensor in the closure,
+        # so graphtree reads it in place as state (checked natively per replay), not as an
+        # "external" (a weak reference checked in Python, and no fast path)
 
         def write(*args: Any, **kwargs: Any) -> Any:
             _ = owner
@@ -356,7 +359,7 @@ class GraphedWriter:
             # after fn's writes, on its stream: "version written". The slot's cells are found from
             # its buffer (not passed as arguments: each tensor argument costs every replay ~3 µs)
             pending, ready = marks[slots[kwargs[out].data_ptr()]]
-            torch.add(pending, 0, out=ready)
+            torch.add(cells[pending], 0, out=cells[ready])
             return result
 
         options.setdefault("name", getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "write"))
