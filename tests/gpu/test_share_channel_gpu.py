@@ -143,7 +143,8 @@ def test_a_consumer_killed_with_sigkill_leaks_nothing_in_the_producer():
 # write leaves behind, built in one process: version 1 published, its ready cell never written,
 # and the producer's pid that of a process that has exited.
 STRANDED = """
-import os, subprocess, sys, time, torch
+import faulthandler, os, subprocess, sys, time, torch
+faulthandler.dump_traceback_later(45, exit=True)  # a hang: every thread's stack on stderr, then exit
 from graphtree.share._control import ControlBlock, Membership
 from graphtree.share.channel import Channel, Subscription
 gone = subprocess.Popen(["true"]); gone.wait()
@@ -155,6 +156,7 @@ ch._publish(0, 1)                   # on the CPU only: no "ready" write queued
 sub = Subscription("v", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 0), gone.pid)
 with sub.read(timeout=30) as frame:  # this GPU now waits for ready >= 1
     total = frame.tensor.sum()
+print("READ", flush=True)
 start = time.monotonic()
 torch.cuda.synchronize()            # without the release thread's check: waits for ever
 print("SYNCED %.2f" % (time.monotonic() - start), flush=True)
@@ -163,8 +165,8 @@ print("SYNCED %.2f" % (time.monotonic() - start), flush=True)
 
 def test_a_producer_that_died_before_its_gpu_wrote_a_version_does_not_hang_the_consumer():
     run = subprocess.run([sys.executable, "-c", STRANDED], check=False, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.startswith("SYNCED"), (run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, (run.stdout, run.stderr[-4000:])  # a hang exits 1 with the threads' stacks
+    assert run.stdout.split()[:2] == ["READ", "SYNCED"], (run.stdout, run.stderr[-2000:])
     assert "died before its GPU wrote version 1" in run.stderr, run.stderr[-2000:]
     print(run.stdout.strip(), "s: the consumer's GPU was released by its release thread")
 
