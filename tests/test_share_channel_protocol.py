@@ -4,13 +4,15 @@ written and read by the CPU (on a GPU, by the producer's stream and the consumer
 in tests/gpu/test_share_channel_gpu.py)."""
 
 import os
+import subprocess
+import time
 
 import pytest
 import torch
 
 import graphtree
 from graphtree.share._control import ControlBlock, Membership
-from graphtree.share.channel import Channel, Subscription, drain_reads
+from graphtree.share.channel import Channel, Subscription, _Read, _Releaser, drain_reads
 
 
 def _pair(slots, reap=lambda: None):
@@ -220,6 +222,71 @@ def test_a_graphed_writer_publishes_each_call_as_the_next_version():
         ch.graphed(broken)(torch.ones(2))
     assert ch.version == 5 and ch._writing == -1, "a writer that raised publishes nothing"
     graphtree.reset()
+
+
+class _Done:
+    """Stands in for the CUDA event a read records at the end of its block."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def _wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_release_thread_frees_a_gpu_waiting_for_a_dead_producer_while_the_block_is_open(caplog):
+    # On a GPU the consumer's stream waits for version 1's ready cell from the moment read()
+    # returns, and a CUDA call inside the block (a kernel's first launch) may block this thread
+    # until it is written: the release thread must write it for a dead producer before the
+    # block ends (on the H100 the consumer hung at its first sum() when it followed reads only
+    # from their end).
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    block = ControlBlock.create()
+    buffers = [torch.zeros(2) for _ in range(2)]
+    ch = Channel("logits", 0, buffers, block, reap=lambda: None)
+    ch.next()
+    ch._publish(0, 1)  # published on the CPU; its GPU never wrote ready (it died)
+    sub = Subscription("logits", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 3), gone.pid)
+    assert sub._claim(0) == (0, 1)
+    releaser, read, end = _Releaser(), _Read(sub, 0, 1), _Done()
+    with caplog.at_level("WARNING", logger="graphtree"):
+        releaser.follow(read)
+        _wait_until(lambda: _ready(ch, 0) == 1)  # the block is still open
+    assert "died before its GPU wrote version 1" in caplog.text
+    assert block.cells[ch._cells.reading[0]] == 1 << 3, "claimed until the block's GPU work is done"
+    releaser.end(read, end)
+    assert not releaser.drain(0.2), "the block's GPU work is not done"
+    end.done = True
+    assert releaser.drain(5)
+    assert block.cells[ch._cells.reading[0]] == 0
+
+
+def test_the_release_thread_drops_each_claim_once_its_version_is_written_and_its_work_done():
+    ch, sub = _pair(3)
+    releaser, reads = _Releaser(), []
+    for v in (1, 2):
+        ch.next()
+        ch._publish(ch._writing, v)  # not yet written by "the GPU"
+        s, _ = sub._claim(v - 1)
+        reads.append((_Read(sub, s, v), _Done(), s))
+        releaser.follow(reads[-1][0])
+    for read, end, _ in reads:
+        releaser.end(read, end)
+        end.done = True
+    assert not releaser.drain(0.2), "version 1 and 2 are not written yet: the claims stay"
+    assert all(ch._block.cells[ch._cells.reading[s]] for *_, s in reads)
+    for v, (*_, s) in enumerate(reads, 1):
+        ch._block.cells[ch._cells.ready[s]] = v
+    assert releaser.drain(5)
+    assert not any(ch._block.cells[ch._cells.reading[s]] for *_, s in reads)
 
 
 def _reader_process(fd, buffers, versions, out):

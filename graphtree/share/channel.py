@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -129,10 +129,10 @@ class _Order:
 
     ``mark(stream, s, v)`` queues ``ready[s] = v`` on ``stream`` (a raw handle) after the work
     queued there; ``wait(stream, s, v)`` makes ``stream`` wait until ``ready[s] >= v``;
-    ``read_end(stream)`` is something whose ``query()`` says the work queued so far is done
-    (None: done now). ``view`` is the whole block as an int64 tensor (on the GPU: its registered
-    mapping) and ``marks[s]`` the cell numbers ``(pending[s], ready[s])`` in it, for a recording
-    that writes ``ready[s]`` itself. With CPU buffers (tests of the bookkeeping) the cells are
+    ``read_end(stream)`` is an event whose ``query()`` says the work queued so far is done.
+    ``view`` is the whole block as an int64 tensor (on the GPU: its registered mapping) and
+    ``marks[s]`` the cell numbers ``(pending[s], ready[s])`` in it, for a recording that writes
+    ``ready[s]`` itself. With CPU buffers (tests of the bookkeeping) the cells are
     written and read directly."""
 
     def __init__(self, block: ControlBlock, cells: ChannelCells, device: torch.device) -> None:
@@ -168,9 +168,7 @@ class _Order:
         if err != self._ok:
             raise RuntimeError(f"cuStreamWaitValue64 on a channel's ready cell failed: {err!r}")
 
-    def read_end(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        if stream is None:
-            return None
+    def read_end(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(stream)
         return event
@@ -447,17 +445,27 @@ class Subscription:
                 lambda: f"channel {self.name!r}: no version newer than {after} within {timeout} s",
             )
         s, v = taken
-        stream = self._stream.current() if self._order.cuda else None
+        if not self._order.cuda:  # CPU buffers (tests of the bookkeeping): nothing to wait for
+            try:
+                yield Frame(self.buffers[s], v)
+            finally:
+                self.last = v
+                self._unclaim(s)
+            return
+        stream = self._stream.current()
+        # followed from now, not from the block's end: while this GPU waits for the version,
+        # a CUDA call of this thread may block too (a kernel's first launch loads its module,
+        # which waits for the device), so a producer that died before its GPU wrote the version
+        # must be noticed by another thread
+        read = _Read(self, s, v)
+        releaser = _releaser()
+        releaser.follow(read)
         try:
-            self._order.wait(0 if stream is None else stream.cuda_stream, s, v)
+            self._order.wait(stream.cuda_stream, s, v)
             yield Frame(self.buffers[s], v)
         finally:
             self.last = v
-            end = self._order.read_end(stream)
-            if end is None:
-                self._unclaim(s)
-            else:  # dropped once the GPU work queued inside the block is done
-                _releaser().put(end, self, s, v)
+            releaser.end(read, self._order.read_end(stream))
 
     def _claim(self, after: int) -> tuple[int, int] | None:
         """Claim the slot of the newest version for this consumer, if it is newer than ``after``."""
@@ -509,61 +517,114 @@ class Subscription:
         return True
 
 
+class _Read:
+    """One ``read()`` block of a consumer as the release thread follows it: first until the
+    producer's GPU wrote the version (``ready`` cell, watched on the CPU), then, once the block
+    ended (``end``: an event after the GPU work queued inside it), until that work is done."""
+
+    __slots__ = ("end", "slot", "sub", "version", "written", "_check")
+
+    def __init__(self, sub: Subscription, slot: int, version: int) -> None:
+        self.sub, self.slot, self.version = sub, slot, version
+        self.end: Any = None  # an event (anything with query()), set when the block ends
+        self.written = False
+        self._check = time.monotonic() + _LIVENESS_CHECK
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to poll: the version is written and the block has not ended."""
+        return self.written and self.end is None
+
+    def over(self) -> bool:
+        """Whether the claim may be dropped (a step of polling: no wait)."""
+        if not self.written:
+            if self.sub._block.cells[self.sub._cells.ready[self.slot]] >= self.version:
+                self.written = True
+            elif time.monotonic() > self._check:
+                self._check = time.monotonic() + _LIVENESS_CHECK
+                self.written = self.sub._unblock_if_producer_died(self.slot, self.version)
+            if not self.written:
+                return False
+        return self.end is not None and bool(self.end.query())
+
+
+_LIVENESS_CHECK = 0.1
+"""Seconds between checks that the producer lives, while a version it published is not yet written."""
+
+_WAKE = object()
+
+
 class _Releaser:
-    """The thread of a consumer process that ends reads: once the GPU work queued inside a
-    ``read()`` block is done (its event), the claim on the slot is dropped, so that the producer
-    may write the slot again. It polls the events (a short spin, then sleeps of up to 1 ms) and,
-    every 100 ms spent on one, checks that the producer lives: a producer killed before its GPU
-    wrote a version would leave this process's GPU waiting for ever."""
+    """The thread of a consumer process that ends reads (:class:`_Read`): it drops a read's claim
+    on its slot once the producer's GPU wrote the version and the GPU work queued inside the
+    ``read()`` block is done, so that the producer may write the slot again; and it writes the
+    ``ready`` cell itself if the producer died before its GPU did (checked every 100 ms while
+    waiting), which would otherwise leave this process's GPU waiting for ever. It polls (a short
+    spin, then sleeps of up to 1 ms) only while a read needs it; open blocks whose version is
+    written cost nothing."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Subscription | None, int, int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="graphtree-share-release", daemon=True)
         self._thread.start()
 
-    def put(self, event: torch.cuda.Event, sub: Subscription, s: int, v: int) -> None:
-        self._queue.put((event, sub, s, v))
+    def follow(self, read: _Read) -> None:
+        """Follow a read from the moment its GPU wait is queued."""
+        self._queue.put(read)
+
+    def end(self, read: _Read, event: Any) -> None:
+        """The read's block ended; ``event`` completes after the GPU work queued inside it."""
+        read.end = event
+        self._queue.put(_WAKE)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until the reads put so far are ended (False after ``timeout`` seconds)."""
+        """Wait until the reads whose block ended so far have dropped their claims (False after
+        ``timeout`` seconds)."""
         done = threading.Event()
-        self._queue.put((done, None, 0, 0))
+        self._queue.put(done)
         return done.wait(timeout)
 
     def _run(self) -> None:
         from graphtree.share._memory import _relaxed_capture_mode
 
-        with _relaxed_capture_mode():  # its event queries must not end another thread's capture
+        reads: list[_Read] = []
+        drains: list[tuple[threading.Event, list[_Read]]] = []
+        spins = 0
+        # its event queries must not end another thread's capture (none without CUDA)
+        with _relaxed_capture_mode() if torch.cuda.is_available() else nullcontext():
             while True:
-                event, sub, s, v = self._queue.get()
-                if sub is None:
-                    event.set()
-                    continue
-                try:
-                    self._wait(event, sub, s, v)
-                except ValueError:  # the consumer closed its block meanwhile
-                    pass
-                except Exception:  # a broken context: drop the claim all the same
-                    log.exception("graphtree.share: waiting for the end of a read failed")
-                sub._unclaim(s)
+                # nothing to poll: sleep until a read starts or ends
+                items = [self._queue.get()] if all(r.idle for r in reads) else []
+                while True:
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in items:
+                    if isinstance(item, _Read):
+                        reads.append(item)
+                    elif isinstance(item, threading.Event):
+                        drains.append((item, [r for r in reads if r.end is not None]))
+                progressed = bool(items)
+                for read in [r for r in reads if self._over(r)]:
+                    reads.remove(read)
+                    read.sub._unclaim(read.slot)
+                    progressed = True
+                for done, waited in drains:
+                    if not any(r in reads for r in waited):
+                        done.set()
+                drains = [(d, w) for d, w in drains if not d.is_set()]
+                spins = 0 if progressed else _backoff(spins)
 
     @staticmethod
-    def _wait(event: torch.cuda.Event, sub: Subscription, s: int, v: int) -> None:
-        # First the producer's GPU, watched on the CPU (no CUDA call: one made while another
-        # thread of this process waits in a synchronisation may wait as long as it), then this
-        # process's own work on the version.
-        cells, ready = sub._block.cells, sub._cells.ready[s]
-        spins = 0
-        check = time.monotonic() + 0.1
-        while cells[ready] < v:
-            spins = _backoff(spins)
-            if time.monotonic() > check:
-                check = time.monotonic() + 0.1
-                if sub._unblock_if_producer_died(s, v):
-                    break
-        spins = 0
-        while not event.query():
-            spins = _backoff(spins)
+    def _over(read: _Read) -> bool:
+        try:
+            return read.over()
+        except ValueError:  # the consumer closed its block meanwhile
+            return True
+        except Exception:  # a broken context: drop the claim all the same
+            log.exception("graphtree.share: following a read failed")
+            return True
 
 
 def _backoff(spins: int) -> int:
