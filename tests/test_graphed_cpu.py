@@ -314,3 +314,21 @@ def test_describe_names_every_kind_of_signature_part():
         key = (1, read_call((3,), {"n": 2, "s": None}, None).key)
 
     assert _sig(WithKeywords()) == "(3, n=2, s=None)"
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        ("CUDA error: operation not permitted when stream is capturing", "copies to the host (.item()"),
+        ("CUDA error: operation failed due to a previous error during capture", "another thread of this process"),
+        ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", "copies to"),
+    ],
+)
+def test_a_failed_capture_is_explained_by_what_its_error_says(error, said):
+    from graphtree.tree.capture import OpTracker, explain_capture_error
+
+    tracker = OpTracker()
+    tracker.last = "addmm"
+    msg = explain_capture_error(RuntimeError(error), tracker, "decode_step")
+    assert msg.startswith(f"capture of `decode_step` failed: `addmm` raised RuntimeError: {error}.")
+    assert said in msg

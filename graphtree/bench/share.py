@@ -152,6 +152,14 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
         pinned = [torch.empty(b, vocab, dtype=model.wte.weight.dtype).share_memory_() for _ in range(2)]
         for p in pinned:
             torch.cuda.cudart().cudaHostRegister(p.data_ptr(), p.numel() * p.element_size(), 0)
+    if publish is None:
+        # recorded before the loop: torch.multiprocessing's queue sends a CUDA tensor from a feeder
+        # thread, whose CUDA calls (a memory handle's export) end a capture in progress on the main
+        # thread; the step then failed to record and ran eagerly (seen on the H100)
+        for _ in range(step.warmup + 2):
+            graphtree.mark_step()
+            step(tokens, pos)
+        model.reset_cache()
     if way != "none":
         child = ctx.Process(target=_consumer, args=(way, name, steps, warmup + 1, q, out, pinned), daemon=True)
         child.start()
@@ -197,6 +205,7 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
     wall = time.perf_counter() - wall
     result: dict[str, Any] = {
         "way": way,
+        "eager_steps": sum(graphtree.stats().eager.values()),  # 0: every step was a replay
         "producer_cpu_per_step_us": _median_us(cpu[warmup:]),
         "producer_wall_per_step_us": wall / steps * 1e6,
         "copied_bytes_per_step": 0 if way in ("none", "graphtree.share") else logits.numel() * logits.element_size(),

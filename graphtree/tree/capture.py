@@ -74,7 +74,13 @@ def explain_capture_error(exc: BaseException, tracker: OpTracker, fn_name: str) 
     op = f"`{tracker.last}`" if tracker.last else "an operation"
     hint = ""
     low = first.lower()
-    if "capturing" in low or "capture" in low or "not permitted" in low:
+    if "previous error during capture" in low or "invalidated" in low:
+        hint = (
+            " The capture had been invalidated before this operation: by an earlier one, or by a CUDA call"
+            " that another thread of this process made meanwhile (a synchronization, a memory handle"
+            " export: a torch.multiprocessing queue's feeder thread sending a CUDA tensor makes one)."
+        )
+    elif "capturing" in low or "capture" in low or "not permitted" in low:
         hint = (
             " It waits for the GPU or copies to the host (.item(), .cpu(), .tolist(), print, "
             "data-dependent shapes), which a CUDA graph cannot record."

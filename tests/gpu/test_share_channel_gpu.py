@@ -258,6 +258,7 @@ def test_a_graphed_decode_loop_hands_every_steps_logits_to_a_consumer_without_a_
 
     rows = {r["way"]: r for r in measure(steps=40, warmup=8, layers=2, d_model=128, vocab=4096)}
     print(rows)
+    assert {way: r["eager_steps"] for way, r in rows.items()} == dict.fromkeys(rows, 0), "every step replayed"
     for way in ("graphtree.share", "mp-queue", "pinned-copy"):
         assert rows[way]["tokens_equal"], way
         assert rows[way]["versions_read"] > 0, way
