@@ -88,13 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU")
         return 2
     import graphtree.share as share
+    from graphtree import _native
 
+    _native.wait(600)  # the channel's take and publish run in C++ once the helpers are built
     dev, n = torch.cuda.current_device(), args.steps
     stream = torch.cuda.current_stream()
     event = torch.cuda.Event(interprocess=True)
     event.record(stream)
     raw = _torch.raw_stream_getter()
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "native helpers": _native.status(),
+    }
     out["torch.cuda.current_stream"] = _median_us(lambda: torch.cuda.current_stream(dev), n)
     if raw is not None:
         out["raw current stream handle"] = _median_us(lambda: raw(dev), n)

@@ -144,3 +144,64 @@ def test_a_process_that_exits_during_the_build_does_not_block_later_ones(tmp_pat
     out = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=900)
     assert out.stdout.startswith("True built"), (out.stdout, out.stderr[-2000:])
     assert not list(tmp_path.rglob("lock"))
+
+
+@needs_toolchain
+def test_channel_take_and_publish_do_what_the_python_twins_do(native, monkeypatch) -> None:
+    # random states of a 4-slot channel's cells (claims, ready cells behind or not, the newest
+    # slot): the native take and publish leave the same cells and choose the same slot
+    import random
+
+    from graphtree.share._control import ControlBlock
+    from graphtree.share.channel import Channel
+
+    rng = random.Random(7)
+    pair = [Channel("c", 0, [torch.zeros(1) for _ in range(4)], ControlBlock.create(), reap=lambda: None) for _ in "ab"]
+    taken = set()
+    for _ in range(400):
+        state = [rng.choice([0, 0, 1, 5]) for _ in range(4)], [rng.randint(0, 3) for _ in range(4)], rng.randint(-1, 3)
+        results = []
+        for ch, module in zip(pair, (None, native), strict=True):
+            monkeypatch.setattr(_native, "loaded", module)
+            cells, c = ch._block.cells, ch._cells
+            for s in range(4):
+                cells[c.reading[s]], cells[c.ready[s]], cells[c.version[s]] = state[0][s], state[1][s], s + 10
+                ch._written[s] = 2
+            ch._latest_slot, ch.version = state[2], 20
+            s = ch._take()
+            if s is not None:
+                ch._publish(s, 21)
+            results.append((s, cells.tolist(), ch._written.tolist(), ch.version, ch._latest_slot))
+        assert results[0] == results[1], state
+        taken.add(results[0][0])
+    assert taken == {None, 0, 1, 2, 3}, "every outcome was exercised"
+
+
+@needs_toolchain
+def test_channel_take_and_publish_refuse_bad_input(native) -> None:
+    import array
+
+    cells, written = array.array("q", [0] * 8), array.array("q", [0] * 2)
+    plan = array.array("q", [0, 1, 2, 3, 4]).tobytes()
+    assert native.channel_take(cells, written, plan, 9) == 0
+    assert cells.tolist() == [0, 0, 0, -1, 9, 0, 0, 0]
+    with pytest.raises(ValueError, match="quintuples"):
+        native.channel_take(cells, written, plan[:-8], 9)
+    with pytest.raises(IndexError, match="cell out of range"):
+        native.channel_take(cells, written, array.array("q", [0, 1, 2, 3, 8]).tobytes(), 9)
+    with pytest.raises(IndexError, match="slot out of range"):
+        native.channel_take(cells, written, array.array("q", [2, 1, 2, 3, 4]).tobytes(), 9)
+    with pytest.raises(TypeError, match="int64 cells"):
+        native.channel_take(array.array("d", [0] * 8), written, plan, 9)
+    with pytest.raises(BufferError):
+        native.channel_take(bytes(64), written, plan, 9)  # read-only
+    with pytest.raises(TypeError, match="plan: bytes"):
+        native.channel_take(cells, written, list(plan), 9)
+    view = memoryview(bytearray(64)).cast("q")
+    view.release()
+    with pytest.raises(ValueError, match="released"):  # a closed control block: an error, not a crash
+        native.channel_take(view, written, plan, 9)
+    with pytest.raises(IndexError):
+        native.channel_publish(cells, written, 2, 3, 0, 9)
+    native.channel_publish(cells, written, 1, 3, 0, 10)
+    assert (cells[3], cells[0], written[1]) == (10, 10, 10)

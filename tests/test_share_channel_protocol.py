@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import graphtree
+from graphtree import _native
 from graphtree.share._control import ControlBlock, Membership
 from graphtree.share.channel import Channel, Subscription, _Read, _Releaser, drain_reads
 
@@ -28,7 +29,26 @@ def _ready(ch, s):
     return ch._block.cells[ch._cells.ready[s]]
 
 
-def test_a_reader_gets_the_newest_version_and_its_slot():
+@pytest.fixture(autouse=True)
+def _python_path(monkeypatch):
+    """The producer's take and publish in Python, unless a test asks for ``path``."""
+    monkeypatch.setattr(_native, "loaded", None)
+
+
+@pytest.fixture(params=["python", "native"])
+def path(request, monkeypatch):
+    """Each test run twice: the producer's take and publish in Python, then in C++ (graphtree/_native)."""
+    module = None
+    if request.param == "native":
+        monkeypatch.undo()
+        module = _native.wait(600)
+        if module is None:
+            pytest.skip(f"no native helpers: {_native.status()}")
+    monkeypatch.setattr(_native, "loaded", module)
+    return request.param
+
+
+def test_a_reader_gets_the_newest_version_and_its_slot(path):
     ch, sub = _pair(3)
     for value in (1.0, 2.0):
         ch.next().fill_(value)
@@ -40,7 +60,7 @@ def test_a_reader_gets_the_newest_version_and_its_slot():
     assert sub.last == 2
 
 
-def test_the_slot_being_read_is_never_written_until_the_read_ends():
+def test_the_slot_being_read_is_never_written_until_the_read_ends(path):
     ch, sub = _pair(2)
     ch.next().fill_(1.0)
     ch.commit()  # version 1 in slot 0
@@ -55,7 +75,7 @@ def test_the_slot_being_read_is_never_written_until_the_read_ends():
     assert drain_reads(1)
 
 
-def test_a_slot_is_not_written_again_before_the_gpu_wrote_its_last_version():
+def test_a_slot_is_not_written_again_before_the_gpu_wrote_its_last_version(path):
     # the producer's GPU may lag its CPU: a slot whose ready cell is behind the version last
     # committed there is still being written, and writing it again would mix two versions
     ch, _ = _pair(2)
@@ -70,7 +90,7 @@ def test_a_slot_is_not_written_again_before_the_gpu_wrote_its_last_version():
     assert ch._block.cells[ch._cells.pending[0]] == 3, "the version to be written there"
 
 
-def test_one_slot_is_rewritten_in_place_after_its_reader():
+def test_one_slot_is_rewritten_in_place_after_its_reader(path):
     ch, sub = _pair(1)
     ch.next()
     ch.commit()
@@ -79,7 +99,7 @@ def test_one_slot_is_rewritten_in_place_after_its_reader():
     assert ch.next(timeout=1) is ch.buffers[0]
 
 
-def test_a_reader_waits_for_a_newer_version_and_says_when_none_comes():
+def test_a_reader_waits_for_a_newer_version_and_says_when_none_comes(path):
     ch, sub = _pair(2)
     with pytest.raises(TimeoutError, match=r"no version newer than 0 within 0\.05 s"):
         sub.read(timeout=0.05).__enter__()
@@ -165,7 +185,7 @@ def test_the_producer_backs_off_a_slot_claimed_while_it_was_taking_it():
     assert real[c.version[0]] == 1, "slot 0 still holds version 1"
 
 
-def test_a_dead_readers_claim_is_dropped_by_reaping():
+def test_a_dead_readers_claim_is_dropped_by_reaping(path):
     block_holder = {}
 
     def reap():
@@ -196,7 +216,7 @@ def test_misuse_is_refused():
         sub.read(timeout=1).__enter__()
 
 
-def test_a_graphed_writer_publishes_each_call_as_the_next_version():
+def test_a_graphed_writer_publishes_each_call_as_the_next_version(path):
     # without CUDA graphtree runs the function eagerly: the same calls, the same cells
     ch, sub = _pair(3)
     calls = []
@@ -269,7 +289,7 @@ def test_the_release_thread_frees_a_gpu_waiting_for_a_dead_producer_while_the_bl
     assert block.cells[ch._cells.reading[0]] == 0
 
 
-def test_the_release_thread_drops_each_claim_once_its_version_is_written_and_its_work_done():
+def test_the_release_thread_drops_each_claim_once_its_version_is_written_and_its_work_done(path):
     ch, sub = _pair(3)
     releaser, reads = _Releaser(), []
     for v in (1, 2):
@@ -304,7 +324,7 @@ def _reader_process(fd, buffers, versions, out):
     out.put((reads, torn))
 
 
-def test_a_reader_in_another_process_never_sees_a_version_being_written():
+def test_a_reader_in_another_process_never_sees_a_version_being_written(path):
     # The producer writes each version in pieces while a forked reader reads in a tight loop:
     # the bookkeeping alone (claims checked after a fence against the producer's lock-free take,
     # the unlocked publication) must keep the two apart. Without the claim's check in _claim it

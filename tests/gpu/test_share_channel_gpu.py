@@ -24,8 +24,12 @@ import graphtree.share as share
 # number. A reader whose GPU did not wait for the producer's "ready" write would see -1 (or a mix).
 # "plain": next() and commit(); "graphed": a graphed writer, whose recording writes "ready".
 PRODUCER = """
-import sys, time, torch, graphtree.share as share
-name, n, slots, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+import os, sys, time
+name, n, slots, how, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+os.environ["GRAPHTREE_NATIVE"] = "1" if path == "native" else "0"
+import torch, graphtree.share as share
+from graphtree import _native
+assert (_native.wait(600) is not None) == (path == "native"), _native.status()
 pub = share.Publisher(name)
 ch = pub.channel("v", (1 << 20,), torch.float32, slots=slots)
 
@@ -66,10 +70,11 @@ def _stop(proc):
     proc.wait(timeout=30)
 
 
+@pytest.mark.parametrize("path", ["python", "native"])  # the producer's take and publish
 @pytest.mark.parametrize("how", ["plain", "graphed"])
-def test_versions_are_stream_ordered_both_ways(how):
+def test_versions_are_stream_ordered_both_ways(how, path):
     name = f"ch-{uuid.uuid4().hex[:8]}"
-    proc = _start(PRODUCER, name, 40, 2, how)
+    proc = _start(PRODUCER, name, 40, 2, how, path)
     try:
         shared = share.attach(name)
         sub = shared.channel("v")
@@ -92,7 +97,7 @@ def test_versions_are_stream_ordered_both_ways(how):
 def test_reading_a_slot_without_the_protocol_sees_half_written_versions():
     """The control for the test above: the race it guards against is real on this GPU."""
     name = f"ch-{uuid.uuid4().hex[:8]}"
-    proc = _start(PRODUCER, name, 60, 2, "plain")
+    proc = _start(PRODUCER, name, 60, 2, "plain", "python")
     try:
         shared = share.attach(name)
         sub = shared.channel("v")
