@@ -219,6 +219,7 @@ class Channel:
             ]
             for k in range(-1, n)
         }
+        self._publishing = [(c.version[s], c.latest) for s in range(n)]  # the cells _publish writes
         self._packed = {k: array.array("q", [x for step in p for x in step]).tobytes() for k, p in self._plan.items()}
         if self.device.type == "cuda":
             _native.start()  # its channel_take and channel_publish replace _take's and _publish's loops
@@ -226,6 +227,10 @@ class Channel:
     def next(self, *, timeout: float = 5.0) -> torch.Tensor:
         """The buffer to write the next version into: a slot no consumer reads and whose last
         version this GPU has written (the CPU waits up to ``timeout`` seconds for one)."""
+        return self.buffers[self._begin(timeout)]
+
+    def _begin(self, timeout: float) -> int:
+        """Take the slot to write the next version into (see :meth:`next`), marked as being written."""
         if self._writing >= 0:
             raise RuntimeError(f"channel {self.name!r}: commit() the version being written before next()")
         s = self._take()
@@ -239,7 +244,7 @@ class Channel:
                 ),
             )
         self._writing = s
-        return self.buffers[s]
+        return s
 
     def commit(self) -> int:
         """Publish what was written into :meth:`next`'s buffer as the newest version (stream-ordered)."""
@@ -273,14 +278,14 @@ class Channel:
         # No lock: only this thread writes these cells, the slot's version first. A consumer
         # that sees the new ``latest`` then finds its slot (or, where stores may be reordered,
         # finds none and looks again); claims are checked against _take (see _claim).
-        cells, c = self._block.cells, self._cells
+        cells, (version, latest) = self._block.cells, self._publishing[s]
         native = _native.loaded
         if native is not None:
-            native.channel_publish(cells, self._written, s, c.version[s], c.latest, v)
+            native.channel_publish(cells, self._written, s, version, latest, v)
         else:
             self._written[s] = v
-            cells[c.version[s]] = v
-            cells[c.latest] = v
+            cells[version] = v
+            cells[latest] = v
         self.version = v
         self._latest_slot, self._writing = s, -1
         return v
@@ -384,8 +389,8 @@ class GraphedWriter:
         if self._out in kwargs:
             raise TypeError(f"channel {self.channel.name!r} gives {self._out}= itself (the next slot's buffer)")
         ch = self.channel
-        kwargs[self._out] = ch.next(timeout=self._timeout)
-        s = ch._writing
+        s = ch._begin(self._timeout)
+        kwargs[self._out] = ch.buffers[s]
         try:
             result = self._call(*args, **kwargs)
         except BaseException:
