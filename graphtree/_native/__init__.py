@@ -6,7 +6,8 @@ compiler, no ``ninja``, ``GRAPHTREE_NATIVE=0``): the results are the same, only 
 call differs.
 
 The build runs once per torch version and Python (about 15 s on two cores), in a child process
-waited on by a background thread started by the first CUDA tree, through
+waited on by a background thread started by the first CUDA tree (or CUDA ``graphtree.share``
+channel), through
 ``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by
 default ``~/.cache/torch_extensions``); later processes load the cached library in under a
 second. ``python -m graphtree._native`` builds it ahead of time. ``graphtree doctor`` says which
