@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -70,14 +71,23 @@ def _stop(proc):
     proc.wait(timeout=30)
 
 
+@contextmanager
+def _producing(versions, how, path):
+    """A PRODUCER process writing ``versions`` versions into 2 slots, and this process's
+    subscription to its channel: ``(producer, subscription)``."""
+    name = f"ch-{uuid.uuid4().hex[:8]}"
+    proc = _start(PRODUCER, name, versions, 2, how, path)
+    try:
+        with share.attach(name) as shared:
+            yield proc, shared.channel("v")
+    finally:
+        _stop(proc)
+
+
 @pytest.mark.parametrize("path", ["python", "native"])  # the producer's take and publish
 @pytest.mark.parametrize("how", ["plain", "graphed"])
 def test_versions_are_stream_ordered_both_ways(how, path):
-    name = f"ch-{uuid.uuid4().hex[:8]}"
-    proc = _start(PRODUCER, name, 40, 2, how, path)
-    try:
-        shared = share.attach(name)
-        sub = shared.channel("v")
+    with _producing(40, how, path) as (proc, sub):
         seen = []
         while sub.last < 40:
             with sub.read(timeout=30) as frame:
@@ -89,27 +99,17 @@ def test_versions_are_stream_ordered_both_ways(how, path):
         assert all(lo == hi == v for v, lo, hi in seen), [s for s in seen if not s[1] == s[2] == s[0]][:5]
         assert [v for v, *_ in seen] == sorted({v for v, *_ in seen}), "versions only go forward"
         assert proc.stdout.readline().split() == ["DONE", "40"]
-        shared.close()
-    finally:
-        _stop(proc)
 
 
 def test_reading_a_slot_without_the_protocol_sees_half_written_versions():
     """The control for the test above: the race it guards against is real on this GPU."""
-    name = f"ch-{uuid.uuid4().hex[:8]}"
-    proc = _start(PRODUCER, name, 60, 2, "plain", "python")
-    try:
-        shared = share.attach(name)
-        sub = shared.channel("v")
+    with _producing(60, "plain", "python") as (_, sub):
         torn = 0
         deadline = time.monotonic() + 30
         while sub.latest < 60 and time.monotonic() < deadline:
-            for buf in sub.buffers:  # no wait on the producer's event
+            for buf in sub.buffers:  # no wait on the producer's ready cell
                 torn += int(buf.min().item() < 0)
         assert torn > 0, "unordered reads never caught a version being written"
-        shared.close()
-    finally:
-        _stop(proc)
 
 
 def test_a_consumer_killed_with_sigkill_leaks_nothing_in_the_producer():
