@@ -133,21 +133,20 @@ class _Order:
     ``read_end(stream)`` is an event whose ``query()`` says the work queued so far is done.
     ``view`` is the whole block as an int64 tensor (on the GPU: its registered mapping) and
     ``marks[s]`` the cell numbers ``(pending[s], ready[s])`` in it, for a recording that writes
-    ``ready[s]`` itself. With CPU buffers (tests of the bookkeeping) the cells are
-    written and read directly."""
+    ``ready[s]`` itself. With CPU buffers (tests of the bookkeeping) the cells are written and
+    read directly."""
 
     def __init__(self, block: ControlBlock, cells: ChannelCells, device: torch.device) -> None:
         self._block = block
         self._ready = cells.ready
         self.cuda = device.type == "cuda"
+        self.marks = list(zip(cells.pending, cells.ready, strict=True))
         if not self.cuda:
             self.view = torch.frombuffer(block.cells, dtype=torch.int64)
-            self.marks = list(zip(cells.pending, cells.ready, strict=True))
             return
         from cuda.bindings import driver
 
         self.view = block.gpu_cells(device.index)
-        self.marks = list(zip(cells.pending, cells.ready, strict=True))
         self._addresses = [block.device_address(r) for r in cells.ready]
         self._write_value = driver.cuStreamWriteValue64
         self._wait_value = driver.cuStreamWaitValue64
