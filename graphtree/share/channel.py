@@ -70,16 +70,11 @@ def _poll(attempt: Callable[[], _T | None], timeout: float, what: Callable[[], s
     """Call ``attempt`` (spinning briefly, then sleeping a little) until it gives something, or
     raise ``TimeoutError(what())`` after ``timeout`` seconds."""
     start = time.perf_counter()
-    spins = 0
+    spins = 1
     while (result := attempt()) is None:
-        spins += 1
-        elapsed = time.perf_counter() - start
-        if elapsed > timeout:
+        if time.perf_counter() - start > timeout:
             raise TimeoutError(what())
-        if spins > 200:
-            time.sleep(min(1e-3, 1e-5 * spins / 200))
-        else:
-            os.sched_yield()
+        spins = _backoff(spins)
     return result
 
 
