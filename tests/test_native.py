@@ -3,6 +3,7 @@ checked against their Python twins. Skipped only where no compiler or ninja exis
 
 from __future__ import annotations
 
+import array
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import time
 import pytest
 import torch
 
+import graphtree
 from graphtree import _native
 from graphtree.tree import inputs
 
@@ -156,62 +158,167 @@ def test_a_process_that_exits_during_the_build_does_not_block_later_ones(tmp_pat
         assert not list(tmp_path.rglob("lock")), "cpp_extension's lock stayed behind"
 
 
-@needs_toolchain
-def test_channel_take_and_publish_do_what_the_python_twins_do(native, monkeypatch) -> None:
-    # random states of a 4-slot channel's cells (claims, ready cells behind or not, the newest
-    # slot): the native take and publish leave the same cells and choose the same slot
-    import random
-
+def _random_channels(rng, monkeypatch, native):
+    """Two 4-slot CPU channels, one on each path, and a function that sets both to the same random
+    state (claims, ready cells behind or not, the newest slot) and runs a step on each."""
     from graphtree.share._control import ControlBlock
     from graphtree.share.channel import Channel
 
-    rng = random.Random(7)
     pair = [Channel("c", 0, [torch.zeros(1) for _ in range(4)], ControlBlock.create(), reap=lambda: None) for _ in "ab"]
-    taken = set()
-    for _ in range(400):
-        state = [rng.choice([0, 0, 1, 5]) for _ in range(4)], [rng.randint(0, 3) for _ in range(4)], rng.randint(-1, 3)
+
+    def run(step):
+        reading, ready, newest = (
+            [rng.choice([0, 0, 1, 5]) for _ in range(4)],
+            [rng.randint(0, 3) for _ in range(4)],
+            rng.randint(-1, 3),
+        )
         results = []
         for ch, module in zip(pair, (None, native), strict=True):
             monkeypatch.setattr(_native, "loaded", module)
             cells, c = ch._block.cells, ch._cells
             for s in range(4):
-                cells[c.reading[s]], cells[c.ready[s]], cells[c.version[s]] = state[0][s], state[1][s], s + 10
-                ch._written[s] = 2
-            ch._latest_slot, ch.version = state[2], 20
-            s = ch._take()
-            if s is not None:
-                ch._publish(s, 21)
-            results.append((s, cells.tolist(), ch._written.tolist(), ch.version, ch._latest_slot))
-        assert results[0] == results[1], state
-        taken.add(results[0][0])
-    assert taken == {None, 0, 1, 2, 3}, "every outcome was exercised"
+                cells[c.reading[s]], cells[c.ready[s]], cells[c.version[s]] = reading[s], ready[s], s + 10
+            ch._state[:] = array.array("q", [20, newest, -1, 2, 2, 2, 2])
+            outcome = step(ch)
+            results.append((outcome, cells.tolist(), ch._state.tolist()))
+        assert results[0] == results[1], (reading, ready, newest)
+        return results[0][0]
+
+    return pair, run
+
+
+@needs_toolchain
+def test_channel_take_and_publish_do_what_the_python_twins_do(native, monkeypatch) -> None:
+    import random
+
+    _, run = _random_channels(random.Random(7), monkeypatch, native)
+
+    def step(ch):
+        s = ch._take()
+        return s if s is None else (s, ch._publish())
+
+    taken = {run(step) for _ in range(400)}
+    assert {t if t is None else t[0] for t in taken} == {None, 0, 1, 2, 3}, "every outcome was exercised"
+    assert {t[1] for t in taken if t is not None} == {21}
+
+
+@needs_toolchain
+def test_a_graphed_writers_native_call_does_what_its_python_steps_do(native, monkeypatch) -> None:
+    # the same random states as above, through GraphedWriter: one C call (channel_write) against
+    # the Python steps; the function raises on some calls, and no slot may be free (a timeout)
+    import random
+
+    rng = random.Random(11)
+    pair, run = _random_channels(rng, monkeypatch, native)
+    plan = {}
+
+    def fn(x, *, out):
+        if plan["raise"]:
+            raise ValueError("boom")
+        return out.copy_(x)
+
+    writers = {id(ch): ch.graphed(fn, timeout=0.001) for ch in pair}
+
+    def step(ch):
+        try:
+            result = writers[id(ch)](torch.ones(1))
+        except (ValueError, TimeoutError) as e:
+            return type(e).__name__
+        return [b is result for b in ch.buffers].index(True), ch.version
+
+    outcomes = []
+    for _ in range(300):
+        plan["raise"] = rng.random() < 0.2
+        outcomes.append(run(step))
+    assert {"ValueError", "TimeoutError"} <= set(outcomes)
+    assert {o[0] for o in outcomes if isinstance(o, tuple)} == {0, 1, 2, 3}
+    graphtree.reset()
 
 
 @needs_toolchain
 def test_channel_take_and_publish_refuse_bad_input(native) -> None:
-    import array
-
-    cells, written = array.array("q", [0] * 8), array.array("q", [0] * 2)
-    plan = array.array("q", [0, 1, 2, 3, 4]).tobytes()
-    assert native.channel_take(cells, written, plan, 9) == 0
-    assert cells.tolist() == [0, 0, 0, -1, 9, 0, 0, 0]
+    cells, state = array.array("q", [0] * 8), array.array("q", [8, -1, -1, 0, 0])  # two slots
+    plans = array.array("q", [0, 1, 2, 3, 4] * 3).tobytes()  # newest -1, 0, 1: try slot 0
+    assert native.channel_take(cells, state, plans) == 0
+    assert cells.tolist() == [0, 0, 0, -1, 9, 0, 0, 0] and state.tolist() == [8, -1, 0, 0, 0]
+    assert native.channel_take(cells, state, plans) == -2, "a slot is being written"
+    state[2] = -1
+    cells[1] = 1
+    assert native.channel_take(cells, state, plans) == -1, "no slot free"
     with pytest.raises(ValueError, match="quintuples"):
-        native.channel_take(cells, written, plan[:-8], 9)
+        native.channel_take(cells, state, plans[:-8])
     with pytest.raises(IndexError, match="cell out of range"):
-        native.channel_take(cells, written, array.array("q", [0, 1, 2, 3, 8]).tobytes(), 9)
+        native.channel_take(cells, state, array.array("q", [0, 1, 2, 3, 8] * 3).tobytes())
     with pytest.raises(IndexError, match="slot out of range"):
-        native.channel_take(cells, written, array.array("q", [2, 1, 2, 3, 4]).tobytes(), 9)
+        native.channel_take(cells, state, array.array("q", [2, 0, 2, 3, 4] * 3).tobytes())
+    with pytest.raises(IndexError, match="newest slot"):
+        native.channel_take(cells, array.array("q", [8, 2, -1, 0, 0]), plans)
+    with pytest.raises(ValueError, match="no slot"):
+        native.channel_take(cells, array.array("q", [8, -1, -1]), plans)
     with pytest.raises(TypeError, match="int64 cells"):
-        native.channel_take(array.array("d", [0] * 8), written, plan, 9)
+        native.channel_take(array.array("d", [0] * 8), state, plans)
     with pytest.raises(BufferError):
-        native.channel_take(bytes(64), written, plan, 9)  # read-only
-    with pytest.raises(TypeError, match="plan: bytes"):
-        native.channel_take(cells, written, list(plan), 9)
+        native.channel_take(bytes(64), state, plans)  # read-only
+    with pytest.raises(TypeError, match="plans must be bytes"):
+        native.channel_take(cells, state, list(plans))
     view = memoryview(bytearray(64)).cast("q")
     view.release()
     with pytest.raises(ValueError, match="released"):  # a closed control block: an error, not a crash
-        native.channel_take(view, written, plan, 9)
-    with pytest.raises(IndexError):
-        native.channel_publish(cells, written, 2, 3, 0, 9)
-    native.channel_publish(cells, written, 1, 3, 0, 10)
-    assert (cells[3], cells[0], written[1]) == (10, 10, 10)
+        native.channel_take(view, state, plans)
+    publishing = array.array("q", [3, 0, 5, 0]).tobytes()
+    assert native.channel_publish(cells, state, publishing) == -1, "no slot being written"
+    with pytest.raises(ValueError, match="pair per slot"):
+        native.channel_publish(cells, state, publishing[:-8])
+    state[2] = 1
+    with pytest.raises(IndexError, match="cell out of range"):
+        native.channel_publish(cells, state, array.array("q", [3, 0, 5, 9]).tobytes())
+    assert native.channel_publish(cells, state, publishing) == 9
+    assert (cells[5], cells[0]) == (9, 9) and state.tolist() == [9, 1, -1, 0, 9]
+
+
+@needs_toolchain
+def test_channel_write_hands_back_what_it_cannot_do_and_refuses_bad_input(native) -> None:
+    from graphtree.share.channel import _AGAIN
+
+    cells, state = array.array("q", [0] * 8), array.array("q", [0, -1, -1, 0])  # one slot
+    plans = array.array("q", [0, 1, 2, 3, 4] * 2).tobytes()
+    publishing = array.array("q", [3, 0]).tobytes()
+    buffers = (torch.zeros(1),)
+    calls = []
+
+    def call(x, *, out):
+        calls.append(x)
+        if x == "raise":
+            raise KeyError("boom")
+        if x == "close":
+            view.release()
+        return out
+
+    def writer(c=cells, b=buffers):
+        return (c, state, plans, publishing, b, call, "out", _AGAIN)
+
+    assert native.channel_write(writer(), (1,), {}) is buffers[0]
+    assert state.tolist() == [1, 0, -1, 1] and cells[3] == 1 and cells[0] == 1
+    cells[2] = 1  # "the GPU" wrote version 1: slot 0 may be written again
+    assert native.channel_write(writer(), (1,), {"out": 0}) is _AGAIN, "out= given: Python raises"
+    cells[1] = 1  # slot 0 being read
+    assert native.channel_write(writer(), (1,), {}) is _AGAIN, "no slot free: Python waits"
+    cells[1] = 0
+    state[2] = 0
+    assert native.channel_write(writer(), (1,), {}) is _AGAIN, "a slot being written: Python raises"
+    state[2] = -1
+    with pytest.raises(KeyError, match="boom"):
+        native.channel_write(writer(), ("raise",), {})
+    assert state.tolist() == [1, 0, -1, 1], "a call that raised gives its slot up, publishes nothing"
+    view = memoryview(bytearray(cells.tobytes())).cast("q")
+    with pytest.raises(ValueError, match="released"):  # the call closed the block: no crash
+        native.channel_write(writer(c=view), ("close",), {})
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="a buffer per slot"):
+        native.channel_write(writer(b=buffers * 2), (1,), {})
+    with pytest.raises(TypeError, match="tuple of 8"):
+        native.channel_write(writer()[:7], (1,), {})
+    with pytest.raises(TypeError, match="tuple of 8"):
+        native.channel_write(writer(), (1,), None)
+    with pytest.raises(TypeError, match="buffers must be a tuple"):
+        native.channel_write(writer(b=list(buffers)), (1,), {})

@@ -13,7 +13,7 @@ import torch
 import graphtree
 from graphtree import _native
 from graphtree.share._control import ControlBlock, Membership
-from graphtree.share.channel import Channel, Subscription, _Read, _Releaser, drain_reads
+from graphtree.share.channel import _WRITING, Channel, Subscription, _Read, _Releaser, drain_reads
 
 
 def _pair(slots, reap=lambda: None):
@@ -240,7 +240,7 @@ def test_a_graphed_writer_publishes_each_call_as_the_next_version(path):
 
     with pytest.raises(ValueError, match="boom"):
         ch.graphed(broken)(torch.ones(2))
-    assert ch.version == 5 and ch._writing == -1, "a writer that raised publishes nothing"
+    assert ch.version == 5 and ch._state[_WRITING] == -1, "a writer that raised publishes nothing"
     graphtree.reset()
 
 
@@ -273,7 +273,7 @@ def test_the_release_thread_frees_a_gpu_waiting_for_a_dead_producer_while_the_bl
     buffers = [torch.zeros(2) for _ in range(2)]
     ch = Channel("logits", 0, buffers, block, reap=lambda: None)
     ch.next()
-    ch._publish(0, 1)  # published on the CPU; its GPU never wrote ready (it died)
+    ch._publish()  # version 1 in slot 0, published on the CPU; its GPU never wrote ready (it died)
     sub = Subscription("logits", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 3), gone.pid)
     assert sub._claim(0) == (0, 1)
     releaser, read, end = _Releaser(), _Read(sub, 0, 1), _Done()
@@ -294,7 +294,7 @@ def test_the_release_thread_drops_each_claim_once_its_version_is_written_and_its
     releaser, reads = _Releaser(), []
     for v in (1, 2):
         ch.next()
-        ch._publish(ch._writing, v)  # not yet written by "the GPU"
+        assert ch._publish() == v  # not yet written by "the GPU"
         s, _ = sub._claim(v - 1)
         reads.append((_Read(sub, s, v), _Done(), s))
         releaser.follow(reads[-1][0])

@@ -170,7 +170,12 @@ def _check(module: ModuleType) -> None:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")
-    cells, written = array.array("q", [0, 0, 0, 7, 0]), array.array("q", [0])
-    took = module.channel_take(cells, written, array.array("q", [0, 1, 2, 3, 4]).tobytes(), 9)
-    if took != 0 or cells.tolist() != [0, 0, 0, -1, 9]:
+    # a one-slot channel (state: version 8, none newest, none being written, slot 0 last at 0)
+    cells, state = array.array("q", [0, 0, 0, 7, 0]), array.array("q", [8, -1, -1, 0])
+    plans = array.array("q", [0, 1, 2, 3, 4] * 2).tobytes()
+    took = module.channel_take(cells, state, plans)
+    if took != 0 or cells.tolist() != [0, 0, 0, -1, 9] or state.tolist() != [8, -1, 0, 0]:
         raise RuntimeError("channel_take disagrees with Channel._take")
+    published = module.channel_publish(cells, state, array.array("q", [3, 0]).tobytes())
+    if published != 9 or cells.tolist() != [9, 0, 0, 9, 9] or state.tolist() != [9, 0, -1, 9]:
+        raise RuntimeError("channel_publish disagrees with Channel._publish")

@@ -93,6 +93,16 @@ _LOCK_FREE = platform.machine().lower() in ("x86_64", "amd64")
 handshake of :meth:`Channel._take` and :meth:`Subscription._claim`); elsewhere it takes the lock,
 since ``_fence`` is a full barrier only under x86's memory order."""
 
+_VERSION, _NEWEST, _WRITING, _WRITTEN = 0, 1, 2, 3
+"""A producer's state is one int64 array, read and written in place by graphtree/_native's
+channel functions and by their Python twins: the newest version, the slot holding it (-1: none
+yet), the slot being written (-1: none), then from ``_WRITTEN`` on the version last committed in
+each slot."""
+
+_AGAIN = object()
+"""What ``_native.channel_write`` returns when the Python path must decide (see
+:meth:`GraphedWriter.__call__`)."""
+
 
 class _CurrentStream:
     """``current()``: torch's current stream on ``device``, cheaply; ``raw()``: its handle.
@@ -178,6 +188,10 @@ class Channel:
         for x in batches:
             torch.matmul(x, w, out=ch.next())   # or ch.graphed(step) for a graphed step
             ch.commit()
+
+    ``version`` is the newest version published; ``waits`` counts the versions for which no slot
+    was free at once and the CPU waited (slow readers, or a GPU ``slots - 1`` versions behind):
+    more slots, or faster readers, bring it down.
     """
 
     def __init__(
@@ -198,10 +212,8 @@ class Channel:
         n = len(buffers)
         self._cells = block.channel_cells(index, n)
         self._order = _Order(block, self._cells, self.device)
-        self._writing = -1
-        self._latest_slot = -1
-        self._written = array.array("q", [0] * n)  # the version last committed in each slot
-        self.version = 0
+        self._state = array.array("q", [0, -1, -1] + [0] * n)  # see _VERSION
+        self.waits = 0
         # the slots to try after the newest is in slot k (key -1: none yet); one slot: itself;
         # each with its cell numbers: reading, ready, version, pending
         c = self._cells
@@ -214,9 +226,19 @@ class Channel:
             for k in range(-1, n)
         }
         self._publishing = [(c.version[s], c.latest) for s in range(n)]  # the cells _publish writes
-        self._packed = {k: array.array("q", [x for step in p for x in step]).tobytes() for k, p in self._plan.items()}
+        # the same two tables packed as int64 for the native functions: the plans in order of k,
+        # each padded to n steps (slot -1: none)
+        none = (-1, 0, 0, 0, 0)
+        padded = [x for k in range(-1, n) for step in self._plan[k] + [none] * (n - len(self._plan[k])) for x in step]
+        self._packed_plans = array.array("q", padded).tobytes()
+        self._packed_publishing = array.array("q", [x for pair in self._publishing for x in pair]).tobytes()
         if self.device.type == "cuda":
             _native.start()  # its channel_take and channel_publish replace _take's and _publish's loops
+
+    @property
+    def version(self) -> int:
+        """The newest version published (0: none yet)."""
+        return self._state[_VERSION]
 
     def next(self, *, timeout: float = 5.0) -> torch.Tensor:
         """The buffer to write the next version into: a slot no consumer reads and whose last
@@ -225,10 +247,11 @@ class Channel:
 
     def _begin(self, timeout: float) -> int:
         """Take the slot to write the next version into (see :meth:`next`), marked as being written."""
-        if self._writing >= 0:
+        if self._state[_WRITING] >= 0:
             raise RuntimeError(f"channel {self.name!r}: commit() the version being written before next()")
         s = self._take()
         if s is None:
+            self.waits += 1
             s = _poll(
                 self._take_or_reap,
                 timeout,
@@ -237,17 +260,16 @@ class Channel:
                     "(or this GPU has not yet written the versions in them)"
                 ),
             )
-        self._writing = s
         return s
 
     def commit(self) -> int:
         """Publish what was written into :meth:`next`'s buffer as the newest version (stream-ordered)."""
-        s = self._writing
+        state = self._state
+        s = state[_WRITING]
         if s < 0:
             raise RuntimeError(f"channel {self.name!r}: next() gives the buffer to write before commit()")
-        v = self.version + 1
-        self._order.mark(self._stream.raw(), s, v)
-        return self._publish(s, v)
+        self._order.mark(self._stream.raw(), s, state[_VERSION] + 1)
+        return self._publish()
 
     def graphed(
         self, fn: Callable[..., Any], *, out: str = "out", timeout: float = 5.0, **options: Any
@@ -268,25 +290,40 @@ class Channel:
         """
         return GraphedWriter(self, fn, out=out, timeout=timeout, **options)
 
-    def _publish(self, s: int, v: int) -> int:
+    def _publish(self) -> int:
+        """Publish the slot being written as the newest version; that version."""
         # No lock: only this thread writes these cells, the slot's version first. A consumer
         # that sees the new ``latest`` then finds its slot (or, where stores may be reordered,
         # finds none and looks again); claims are checked against _take (see _claim).
-        cells, (version, latest) = self._block.cells, self._publishing[s]
         native = _native.loaded
         if native is not None:
-            native.channel_publish(cells, self._written, s, version, latest, v)
-        else:
-            self._written[s] = v
-            cells[version] = v
-            cells[latest] = v
-        self.version = v
-        self._latest_slot, self._writing = s, -1
+            return native.channel_publish(self._block.cells, self._state, self._packed_publishing)
+        cells, state = self._block.cells, self._state
+        s, v = state[_WRITING], state[_VERSION] + 1
+        version, latest = self._publishing[s]
+        state[_WRITTEN + s] = v
+        cells[version] = v
+        cells[latest] = v
+        state[_VERSION], state[_NEWEST], state[_WRITING] = v, s, -1
         return v
 
     def _abandon(self) -> None:
         """Give up the version being written (its writer raised): the slot is not published."""
-        self._writing = -1
+        self._state[_WRITING] = -1
+
+    def _writer(self, call: Callable[..., Any], out: str) -> tuple[Any, ...]:
+        """What ``_native.channel_write`` needs to take a slot, call ``call`` with ``out=`` its
+        buffer and publish it, in one C call (see :meth:`GraphedWriter.__call__`)."""
+        return (
+            self._block.cells,
+            self._state,
+            self._packed_plans,
+            self._packed_publishing,
+            tuple(self.buffers),
+            call,
+            out,
+            _AGAIN,
+        )
 
     def _take_or_reap(self) -> int | None:
         taken = self._take()
@@ -307,11 +344,11 @@ class Channel:
             return self._take_locked()
         native = _native.loaded
         if native is not None:  # the same steps in C++ (graphtree/_native), 4-5x faster
-            s = native.channel_take(self._block.cells, self._written, self._packed[self._latest_slot], self.version + 1)
+            s = native.channel_take(self._block.cells, self._state, self._packed_plans)
             return None if s < 0 else s
-        cells, written = self._block.cells, self._written
-        for s, reading, ready, version, pending in self._plan[self._latest_slot]:
-            if cells[reading] or cells[ready] < written[s]:
+        cells, state = self._block.cells, self._state
+        for s, reading, ready, version, pending in self._plan[state[_NEWEST]]:
+            if cells[reading] or cells[ready] < state[_WRITTEN + s]:
                 continue
             before = cells[version]
             cells[version] = -1
@@ -320,21 +357,23 @@ class Channel:
             if cells[reading]:  # a consumer claimed it meanwhile: it keeps it
                 cells[version] = before
                 continue
-            cells[pending] = self.version + 1
+            cells[pending] = state[_VERSION] + 1
+            state[_WRITING] = s
             return s
         return None
 
     def _take_locked(self) -> int | None:
         """:meth:`_take` under the control block's lock (where ``_fence`` is not a full barrier)."""
-        block, written = self._block, self._written
+        block, state = self._block, self._state
         block.acquire()
         try:
             cells = block.cells
-            for s, reading, ready, version, pending in self._plan[self._latest_slot]:
-                if cells[reading] or cells[ready] < written[s]:
+            for s, reading, ready, version, pending in self._plan[state[_NEWEST]]:
+                if cells[reading] or cells[ready] < state[_WRITTEN + s]:
                     continue
                 cells[version] = -1
-                cells[pending] = self.version + 1
+                cells[pending] = state[_VERSION] + 1
+                state[_WRITING] = s
                 return s
             return None
         finally:
@@ -373,6 +412,7 @@ class GraphedWriter:
 
         options.setdefault("name", getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "write"))
         self._call = graphtree.graphed(write, **options)
+        self._native = channel._writer(self._call, out) if _LOCK_FREE else None
         for t in channel.buffers:
             graphtree.mark_static(t)
 
@@ -380,6 +420,14 @@ class GraphedWriter:
         return f"<graphtree.share GraphedWriter of channel {self.channel.name!r}: {self._call!r}>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Take, call, publish: in one C call once graphtree's native helpers are loaded (these
+        # Python steps cost the producer ~1.5 µs per version on the H100's host); it hands back to
+        # them where it cannot go on alone (no slot free now, out= given, a slot being written).
+        native = _native.loaded
+        if native is not None and self._native is not None:
+            result = native.channel_write(self._native, args, kwargs)
+            if result is not _AGAIN:
+                return result
         if self._out in kwargs:
             raise TypeError(f"channel {self.channel.name!r} gives {self._out}= itself (the next slot's buffer)")
         ch = self.channel
@@ -390,7 +438,7 @@ class GraphedWriter:
         except BaseException:
             ch._abandon()
             raise
-        ch._publish(s, ch.version + 1)
+        ch._publish()
         return result
 
 

@@ -157,7 +157,7 @@ block = ControlBlock.create()
 buffers = [torch.zeros(1024, device="cuda") for _ in range(2)]
 ch = Channel("v", 0, buffers, block, reap=lambda: None)
 ch.next()
-ch._publish(0, 1)                   # on the CPU only: no "ready" write queued
+ch._publish()                       # version 1, on the CPU only: no "ready" write queued
 sub = Subscription("v", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 0), gone.pid)
 with sub.read(timeout=30) as frame:  # this GPU now waits for ready >= 1
     total = frame.tensor.sum()
