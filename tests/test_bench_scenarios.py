@@ -47,8 +47,10 @@ def _fake_share_measure(steps, **sizes):
             **base,
             "copied_bytes_per_step": 0,
             "producer_cpu_over_none_us": 9.0,
-            "next_us": 5.0,
-            "commit_us": 4.0,
+            "publish_us": 30.0,
+            "producer_waits": 3,
+            "publish_overhead_us": 1.5,
+            "publish_overhead_rounds_us": [1.0, 2.0],
             "consumer_latency_us": lat,
             "versions_read": 40,
             "tokens_equal": True,
@@ -162,6 +164,8 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
     share = {(r.contender, r.metric): r for r in rows if r.scenario == "share"}
     assert share[("graphtree", "copied_per_step")].value == 0
     assert share[("graphtree", "producer_cpu_over_none")].value == pytest.approx(9e-6)
+    assert share[("graphtree", "publish_overhead")].value == pytest.approx(1.5e-6)
+    assert share[("graphtree", "producer_cpu_per_step")].note.startswith("3 of ")  # steps that waited
     assert share[("mp-queue", "copied_per_step")].value == 4 * 1024
     assert share[("graphtree", "consumer_latency")].stats["n"] == 40
     assert share[("eager", "producer_time_per_step")].note == "not a way to share"

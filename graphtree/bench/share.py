@@ -22,8 +22,9 @@ processes), the bytes each step copies, and whether the consumer's tokens equal 
 The producer waits for its GPU at the end of each step (outside the CPU time), as a decode loop
 that checks for its end does, so latencies are not inflated by a growing GPU queue.
 For ``graphtree.share`` also the attach time (first in the consumer, then cached: the median of
-20 more), the writer's call alone, and the publishing overhead measured apart from the loop's
-noise (:func:`publish_overhead`).
+20 more), the writer's call alone, how many steps found no slot free at once and waited for the
+consumer (``producer_waits``), and the publishing overhead measured apart from the loop's noise
+(:func:`publish_overhead`).
 
 Example::
 
@@ -141,7 +142,7 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
     pub = child = None
     pinned: list[torch.Tensor] = []
     ev, stream = torch.cuda.Event(), torch.cuda.current_stream()
-    publish = None
+    publish = channel = None
     if way == "graphtree.share":
         import graphtree.share as share
 
@@ -172,10 +173,12 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
     total = warmup + steps
     torch.cuda.synchronize()
     wall = 0.0
+    waits = 0
     for v in range(1, total + 1):
         if v == warmup + 1:
             torch.cuda.synchronize()
             wall = time.perf_counter()
+            waits = channel.waits if channel is not None else 0
         if v % model.cfg.max_seq == 0:
             pos.zero_()
         t0 = time.perf_counter()
@@ -210,8 +213,9 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
         "producer_wall_per_step_us": wall / steps * 1e6,
         "copied_bytes_per_step": 0 if way in ("none", "graphtree.share") else logits.numel() * logits.element_size(),
     }
-    if publish is not None:
+    if channel is not None:
         result["publish_us"] = _median_us(publishes[warmup:])
+        result["producer_waits"] = channel.waits - waits  # steps that found no slot free at once
     if child is not None:
         report: dict[str, Any] = {}
         while not report:
@@ -254,10 +258,14 @@ def publish_overhead(model: Any, rounds: int = 10, calls: int = 300) -> dict[str
     """What publishing costs the producer's CPU per step, measured apart from the noise of a live
     loop: the graphed decode step writing its logits into a buffer of its own (``out=``, three
     buffers in turn, as a channel's slots) against a channel's :meth:`~graphtree.share.channel.
-    Channel.graphed` writer of the same step (no consumer), in alternating rounds of ``calls``
-    calls, the GPU waited for after each call (outside the time). Medians of the rounds'
-    medians, in microseconds: ``step_out_us``, ``publish_call_us`` and their difference
-    ``publish_overhead_us``."""
+    Channel.graphed` writer of the same step (no consumer), as ``rounds`` rounds of ``calls``
+    pairs of calls, each call timed alone and followed by a wait for the GPU, the pair's order
+    alternating. A pair's two calls are made within microseconds of each other, so the host's
+    drifts (clock speed, other processes: several µs on the GPU machines) hit both alike; a
+    difference of medians taken apart does not cancel them. In microseconds: ``step_out_us`` and
+    ``publish_call_us`` (medians of the calls), ``publish_overhead_us`` (median of the pairs'
+    differences) and ``publish_overhead_rounds_us`` (the lowest and highest of the rounds'
+    medians of differences)."""
     import graphtree
     import graphtree.share as share
 
@@ -271,25 +279,42 @@ def publish_overhead(model: Any, rounds: int = 10, calls: int = 300) -> dict[str
     pub = share.Publisher(f"bench-{uuid.uuid4().hex[:8]}")
     publish = pub.channel("logits", (b, vocab), dtype, slots=_SLOTS).graphed(model.decode_step, timeout=60)
     stream = torch.cuda.current_stream()
+    clock = time.perf_counter
 
-    def timed(call: Any) -> float:
-        xs = []
-        for i in range(calls):
-            t = time.perf_counter()
-            call(i)
-            xs.append(time.perf_counter() - t)
-            stream.synchronize()
-        return statistics.median(xs[calls // 10 :])
+    def timed(i: int, writer: bool) -> float:
+        t = clock()
+        if writer:
+            publish(tokens, pos)
+        else:
+            step(tokens, pos, out=own[i % _SLOTS])
+        t = clock() - t
+        stream.synchronize()
+        return t
 
-    a: list[float] = []
-    c: list[float] = []
+    steps: list[float] = []
+    writes: list[float] = []
+    rounds_us: list[float] = []
     for _ in range(rounds):
-        a.append(timed(lambda i: step(tokens, pos, out=own[i % _SLOTS])))
-        c.append(timed(lambda i: publish(tokens, pos)))
+        diffs = []
+        for i in range(calls):
+            first = i % 2 == 1  # the writer first in every other pair
+            a = timed(i, first)
+            b_ = timed(i, not first)
+            step_t, write_t = (b_, a) if first else (a, b_)
+            if i >= calls // 10:  # each round's first calls warm up
+                steps.append(step_t)
+                writes.append(write_t)
+                diffs.append(write_t - step_t)
+        rounds_us.append(statistics.median(diffs) * 1e6)
     pub.close()
     graphtree.reset()
-    step_us, publish_us = statistics.median(a) * 1e6, statistics.median(c) * 1e6
-    return {"step_out_us": step_us, "publish_call_us": publish_us, "publish_overhead_us": publish_us - step_us}
+    every = [w - s for w, s in zip(writes, steps, strict=True)]
+    return {
+        "step_out_us": _median_us(steps),
+        "publish_call_us": _median_us(writes),
+        "publish_overhead_us": _median_us(every),
+        "publish_overhead_rounds_us": [min(rounds_us), max(rounds_us)],
+    }
 
 
 SCENARIO = "share"
@@ -324,7 +349,10 @@ def run_share(ctx: Any) -> list[Any]:
         name = "graphtree" if r["way"] == "graphtree.share" else r["way"]
         for key, metric, unit, scale in _METRICS:
             if key in r:
-                results.append(Result(SCENARIO, case, name, metric, r[key] * scale, unit))
+                note = ""
+                if key == "producer_cpu_per_step_us" and "producer_waits" in r:
+                    note = f"{r['producer_waits']} of {steps} steps waited for a slot (readers)"
+                results.append(Result(SCENARIO, case, name, metric, r[key] * scale, unit, note=note))
         if "consumer_latency_us" in r:
             lat = r["consumer_latency_us"]
             stats = {k: v if k == "n" else v * 1e-6 for k, v in lat.items()}
