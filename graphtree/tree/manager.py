@@ -21,6 +21,7 @@ outputs are cloned first, so feeding an output back in works.
 
 from __future__ import annotations
 
+import gc as _collector
 import threading
 import weakref
 from collections.abc import Sequence
@@ -389,6 +390,9 @@ class TreeManager:
             self.warmed = {}
             self._pool = None
             self.counters = Counters()
+            # the recordings dropped link to each other (a node and its children): only the
+            # collector frees them, and their pool with them; until it runs, the memory stays
+            _collector.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 

@@ -10,9 +10,11 @@ What a capture produces is handed to :class:`~graphtree.tree.node.Node`'s constr
 
 from __future__ import annotations
 
+import gc as _collector
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,6 +59,22 @@ class _Inside:
         finally:
             user_code.active = False
             _capture_lock.release()
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """No automatic garbage collection while a graph is captured: a collection runs the finalizers
+    of whatever garbage it finds, and one that frees CUDA memory (cuda.core buffers, a
+    ``graphtree.share`` channel dropped in a reference cycle) calls the driver on another stream,
+    which ends the capture with an error. Explicit ``gc.collect()`` calls still run."""
+    if not _collector.isenabled():
+        yield
+        return
+    _collector.disable()
+    try:
+        yield
+    finally:
+        _collector.enable()
 
 
 class WarmUp:
@@ -145,7 +163,7 @@ def record(
         end_error: Exception | None = None
         began = False
         try:
-            with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream):
+            with _Inside(), _no_collection(), torch.cuda.device(device), torch.cuda.stream(stream):
                 graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
                 began = True
                 try:
