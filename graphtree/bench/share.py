@@ -297,10 +297,12 @@ def publish_overhead(model: Any, rounds: int = 10, calls: int = 300) -> dict[str
     for _ in range(rounds):
         diffs = []
         for i in range(calls):
-            first = i % 2 == 1  # the writer first in every other pair
-            a = timed(i, first)
-            b_ = timed(i, not first)
-            step_t, write_t = (b_, a) if first else (a, b_)
+            if i % 2:  # the writer first in every other pair
+                write_t = timed(i, True)
+                step_t = timed(i, False)
+            else:
+                step_t = timed(i, False)
+                write_t = timed(i, True)
             if i >= calls // 10:  # each round's first calls warm up
                 steps.append(step_t)
                 writes.append(write_t)

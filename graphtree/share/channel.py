@@ -233,7 +233,7 @@ class Channel:
         self._packed_plans = array.array("q", padded).tobytes()
         self._packed_publishing = array.array("q", [x for pair in self._publishing for x in pair]).tobytes()
         if self.device.type == "cuda":
-            _native.start()  # its channel_take and channel_publish replace _take's and _publish's loops
+            _native.start()  # its channel_take, channel_publish and channel_write replace the Python steps
 
     @property
     def version(self) -> int:

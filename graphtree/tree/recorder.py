@@ -64,9 +64,10 @@ class _Inside:
 @contextmanager
 def _no_collection() -> Iterator[None]:
     """No automatic garbage collection while a graph is captured: a collection runs the finalizers
-    of whatever garbage it finds, and one that frees CUDA memory (cuda.core buffers, a
-    ``graphtree.share`` channel dropped in a reference cycle) calls the driver on another stream,
-    which ends the capture with an error. Explicit ``gc.collect()`` calls still run."""
+    of whatever garbage it finds, and one that freed a CUDA graph (a ``torch.cuda.CUDAGraph`` in a
+    reference cycle; recordings ``reset()`` had dropped) ended the capture with an error. The
+    switch is process-wide, for the capture's duration (captures run one at a time, under
+    ``_capture_lock``); explicit ``gc.collect()`` calls still run."""
     if not _collector.isenabled():
         yield
         return
