@@ -332,3 +332,25 @@ def test_a_failed_capture_is_explained_by_what_its_error_says(error, said):
     msg = explain_capture_error(RuntimeError(error), tracker, "decode_step")
     assert msg.startswith(f"capture of `decode_step` failed: `addmm` raised RuntimeError: {error}.")
     assert said in msg
+
+
+def test_the_collector_is_paused_while_a_graph_is_captured_and_restored_after():
+    # (the capture itself needs a GPU: tests/gpu/test_tree_gpu.py shows why the pause matters)
+    import gc
+
+    from graphtree.tree.recorder import _no_collection
+
+    assert gc.isenabled()
+    with _no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="own error"), _no_collection():
+        raise ValueError("the function's own error")
+    assert gc.isenabled(), "restored when the capture raises"
+    gc.disable()
+    try:
+        with _no_collection():
+            pass
+        assert not gc.isenabled(), "a collector the user turned off stays off"
+    finally:
+        gc.enable()
