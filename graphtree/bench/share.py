@@ -154,9 +154,10 @@ def _one_way(way: str, model: Any, steps: int, warmup: int) -> dict[str, Any]:
         for p in pinned:
             torch.cuda.cudart().cudaHostRegister(p.data_ptr(), p.numel() * p.element_size(), 0)
     if publish is None:
-        # recorded before the loop: torch.multiprocessing's queue sends a CUDA tensor from a feeder
-        # thread, whose CUDA calls (a memory handle's export) end a capture in progress on the main
-        # thread; the step then failed to record and ran eagerly (seen on the H100)
+        # recorded before the loop, so that no capture runs inside the timed loop: once on the H100
+        # a capture there failed ("previous error during capture") and the step ran eagerly. Taken
+        # then for torch.multiprocessing's feeder thread; the same error was later shown to come
+        # from a garbage collection inside the capture (graphtree now pauses it during captures)
         for _ in range(step.warmup + 2):
             graphtree.mark_step()
             step(tokens, pos)

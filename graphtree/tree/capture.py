@@ -76,9 +76,10 @@ def explain_capture_error(exc: BaseException, tracker: OpTracker, fn_name: str) 
     low = first.lower()
     if "previous error during capture" in low or "invalidated" in low:
         hint = (
-            " The capture had been invalidated before this operation: by an earlier one, or by a CUDA call"
-            " that another thread of this process made meanwhile (a synchronization, a memory handle"
-            " export: a torch.multiprocessing queue's feeder thread sending a CUDA tensor makes one)."
+            " The capture had been invalidated before this operation: by an earlier one in this thread"
+            " (a finalizer that frees CUDA memory counts: graphtree pauses automatic garbage collection"
+            " while it captures, but an explicit gc.collect() or a del in the function still runs one),"
+            " or by a CUDA call that another thread of this process made meanwhile (a synchronization)."
         )
     elif "capturing" in low or "capture" in low or "not permitted" in low:
         hint = (
