@@ -255,11 +255,31 @@ def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True
     return removed
 
 
+def end_open_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
+    """End the capture ``graph`` left open on ``stream`` (its ``capture_begin`` or ``capture_end``
+    raised before ``cudaStreamEndCapture``); True when it ended, so that the graph now owns its
+    reference on the pool. A stream left capturing would fail every later operation queued on it."""
+    with torch.cuda.stream(stream):
+        if not torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            graph.capture_end()
+        except Exception:  # noqa: BLE001 - the capture is broken: end_failed_capture cleans up
+            return False
+        return True
+
+
 _empty_capture_lock = threading.Lock()
 
 
-def capture_empty(graph: torch.cuda.CUDAGraph, device: int, pool: tuple[int, int] | None = None) -> None:
+def capture_empty(
+    graph: torch.cuda.CUDAGraph, device: int, pool: tuple[int, int] | None = None, isolated: bool = False
+) -> None:
     """Capture nothing into ``graph`` on a scratch stream of ``device`` (into ``pool`` if given).
+
+    ``isolated``: keep the default CUDA generator out of it where graphtree's native CUDA part is
+    built, so that other threads' random ops are not disturbed; not when the empty capture is meant
+    to put that generator back in normal mode (:func:`end_failed_capture`).
 
     torch warns "The CUDA Graph is empty", which is meant here: the warning is silenced, one
     thread at a time (``warnings.catch_warnings`` is process-wide state; two threads inside it
@@ -268,11 +288,101 @@ def capture_empty(graph: torch.cuda.CUDAGraph, device: int, pool: tuple[int, int
     with _empty_capture_lock, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            from graphtree import _native  # the default generator kept out (see recorder.begin_capture)
+
+            begin = getattr(_native.loaded, "capture_begin_isolated", None)
+            if isolated and begin is not None:
+                begin(graph, pool or (0, 0), torch.Generator(device=f"cuda:{device}"))
+            else:
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             graph.capture_end()
 
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+_strided = torch.strided
+_UNSAFE_TAG = getattr(torch.Tag, "cudagraph_unsafe", None)
+"""Operators tagged so read host state a graph would freeze (inductor's trees honour it too)."""
+
+
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+_with_generator: dict[Any, Any] = {}  # an operator -> the overload of it that takes a generator, or None
+
+
+class RandomOutsideCapture(RuntimeError):
+    """A random operation that can only draw from the device's default generator, met in a capture
+    that keeps that generator out (see :func:`draw_from`)."""
+
+
+def _generator_overload(func: Any) -> Any:
+    """``func`` if it takes a ``generator``, else its overload with the same arguments and a
+    ``generator`` (``aten.randn.default`` -> ``aten.randn.generator``), or None."""
+    try:
+        return _with_generator[func]
+    except KeyError:
+        pass
+    names = {a.name for a in func._schema.arguments}
+    found = None
+    if "generator" in names:
+        found = func
+    else:
+        packet = func.overloadpacket
+        for name in packet.overloads():
+            other = getattr(packet, name)
+            if {a.name for a in other._schema.arguments} == names | {"generator"}:
+                found = other
+                break
+    _with_generator[func] = found
+    return found
+
+
+def draw_from(gen: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run the random operation ``func`` with ``gen`` as its generator where it was given none.
+
+    Operators without a generator argument take their overload that has one; dropout
+    (``aten.dropout``, ``aten.native_dropout``) becomes its two steps, a Bernoulli mask drawn from
+    ``gen`` and a scaled product. Others (scaled dot-product attention) run as they are: they draw
+    only with dropout on, and then raise :class:`RandomOutsideCapture` naming the operator."""
+    if func is _DROPOUT or func is _NATIVE_DROPOUT:
+        x, p, train = (*args, *kwargs.values(), None)[:3]
+        if train is False or p == 0:
+            return func(*args, **kwargs)
+        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=gen)
+        out = x * mask * (0.0 if p == 1 else 1.0 / (1.0 - p))
+        return out if func is _DROPOUT else (out, mask)
+    target = _generator_overload(func)
+    if target is None:
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:  # torch checks before it launches anything: the capture is intact
+            if "not in capture mode" not in str(e):
+                raise
+            raise RandomOutsideCapture(
+                f"{func.name()} draws random numbers from the device's default generator only, which "
+                f"graphtree keeps out of its captures (so that other threads can draw from it meanwhile)"
+            ) from None
+    named = dict(zip((a.name for a in func._schema.arguments), args))
+    named.update(kwargs)
+    if named.get("generator") is None:
+        named["generator"] = gen
+    return target(**named)
+
+
+_DROPOUT = torch.ops.aten.dropout.default
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+
+
+def readable_storage(t: Any) -> torch.UntypedStorage | None:
+    """``t.untyped_storage()`` where ``t`` is a dense tensor whose storage can be read, else ``None``:
+    sparse, nested, meta and fake tensors, and outputs graphtree invalidated, are not touched."""
+    if not isinstance(t, torch.Tensor) or t.layout is not _strided or t.is_nested or t.is_meta:
+        return None
+    try:
+        st = t.untyped_storage()
+        st.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return st
 
 
 class StateWatch(TorchDispatchMode):
@@ -296,32 +406,39 @@ class StateWatch(TorchDispatchMode):
         self.written: list[int] = []
         self.made: dict[int, int] = {}
         self.read: dict[int, tuple[int, int]] = {}
+        self.unsafe = ""  # the first operation tagged torch.Tag.cudagraph_unsafe, by name
+        self.generator: torch.Generator | None = None  # random ops draw from it, not the default one
         self._track_reads = track_reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if _UNSAFE_TAG is not None and not self.unsafe and _UNSAFE_TAG in func.tags:
+            self.unsafe = str(func.name())
         if self.watched and func._schema.is_mutable:
             for i, arg in enumerate(func._schema.arguments):
                 info = arg.alias_info
                 if info is None or not info.is_write:
                     continue
                 val = kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else kwargs.get(arg.name))
-                if isinstance(val, torch.Tensor):
+                if isinstance(val, torch.Tensor) and val.layout is _strided and not val.is_nested:
                     idx = self.watched.get(val.untyped_storage().data_ptr())
                     if idx is not None and idx not in self.written:
                         self.written.append(idx)
         given: set[int] = set()  # storages the operation was given: what it returns of them is not new
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
+                if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
                     st = t.untyped_storage()
                     ptr = st.data_ptr()
                     given.add(ptr)
                     if self._track_reads and ptr and ptr not in self.read:
                         self.read[ptr] = (weak_ref(st), st.nbytes())
-        out = func(*args, **kwargs)
+        if self.generator is not None and _SEEDED in func.tags:
+            out = draw_from(self.generator, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         for t in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
+            if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
                 st = t.untyped_storage()
                 ptr = st.data_ptr()
                 if ptr and ptr not in given:

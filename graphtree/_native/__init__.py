@@ -129,19 +129,54 @@ def _build_in_child() -> str:
 
 
 def build_here() -> str:
-    """Build (or find built) the helpers in this process; the library's path. What the child runs."""
+    """Build (or find built) the helpers in this process; the library's path. What the child runs.
+
+    With CUDA's headers at hand and a torch before 2.12, the CUDA part is built too
+    (``capture_begin_isolated``, see fastpath.cpp); should that fail, the rest is built without it.
+    """
     from torch.utils import cpp_extension
 
     _find_ninja()
-    module = cpp_extension.load(
-        name="graphtree_native",
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O2"],
-        extra_ldflags=["-ldl"],
-        is_python_module=True,
-        verbose=False,
-    )
-    return str(module.__file__)
+    cuda = _cuda_flags()
+    for flags in [cuda] if cuda is None else [cuda, None]:
+        try:
+            module = cpp_extension.load(
+                name="graphtree_native" if flags is None else "graphtree_native_cuda",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O2", *(flags["cflags"] if flags else [])],
+                extra_ldflags=["-ldl", *(flags["ldflags"] if flags else [])],
+                extra_include_paths=flags["include"] if flags else None,
+                is_python_module=True,
+                verbose=False,
+            )
+        except Exception as e:
+            if flags is None:
+                raise
+            print(f"graphtree: native helpers without their CUDA part: {str(e).strip()[-300:]}", file=sys.stderr)
+            continue
+        return str(module.__file__)
+    raise RuntimeError("unreachable")
+
+
+def _cuda_flags() -> dict[str, list[str]] | None:
+    """Compiler and linker flags for the CUDA part, or None: no CUDA build of torch, no CUDA headers,
+    or a torch (2.12 and later) whose CUDA generator keeps capture state per capture already."""
+    import torch
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if torch.version.cuda is None or home is None or version >= (2, 12):
+        return None
+    include = os.path.join(home, "include")
+    if not os.path.exists(os.path.join(include, "cuda_runtime_api.h")):
+        return None
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return {
+        "cflags": ["-DGRAPHTREE_CUDA"],
+        "ldflags": [f"-L{lib}", "-ltorch_cuda", "-lc10_cuda", f"-Wl,-rpath,{lib}"],
+        "include": [include],
+    }
 
 
 def _find_ninja() -> None:
@@ -170,6 +205,11 @@ def _check(module: ModuleType) -> None:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")
+    from graphtree.tree.ambient import _python_state
+
+    with torch.no_grad():  # at least one switch differs from the defaults the process may run under
+        if module.ambient() != _python_state():
+            raise RuntimeError(f"ambient() {module.ambient()} disagrees with the Python twin {_python_state()}")
     # a one-slot channel (state: version 8, none newest, none being written, slot 0 last at 0)
     cells, state = array.array("q", [0, 0, 0, 7, 0]), array.array("q", [8, -1, -1, 0])
     plans = array.array("q", [0, 1, 2, 3, 4] * 2).tobytes()

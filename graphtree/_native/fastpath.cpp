@@ -12,9 +12,23 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/DefaultDtype.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/SmallVector.h>
 
 #include <dlfcn.h>
+
+#ifdef GRAPHTREE_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <mutex>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -476,6 +490,102 @@ PyObject* channel_write(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// ambient() -> (bits, default dtype, autocast dtype | None): the state a call computes under
+// without being passed it, packed as graphtree/tree/ambient.py's _python_state packs it (that
+// module's BITS names each bit; _native._check compares the two before this one is used).
+PyObject* ambient(PyObject*, PyObject* const*, Py_ssize_t) {
+  try {
+    auto& ctx = at::globalContext();
+    const bool cast = at::autocast::is_autocast_enabled(at::kCUDA);
+    const bool flags[] = {
+        ctx.deterministicAlgorithms(),      ctx.deterministicFillUninitializedMemory(),
+        ctx.userEnabledCuDNN(),             ctx.benchmarkCuDNN(),
+        ctx.deterministicCuDNN(),           ctx.allowTF32CuDNN(),
+        ctx.allowTF32CuBLAS(),              ctx.allowFP16AccumulationCuBLAS(),
+        ctx.userEnabledFlashSDP(),          ctx.userEnabledMemEfficientSDP(),
+        ctx.userEnabledMathSDP(),           ctx.userEnabledCuDNNSDP(),
+        ctx.allowFP16BF16ReductionMathSDP(),
+    };
+    int64_t bits = int64_t(at::GradMode::is_enabled()) | int64_t(c10::InferenceMode::is_enabled()) << 1 |
+                   int64_t(cast) << 2;
+    int shift = 3;
+    for (bool f : flags) {
+      bits |= int64_t(f) << shift++;
+    }
+    bits |= int64_t(ctx.float32MatmulPrecision()) << 16 | int64_t(ctx.allowFP16ReductionCuBLAS()) << 18 |
+            int64_t(ctx.allowBF16ReductionCuBLAS()) << 20 | int64_t(ctx.blasPreferredBackend()) << 22;
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(c10::get_default_dtype_as_scalartype()));
+    PyObject* cast_dtype =
+        cast ? reinterpret_cast<PyObject*>(torch::getTHPDtype(at::autocast::get_autocast_dtype(at::kCUDA))) : Py_None;
+    PyObject* n = PyLong_FromLongLong(bits);
+    if (n == nullptr) {
+      return nullptr;
+    }
+    Py_INCREF(dtype);
+    Py_INCREF(cast_dtype);
+    PyObject* out = PyTuple_New(3);
+    if (out == nullptr) {
+      Py_DECREF(n);
+      Py_DECREF(dtype);
+      Py_DECREF(cast_dtype);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, 0, n);
+    PyTuple_SET_ITEM(out, 1, dtype);
+    PyTuple_SET_ITEM(out, 2, cast_dtype);
+    return out;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+#ifdef GRAPHTREE_CUDA
+// capture_begin_isolated(graph, pool, decoy) -> None: graph.capture_begin(pool, thread-local mode)
+// with the device's default CUDA generator kept out of the capture (torch < 2.12).
+//
+// capture_begin registers the default generator's state with the graph and puts it in capture mode;
+// that state is the whole process's, so while one thread captured, a random op of any other thread
+// failed ("Offset increment outside graph capture encountered unexpectedly"). Here the default
+// generator holds the decoy's state while capture_begin registers it, and its own state again right
+// after, all under the generator's mutex (random ops of other threads take it, so none draws in
+// between) and without the GIL (so a thread that holds the GIL while it waits for the mutex, as
+// torch.manual_seed does, cannot deadlock with this one). The capture's own random ops then draw from
+// the decoy (graphtree passes it as their generator), and each replay advances the decoy.
+PyObject* capture_begin_isolated(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "capture_begin_isolated(graph, pool, decoy) takes 3 arguments");
+    return nullptr;
+  }
+  try {
+    auto& graph = pybind11::handle(args[0]).cast<at::cuda::CUDAGraph&>();
+    auto pool = pybind11::handle(args[1]).cast<std::pair<unsigned long long, unsigned long long>>();
+    at::Generator decoy = reinterpret_cast<THPGenerator*>(args[2])->cdata;
+    at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator();
+    {
+      pybind11::gil_scoped_release no_gil;
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      at::Generator own = gen.graphsafe_get_state();
+      gen.graphsafe_set_state(decoy);
+      try {
+        graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+      } catch (...) {
+        gen.graphsafe_set_state(own);
+        throw;
+      }
+      gen.graphsafe_set_state(own);
+    }
+    Py_RETURN_NONE;
+  } catch (const pybind11::error_already_set& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+#endif
+
 PyMethodDef methods[] = {
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ptrs_equal)), METH_FASTCALL,
      "ptrs_equal(tensors, ptrs, idx) -> bool"},
@@ -492,6 +602,13 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "channel_publish(cells, state, publishing) -> int"},
     {"channel_write", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(channel_write)), METH_FASTCALL,
      "channel_write(writer, args, kwargs) -> result"},
+    {"ambient", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ambient)), METH_FASTCALL,
+     "ambient() -> (bits, default dtype, autocast dtype | None)"},
+#ifdef GRAPHTREE_CUDA
+    {"capture_begin_isolated",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(capture_begin_isolated)), METH_FASTCALL,
+     "capture_begin_isolated(graph, pool, decoy) -> None"},
+#endif
     {nullptr, nullptr, 0, nullptr},
 };
 

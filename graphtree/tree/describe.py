@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 def _sig(node: Node) -> str:
     parts = []
     for p in node.key[1]:
+        if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
+            continue
         if len(p) == 3:  # tensor: (shape, dtype, stride)
             parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
         elif p[0] == "training":  # a graphed module's mode

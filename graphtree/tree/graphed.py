@@ -5,12 +5,15 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
 from graphtree.tree.inputs import (
     Bucketing,
@@ -26,6 +29,9 @@ from graphtree.tree.recorder import user_code
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
+_is_compiling = torch.compiler.is_compiling
+_state = _ambient.state
+log = logging.getLogger("graphtree")
 
 
 def _has_cuda() -> bool:
@@ -112,9 +118,13 @@ class GraphedCallable:
         self._has_state = self._module is not None or bool(self._closure)
         if self._module is not None:
             watch_parameter_changes()
+            if fn is self._module or getattr(fn, "__self__", None) is self._module:
+                _no_auto_compile(self._module)
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
+        # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
+        weakref.finalize(self, _manager.forget, self.id)
 
     def __repr__(self) -> str:
         return f"graphed({self.name})"
@@ -126,6 +136,8 @@ class GraphedCallable:
         return functools.partial(self.__call__, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():  # traced by torch.compile: graphtree's call runs outside the trace
+            return _outside_compile(self, args, kwargs)
         if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
         try:  # costs nothing unless the call raises (Python 3.11+)
@@ -141,8 +153,13 @@ class GraphedCallable:
                 return self._eager(args, kwargs, str(e))
             if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
                 return self._eager(args, kwargs, "autograd")
-            if self._module is not None:  # train() and eval() record apart (dropout, batch norm)
-                call.key = (*call.key, ("training", self._module.training))
+            # What the call computes under besides its arguments (autocast, grad mode, default dtype,
+            # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()
+            # or eval() (dropout, batch norm).
+            if self._module is not None:
+                call.key = (*call.key, _state(), ("training", self._module.training))
+            else:
+                call.key = (*call.key, _state())
             device = call.device
             if device < 0:
                 device = self._state_device()
@@ -261,6 +278,14 @@ class GraphedCallable:
         _manager.begin_internal_step()
 
 
+@torch.compiler.disable
+def _outside_compile(gc: GraphedCallable, args: tuple, kwargs: dict) -> Any:
+    """A graphed call met by torch.compile's tracer: dynamo never traces into graphtree (its checks
+    and private calls are not traceable); the compiled code breaks its graph here and graphtree
+    replays, records or runs eagerly as it would outside."""
+    return gc(*args, **kwargs)
+
+
 class GraphedModule(torch.nn.Module):
     """What :func:`graphed` returns for an ``nn.Module``: the same module, its calls recorded
     and replayed as CUDA graphs.
@@ -356,6 +381,27 @@ _SHARED = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
+
+
+def _no_auto_compile(model: torch.nn.Module) -> None:
+    """Turn off Hugging Face's automatic ``torch.compile`` of a model's decode step: graphtree graphs it.
+
+    transformers' ``generate()`` compiles the decode step with ``mode="reduce-overhead"`` whenever the
+    cache is a static one, unless ``generation_config.disable_compile`` is set; two graph systems on one
+    forward fought (stale-tensor errors, an internal assert, 12x slower). Set only where the model's
+    generation config leaves it unset (``None``): an explicit ``False`` is the user's and is kept, and
+    the compiled code then calls graphtree outside its trace (see :func:`_outside_compile`).
+    """
+    config = getattr(model, "generation_config", None)
+    if config is None or not hasattr(model, "_valid_auto_compile_criteria"):
+        return
+    if getattr(config, "disable_compile", None) is None:
+        config.disable_compile = True
+        log.info(
+            "graphtree: %s.generation_config.disable_compile = True: generate() will not torch.compile the "
+            "decode step that graphtree graphs (pass disable_compile=False to generate() to compile anyway)",
+            type(model).__name__,
+        )
 
 
 def _find_state(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[torch.Tensor]]:

@@ -31,6 +31,28 @@ class Unsupported(Exception):
     """The call cannot be graphed; ``str(self)`` is the reason shown in ``stats()``."""
 
 
+_strided = torch.strided
+_Parameter = torch.nn.Parameter
+
+
+def tensor_kind(x: torch.Tensor) -> str | None:
+    """What makes ``x`` a tensor a CUDA graph cannot take or hand out (sparse, nested, meta, a
+    subclass), or ``None`` for a plain dense tensor (``nn.Parameter`` s included)."""
+    if x.layout is not _strided:
+        return f"a {str(x.layout).replace('torch.', '')} tensor"
+    if x.is_nested:
+        return "a nested tensor"
+    if x.is_meta:
+        return "a meta tensor"
+    if type(x) is not _Tensor and not isinstance(x, _Parameter):
+        return f"a tensor subclass ({type(x).__name__})"
+    return None
+
+
+def _unsupported_input(i: int, x: torch.Tensor, kind: str) -> Unsupported:
+    return Unsupported(f"input {i} is {kind}: graphtree graphs dense CUDA tensors (it runs eagerly)")
+
+
 class _Keywords(NamedTuple):
     """The spec of a flat call with keywords: ``n_args`` positional leaves, then one per name."""
 
@@ -173,8 +195,12 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
     needs_grad = False
     held: HeldTensors | None = None  # tensors inside objects, once an object is met
     if bucketing is None:  # the common case, kept lean: it runs on every call
-        for x in leaves:
+        for i, x in enumerate(leaves):
             if isinstance(x, _Tensor):
+                if type(x) is not _Tensor or x.layout is not _strided or x.is_nested:
+                    kind = tensor_kind(x)
+                    if kind is not None:
+                        raise _unsupported_input(i, x, kind)
                 d = x.get_device()
                 if d != device:
                     if d < 0:
@@ -209,6 +235,9 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
         bucket = b
     for i, x in enumerate(leaves):
         if isinstance(x, _Tensor):
+            kind = tensor_kind(x)
+            if kind is not None:
+                raise _unsupported_input(i, x, kind)
             d = x.get_device()
             if d < 0:
                 raise Unsupported("CPU tensor inputs" if device < 0 else "mixed-device inputs (CPU and CUDA)")
@@ -320,6 +349,9 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
+        kind = tensor_kind(x)
+        if kind is not None:
+            raise _unreadable(top, f"it holds {kind}")
         if len(held.tensors) >= _MAX_TENSORS:
             raise _unreadable(top, f"it holds more than {_MAX_TENSORS} tensors")
         d = x.get_device()
@@ -491,6 +523,7 @@ class InputPlan:
         pad_dim: int,
         bucket: int,
         device: int,
+        relaid: tuple[int, ...] = (),
     ) -> None:
         self.inplace_idx = inplace_idx
         self.inplace_ptrs = inplace_ptrs  # aligned with the leaves; 0 elsewhere
@@ -500,10 +533,11 @@ class InputPlan:
         self.pad_dim = pad_dim
         self.bucket = bucket
         self.device = device
+        self.relaid = relaid  # copied inputs whose placeholder is dense where the input is not (expanded)
         self.raw = self._raw_copy()
 
     def _raw_copy(self) -> RawCopy | None:
-        if len(self.copy_idx) != 1 or self.padded:
+        if len(self.copy_idx) != 1 or self.padded or self.relaid:
             return None
         ph = self.placeholders[0]
         # The key fixes shape, dtype and strides: a contiguous placeholder means a contiguous input.
@@ -550,6 +584,7 @@ def place_inputs(
     copy_idx: list[int] = []
     views: list[torch.Tensor] = []
     owning: list[torch.Tensor] = []
+    relaid: list[int] = []  # copied inputs whose placeholder is laid out unlike the input
     graph_leaves = list(leaves)
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
@@ -560,7 +595,13 @@ def place_inputs(
             inplace_ptrs[i] = x.data_ptr()
             continue
         shape, dtype, stride = call.key[i]
-        ph = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+        if any(st == 0 and n > 1 for n, st in zip(shape, stride)):
+            # An expanded input (stride 0): a placeholder of the same strides could not be copied
+            # into (its elements share memory); a dense one holds the same values.
+            ph = torch.empty(shape, dtype=dtype, device=dev)
+            relaid.append(i)
+        else:
+            ph = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
         owning.append(ph)
         graph_leaves[i] = ph
         copy_idx.append(i)
@@ -575,6 +616,7 @@ def place_inputs(
         pad_dim=pad_dim,
         bucket=call.bucket,
         device=device,
+        relaid=tuple(relaid),
     )
     return plan, graph_leaves, owning
 

@@ -47,6 +47,26 @@ _tls = threading.local()
 _all_managers: weakref.WeakSet[TreeManager] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 _untreed = Counters()  # eager runs that never reached a tree (no CUDA, CPU inputs, ...)
+# Ids of graphed callables garbage-collected so far (appended by their finalizers, in any thread and
+# at any moment: a list append needs no lock). Each tree prunes their recordings at its next step.
+_collected: list[int] = []
+
+
+def forget(gc_id: int) -> None:
+    """A graphed callable was garbage-collected: its recordings go at each tree's next step."""
+    _collected.append(gc_id)
+
+
+def _drop_subtree(node: Node) -> None:
+    """Unlink a dropped recording and all below it, so that reference counting frees their graphs
+    (a node and its children refer to each other) without waiting for the collector."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for kids in n.children.values():
+            stack.extend(kids)
+        n.children = {}
+        n.parent = None  # type: ignore[assignment]
 
 
 # --- the calling thread's trees ---------------------------------------------------------------------
@@ -112,6 +132,7 @@ class TreeManager:
         self.warmed: dict[tuple[int, Any], int] = {}
         self._pool: Pool | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._collected_seen = len(_collected)
         self._clear()
 
     def _clear(self) -> None:
@@ -180,6 +201,8 @@ class TreeManager:
                         ):
                             node = self._replayable(gc, kids, leaves)
                     if node is not None:  # the hot path: a recording that fits
+                        # Before the launch: a replay that raises after it has still written the pool.
+                        self.bookkeeping_live = False
                         try:  # costs nothing unless it raises (Python 3.11+)
                             out = node.replay(leaves, call.n)
                         except RuntimeError as e:
@@ -189,7 +212,6 @@ class TreeManager:
                             raise err from e
                         self.path.append(node)
                         self.current = node
-                        self.bookkeeping_live = False
                         self.counters.replays += 1
                         return out
             reason = gc.given_up.get(call.key)
@@ -257,9 +279,33 @@ class TreeManager:
         self.called.clear()
         self.step_requested = False
         self.generation += 1
+        if len(_collected) != self._collected_seen:
+            self._prune_collected()
         return leaves
 
-    def _retire_pool(self) -> None:
+    def _prune_collected(self) -> None:
+        """Drop the recordings of graphed callables that were garbage-collected (with everything
+        recorded under them), at the start of a step: their outputs were invalidated as it began.
+        A tree left empty gives its pool back to the caching allocator."""
+        n = len(_collected)
+        dead = set(_collected[self._collected_seen : n])
+        self._collected_seen = n
+        stack: list[Node | Root] = [self.root]
+        while stack:
+            parent = stack.pop()
+            for key in [k for k in parent.children if k[0] in dead]:
+                for node in parent.children.pop(key):
+                    _drop_subtree(node)
+            for kids in parent.children.values():
+                stack.extend(kids)
+        self.warmed = {k: v for k, v in self.warmed.items() if k[0] not in dead}
+        if self.last_replayed is not None and self.last_replayed.key[0] in dead:
+            self.last_replayed = None
+        if not self.root.children and not self.retired and self._pool is not None:
+            self._pool = None
+            self.bookkeeping_live = True
+
+    def _retire_pool(self, quiet: bool = False) -> None:
         """Move to a fresh pool and an empty tree; keep the old ones until this step ends."""
         self.retired.append((self._pool, self.path))
         self._pool = None
@@ -267,7 +313,9 @@ class TreeManager:
         self.current = self.root
         self.path = []
         self.bookkeeping_live = True
-        log.warning("graphtree: a capture failed on cuda:%d; recordings start again in a new memory pool", self.device)
+        (log.info if quiet else log.warning)(
+            "graphtree: a capture failed on cuda:%d; recordings start again in a new memory pool", self.device
+        )
 
     # --- replay ---------------------------------------------------------------------------
     def _replayable(self, gc: GraphedCallable, kids: list[Node], leaves: Sequence[Any]) -> Node | None:
@@ -347,6 +395,12 @@ class TreeManager:
             if e.pool_tainted:
                 self._retire_pool()
             return gc.run_eager(call, str(e))
+        except BaseException:
+            # The function's own error (or an out-of-memory, Ctrl-C, an error of graphtree's): it
+            # reaches the caller unchanged. Its traceback may keep tensors the capture allocated in
+            # the pool alive, which no checkpoint knows: recordings go on in a fresh pool.
+            self._retire_pool(quiet=True)
+            raise
         if siblings:
             self.counters.rerecordings += 1
         self.current.children.setdefault(key, []).append(node)

@@ -38,7 +38,7 @@ class Pool:
         # An empty recording holds the pool open for as long as this object lives; once it and
         # every node's graph are gone, torch.cuda.empty_cache() can give the memory back.
         self._keepalive = torch.cuda.CUDAGraph()
-        _torch.capture_empty(self._keepalive, device, self.id)
+        _torch.capture_empty(self._keepalive, device, self.id, isolated=True)
         self._root_state: Any = None
 
     @contextlib.contextmanager

@@ -11,6 +11,7 @@ What a capture produces is handed to :class:`~graphtree.tree.node.Node`'s constr
 from __future__ import annotations
 
 import gc as _collector
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphtree import _events, _torch
+from graphtree import _events, _native, _torch
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
-from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch
+from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.pool import Pool
@@ -78,6 +79,20 @@ def _no_collection() -> Iterator[None]:
         _collector.enable()
 
 
+@contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """Autocast's cache of cast weights off while graphtree runs the function for a tree: a cast
+    cached during a warm-up would count as state the function keeps, and one cached during a capture
+    would be read by every replay after autocast cleared it. Off, the casts are recorded with the
+    graph and run on each replay (what ``make_graphed_callables`` asks of its users). Thread-local."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
+
+
 class WarmUp:
     """The result of one warm-up run: its outputs, and what it showed about the signature."""
 
@@ -103,14 +118,46 @@ def warm_up(gc: GraphedCallable, call: Call, stream: torch.cuda.Stream, device: 
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
-        with _Inside(), torch.cuda.device(device), torch.cuda.stream(stream), sync, tracker, watch:
+        with (
+            _Inside(),
+            _no_autocast_cache(),
+            torch.cuda.device(device),
+            torch.cuda.stream(stream),
+            sync,
+            tracker,
+            watch,
+        ):
             out = gc.fn(*args, **kwargs)
-        reason = _mutation_reason(watch.written) if watch.written else (sync.found or None)
-        kept = len(watch.kept(_storages(call.leaves, out, gc.static_tensors())))
+        reason = (
+            _mutation_reason(watch.written)
+            if watch.written
+            else (_output_reason(out) or sync.found or _unsafe_reason(gc.name, watch.unsafe))
+        )
+        kept = 0 if reason else len(watch.kept(_storages(call.leaves, out, gc.static_tensors())))
     finally:
         current.wait_stream(stream)
         watch.close()
     return WarmUp(out, reason, kept)
+
+
+def _unsafe_reason(name: str, op: str) -> str | None:
+    if not op:
+        return None
+    return (
+        f"`{name}` calls {op}, tagged torch.Tag.cudagraph_unsafe (it reads state on the host that a "
+        f"recording would freeze)"
+    )
+
+
+def _output_reason(out: Any) -> str | None:
+    """Why the outputs cannot come out of a graph (a sparse, nested, meta or subclass tensor), or None."""
+    outs, _ = _torch.tree_flatten(out)
+    for i, t in enumerate(outs):
+        if isinstance(t, torch.Tensor):
+            kind = tensor_kind(t)
+            if kind is not None:
+                return f"output {i} is {kind}: graphtree graphs dense CUDA tensors"
+    return None
 
 
 def _storages(leaves: Sequence[Any], out: Any, statics: Sequence[torch.Tensor]) -> set[int]:
@@ -155,40 +202,62 @@ def record(
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
         args, kwargs = call.arguments(graph_leaves)
-        graph = torch.cuda.CUDAGraph()
+        graph = new_graph()
         tracker = OpTracker()
         node_id = next_node_id()
         _events.publish("record_begin", name=gc.name, node=node_id)
         t0 = time.perf_counter()
-        user_error: BaseException | None = None
-        end_error: Exception | None = None
-        began = False
+        user_error: BaseException | None = None  # the function's (or the capture's) error
+        end_error: BaseException | None = None  # what broke the stream capture itself
+        began = ended = False
         try:
-            with _Inside(), _no_collection(), torch.cuda.device(device), torch.cuda.stream(stream):
-                graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
-                began = True
+            with (
+                _Inside(),
+                _no_collection(),
+                _no_autocast_cache(),
+                torch.cuda.device(device),
+                torch.cuda.stream(stream),
+            ):
+                # A capture left open on the stream is ended here, before the stream is waited on (a
+                # capturing stream cannot be), through the graph, which then owns its reference on the
+                # pool (its destructor gives it back); a broken one's is given back below.
                 try:
-                    with tracker, watch:
-                        out = gc.fn(*args, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
-                    user_error = e
-                try:
-                    graph.capture_end()
-                except Exception as e:  # noqa: BLE001 - whatever ended the capture, it is explained below
+                    begin_capture(graph, pool.id, device, watch)
+                    began = True
+                except BaseException as e:  # noqa: BLE001 - explained below
                     end_error = e
-        except Exception as e:  # noqa: BLE001 - capture_begin itself failed: explained below
-            end_error = e
+                    began = torch.cuda.is_current_stream_capturing()  # it raised after the capture began
+                    ended = began and _torch.end_open_capture(graph, stream)
+                else:
+                    try:
+                        with tracker, watch:
+                            out = gc.fn(*args, **kwargs)
+                    except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
+                        user_error = e
+                    try:
+                        graph.capture_end()
+                    except BaseException as e:  # noqa: BLE001 - whatever ended the capture, it is explained below
+                        end_error = e
+                        ended = _torch.end_open_capture(graph, stream)
         finally:
             current.wait_stream(stream)
         if end_error is not None:  # the stream capture broke: torch will not capture into this pool again
             err = user_error if isinstance(user_error, Exception) else end_error
             msg = explain_capture_error(err, tracker, gc.name)
+            interrupt = next(
+                (e for e in (user_error, end_error) if e is not None and not isinstance(e, Exception)), None
+            )
             for e in (user_error, end_error):
-                if e is not None:
+                if e is not None and e is not interrupt:
                     clear_traceback(e)
             del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph
-            _torch.end_failed_capture(device, pool.id, began)
+            _torch.end_failed_capture(device, pool.id, began and not ended)
+            if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
+                raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
+        if isinstance(user_error, _torch.RandomOutsideCapture):
+            del args, kwargs, graph_leaves, owning, graph
+            raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
         if user_error is not None:
             # The capture itself ended well: the graph is dropped (its destructor gives back its
             # reference on the pool) and the function's error reaches the caller as it was raised.
@@ -198,6 +267,10 @@ def record(
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph
             raise CaptureFailed(_mutation_reason(watch.written))
+        problem = _unsafe_reason(gc.name, watch.unsafe) or _output_reason(out)
+        if problem:
+            del out, owning, graph
+            raise CaptureFailed(problem)
         kept = watch.kept(_storages(graph_leaves, out, statics))
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
@@ -243,6 +316,34 @@ def record(
         watch.close()
 
 
+new_graph = torch.cuda.CUDAGraph
+"""Makes each recording's graph (the fault-injection test replaces it with a graph that fails on cue)."""
+
+_decoys = itertools.count(1)
+
+
+def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device: int, watch: _torch.StateWatch) -> None:
+    """Begin capturing into ``graph`` on the current stream, in thread-local mode.
+
+    With graphtree's native CUDA part (torch before 2.12), the device's default generator stays out
+    of the capture, so that other threads draw random numbers meanwhile as in eager: the capture's
+    random operations draw from a generator of its own (``watch.generator``, seeded from the default
+    one's seed and the recording's number), which each replay advances. Without it, torch's own
+    ``capture_begin``: the default generator is captured, and is in capture mode for every thread
+    until the capture ends.
+    """
+    native = _native.loaded
+    begin = getattr(native, "capture_begin_isolated", None)
+    if begin is None:
+        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        return
+    decoy = torch.Generator(device=f"cuda:{device}")
+    seed = torch.cuda.default_generators[device].initial_seed()
+    decoy.manual_seed((seed * 6364136223846793005 + next(_decoys)) % (1 << 63))
+    watch.generator = decoy
+    begin(graph, pool_id, decoy)
+
+
 def _pad_dim(gc: GraphedCallable) -> int:
     """The dimension bucket padding pads (0 without buckets)."""
     return gc.bucketing.dim if gc.bucketing else 0
@@ -262,7 +363,8 @@ def _externals(
     in_pool: Callable[[int], bool],
 ) -> list[External]:
     """The CUDA storages the capture read that are neither inputs, nor state read in place, nor pool memory."""
-    known = {t.untyped_storage().data_ptr() for t in (*graph_leaves, *statics) if isinstance(t, torch.Tensor)}
+    storages = (_torch.readable_storage(t) for t in (*graph_leaves, *statics))
+    known = {st.data_ptr() for st in storages if st is not None}
     found = []
     for ptr, (ref, nbytes) in list(watch.read.items()):
         if ptr in known or in_pool(ptr) or _torch.weak_expired(ref):
@@ -290,9 +392,11 @@ def _origin(gc: GraphedCallable, ptr: int) -> str:
         for mod_name, sub in module.named_modules():
             for name, v in vars(sub).items():
                 places.append((f"attribute `{(mod_name + '.' if mod_name else '') + name}` of the module", v))
-    for where, v in places:
-        if isinstance(v, torch.Tensor) and v.is_cuda and v.untyped_storage().data_ptr() == ptr:
-            return where
+    for where, v in places:  # whatever the user holds: storages that cannot be read are skipped
+        if isinstance(v, torch.Tensor) and v.is_cuda:
+            st = _torch.readable_storage(v)
+            if st is not None and st.data_ptr() == ptr:
+                return where
     return "a tensor the function reads from outside its arguments"
 
 

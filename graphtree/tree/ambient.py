@@ -1,0 +1,134 @@
+"""The state a call computes under without being passed it: part of every recording's key.
+
+A CUDA graph freezes the kernels its capture chose. Which kernels torch chooses depends on more
+than the arguments: autocast turns a matmul into a bf16 one, the default dtype decides what
+``torch.ones(3)`` makes, TF32 and the cuDNN and SDPA switches pick other kernels, deterministic
+mode others again. A recording made under one setting and replayed under another would return
+what the other setting computes: silently wrong. So :func:`state` is read on every graphed call
+and appended to the call's key: a change records again (a new branch), never replays the old one.
+
+:func:`state` is ``(bits, default dtype, autocast dtype or None)``. ``bits`` packs the switches
+below, one or two bits each (``BITS`` names them, lowest first). graphtree's native helpers
+compute the same tuple in one C++ call (``_native.ambient``, about 0.1 µs against 0.7 µs for this
+Python twin); the two are checked equal before the native one is used, so a process that starts
+on the twin keeps its recordings when the helpers arrive.
+
+What is not tracked, and why, is listed in ``DESIGN.md`` beside this file.
+
+Example::
+
+    from graphtree.tree import ambient
+
+    before = ambient.state()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert ambient.state() != before
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphtree import _native
+
+_C: Any = torch._C
+
+BITS = (
+    "grad mode",
+    "inference mode",
+    "autocast (cuda)",
+    "deterministic algorithms",
+    "deterministic fill of uninitialized memory",
+    "cuDNN enabled",
+    "cuDNN benchmark",
+    "cuDNN deterministic",
+    "cuDNN TF32",
+    "cuBLAS TF32",
+    "cuBLAS fp16 accumulation",
+    "SDPA flash",
+    "SDPA memory-efficient",
+    "SDPA math",
+    "SDPA cuDNN",
+    "SDPA math fp16/bf16 reduction",
+    "float32 matmul precision (2 bits: highest, high, medium)",
+    "",
+    "cuBLAS fp16 reduced-precision reduction (2 bits)",
+    "",
+    "cuBLAS bf16 reduced-precision reduction (2 bits)",
+    "",
+    "preferred BLAS backend (3 bits)",
+)
+"""What each bit of ``state()[0]`` is, lowest first (the native helper packs them the same way)."""
+
+_PRECISION = {"highest": 0, "high": 1, "medium": 2}
+
+
+def _reduction(v: Any) -> int:
+    """``CuBLASReductionOption`` as an int, from the Python getter's ``(allow_reduced, allow_splitk)``."""
+    if isinstance(v, tuple):
+        allow, splitk = v
+        return 0 if allow else (1 if splitk else 2)
+    return 0 if v else 1
+
+
+def _flag(name: str) -> Callable[[], Any]:
+    """``torch._C.<name>``, or a getter of False where this torch has no such switch."""
+    return getattr(_C, name, None) or (lambda: False)
+
+
+def _python_state(
+    grad: Callable[[], bool] = _C.is_grad_enabled,
+    inference: Callable[[], bool] = torch.is_inference_mode_enabled,
+    autocast: Callable[[str], bool] = torch.is_autocast_enabled,
+    autocast_dtype: Callable[[str], torch.dtype] = torch.get_autocast_dtype,
+    default_dtype: Callable[[], torch.dtype] = torch.get_default_dtype,
+    flags: tuple[Callable[[], Any], ...] = tuple(
+        _flag(n)
+        for n in (
+            "_get_deterministic_algorithms",
+            "_get_deterministic_fill_uninitialized_memory",
+            "_get_cudnn_enabled",
+            "_get_cudnn_benchmark",
+            "_get_cudnn_deterministic",
+            "_get_cudnn_allow_tf32",
+            "_get_cublas_allow_tf32",
+            "_get_cublas_allow_fp16_accumulation",
+            "_get_flash_sdp_enabled",
+            "_get_mem_efficient_sdp_enabled",
+            "_get_math_sdp_enabled",
+            "_get_cudnn_sdp_enabled",
+            "_get_math_sdp_allow_fp16_bf16_reduction",
+        )
+    ),
+    precision: Callable[[], str] = _C._get_float32_matmul_precision,
+    fp16: Callable[[], Any] = _C._get_cublas_allow_fp16_reduced_precision_reduction,
+    bf16: Callable[[], Any] = _C._get_cublas_allow_bf16_reduced_precision_reduction,
+    blas: Callable[[], Any] = _C._get_blas_preferred_backend,
+) -> tuple[int, torch.dtype, torch.dtype | None]:
+    """:func:`state` computed in Python (the native helper's twin)."""
+    on = autocast("cuda")
+    bits = grad() | inference() << 1 | on << 2
+    shift = 3
+    for f in flags:
+        bits |= bool(f()) << shift
+        shift += 1
+    bits |= _PRECISION[precision()] << 16 | _reduction(fp16()) << 18 | _reduction(bf16()) << 20 | int(blas()) << 22
+    return bits, default_dtype(), autocast_dtype("cuda") if on else None
+
+
+def state() -> tuple[int, torch.dtype, torch.dtype | None]:
+    """The ambient state of this thread as a hashable key (see the module's docstring)."""
+    native = _native.loaded
+    if native is not None:
+        return native.ambient()
+    return _python_state()
+
+
+def describe(s: tuple[int, torch.dtype, torch.dtype | None]) -> str:
+    """``state()`` in words: the switches that are on, the default dtype and autocast's dtype."""
+    bits, dtype, cast = s
+    on = [name for i, name in enumerate(BITS) if name and i < 16 and bits >> i & 1]
+    on.append(f"float32 matmul precision {['highest', 'high', 'medium'][bits >> 16 & 3]}")
+    return ", ".join([*on, f"default dtype {dtype}", *([f"autocast dtype {cast}"] if cast is not None else [])])
