@@ -1,0 +1,103 @@
+"""Hugging Face ``generate()`` with its defaults on (issue 24): ``cache_implementation="static"`` and
+nothing turned off, twice in a row with a fresh cache each time, for GPT-2, Llama and a left-padded
+Mistral batch. Tokens must equal eager generation. Tiny random-weight models: nothing is downloaded."""
+
+import warnings
+
+import pytest
+import torch
+
+import graphtree
+
+transformers = pytest.importorskip("transformers")
+
+DEV = "cuda"
+NEW = 12
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif kind == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.MistralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        model = transformers.MistralForCausalLM(cfg)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.do_sample = False
+    return model.to(DEV).eval()
+
+
+def _inputs(kind):
+    g = torch.Generator().manual_seed(1)
+    if kind != "mistral":
+        return {"input_ids": torch.randint(1, 256, (1, 6), generator=g).to(DEV)}
+    ids = torch.randint(1, 256, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 2, 4)):  # left-padded batch of three prompts
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return {"input_ids": ids.to(DEV), "attention_mask": mask.to(DEV)}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
+def test_generate_with_hugging_faces_defaults_equals_eager(kind):
+    model = _model(kind)
+    inputs = _inputs(kind)
+    with torch.inference_mode():
+        expected = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static", disable_compile=True)
+    model.forward = graphtree.graphed(model.forward)
+    assert model.generation_config.disable_compile is True  # graphtree graphs the decode step: HF does not compile it
+    with warnings.catch_warnings(record=True) as seen, torch.inference_mode():
+        warnings.simplefilter("always")
+        for _ in range(2):  # a fresh static cache each time, as generate() makes by default
+            out = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static")
+            assert torch.equal(out, expected), (out, expected)
+    ours = [str(w.message) for w in seen if "graphtree" in str(w.message) or "Dynamo" in str(w.message)]
+    assert not ours, ours
+    s = graphtree.stats()
+    if kind == "mistral":
+        # Its sliding-window cache layers keep their length as a Python int too
+        # (StaticSlidingWindowLayer.cumulative_length_int), which is part of the call's signature:
+        # every decode step is a new signature, recorded and never replayed (issue 27's work).
+        assert s.recordings >= NEW - 2, s
+    else:
+        assert s.replays >= 2 * (NEW - 4), s  # every decode step after the first few replays
+
+
+def test_generate_asked_to_compile_anyway_still_equals_eager():
+    model = _model("llama")
+    inputs = _inputs("llama")
+    with torch.inference_mode():
+        expected = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static", disable_compile=True)
+    model.forward = graphtree.graphed(model.forward)
+    with torch.inference_mode():
+        for _ in range(2):
+            out = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static", disable_compile=False)
+            assert torch.equal(out, expected)
+    # and the process is still usable: eager random numbers and a fresh graphed function
+    torch.randn(16, device=DEV)
+    f = graphtree.graphed(lambda x: x * 2, name="after_compile")
+    x = torch.randn(16, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        assert torch.equal(f(x), x * 2)

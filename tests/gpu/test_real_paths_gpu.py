@@ -1,0 +1,271 @@
+"""The paths ordinary code takes by default (issue 24): ambient state, torch.compile around a graphed
+call, what the user holds, tensor kinds a graph cannot take, ops that must not be frozen, dropped
+callables, other threads drawing random numbers. Each test fails on the code before the fix."""
+
+import gc
+import sys
+import threading
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import graphtree
+from graphtree.tree import manager
+
+DEV = "cuda"
+
+
+def _matmul(x, w):
+    return x @ w
+
+
+def _ones_plus(x):
+    return x + torch.ones(x.shape, device=x.device)
+
+
+# 1. ambient state ---------------------------------------------------------------------------------
+def test_a_recording_made_under_autocast_is_not_replayed_without_it():
+    g = graphtree.graphed(_matmul)
+    x, w = torch.randn(64, 64, device=DEV), torch.randn(64, 64, device=DEV)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for _ in range(3):
+            graphtree.mark_step()
+            assert g(x, w).dtype == torch.bfloat16
+    assert graphtree.stats().replays == 1
+    for _ in range(3):  # without autocast: fp32, as eager gives
+        graphtree.mark_step()
+        out = g(x, w)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, x @ w)
+    with torch.autocast("cuda", dtype=torch.float16):  # another autocast dtype: another recording
+        graphtree.mark_step()
+        assert g(x, w).dtype == torch.float16
+    assert graphtree.stats().replays == 2 and graphtree.stats().recordings == 2
+
+
+def test_default_dtype_grad_mode_and_tf32_are_part_of_the_key():
+    g = graphtree.graphed(_ones_plus)
+    x = torch.randn(8, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        g(x)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        graphtree.mark_step()
+        assert g(x).dtype == torch.float64  # x + ones(float64): eager promotes
+    finally:
+        torch.set_default_dtype(old)
+    w = torch.randn(256, 256, device=DEV)
+    h = graphtree.graphed(_matmul)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for flag in (False, True, False):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            for _ in range(3):
+                graphtree.mark_step()
+                torch.testing.assert_close(h(w, w), w @ w, rtol=0, atol=0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    with torch.no_grad():
+        for _ in range(3):
+            graphtree.mark_step()
+            g(x)
+    recorded = graphtree.stats().recordings
+    assert recorded == 4, graphtree.describe()  # g: fp32 grad on, g: no_grad; h: tf32 off and on
+
+
+# 3. torch.compile around a graphed call -------------------------------------------------------
+def test_compiled_code_calling_a_graphed_function_breaks_its_graph_there_quietly():
+    g = graphtree.graphed(lambda x: (x * 3).sin(), name="inner")
+
+    @torch.compile
+    def outer(x):
+        return g(x + 1) * 2
+
+    x = torch.randn(1024, device=DEV)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            graphtree.mark_step()
+            torch.testing.assert_close(outer(x), ((x + 1) * 3).sin() * 2)
+    mine = [str(w.message) for w in seen if "graphtree" in str(w.message) or "_bump_epoch" in str(w.message)]
+    assert not mine, mine
+    assert graphtree.stats().replays >= 3, graphtree.stats()
+
+
+# 5. the recorder and what the user holds ----------------------------------------------------------
+STALE = []  # outputs kept from earlier steps: graphtree invalidated them
+W_GLOBAL = None
+
+
+def _reads_a_global(x):
+    return x @ W_GLOBAL
+
+
+def test_a_held_invalidated_output_does_not_break_the_next_recording():
+    global W_GLOBAL
+    W_GLOBAL = torch.randn(32, 32, device=DEV)
+    g = graphtree.graphed(lambda x: x * 2, name="doubler")
+    x = torch.randn(32, 32, device=DEV)
+    for _ in range(4):
+        graphtree.mark_step()
+        STALE.append(g(x))
+    graphtree.mark_step()
+    g(x)
+    with pytest.raises(RuntimeError, match="graphtree"):
+        STALE[1].sum()  # it is invalidated, and the user still holds it in a global
+    h = graphtree.graphed(_reads_a_global)  # its recording looks for W_GLOBAL among the globals
+    for _ in range(3):
+        graphtree.mark_step()
+        torch.testing.assert_close(h(x), x @ W_GLOBAL)
+    assert graphtree.stats().replays >= 1
+    STALE.clear()
+
+
+# 6. tensor kinds -----------------------------------------------------------------------------------
+def test_sparse_inputs_and_outputs_run_eagerly_with_the_reason():
+    g = graphtree.graphed(torch.sparse.mm, name="spmm")
+    s = torch.eye(8, device=DEV).to_sparse()
+    x = torch.randn(8, 4, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        torch.testing.assert_close(g(s, x), x)
+    eager = graphtree.stats().eager
+    assert any("input 0 is a sparse_coo tensor" in r for r in eager), eager
+    idx = torch.tensor([[1, 3, 5]], device=DEV)
+    make = graphtree.graphed(lambda v: torch.sparse_coo_tensor(idx, v * 2, (8,)), name="make_sparse")
+    v = torch.randn(3, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        out = make(v)
+        assert out.is_sparse
+        torch.testing.assert_close(out.to_dense()[idx[0]], v * 2)
+    eager = graphtree.stats().eager
+    assert any("output 0 is a sparse_coo tensor" in r for r in eager), eager
+
+
+def test_an_expanded_input_is_graphed():
+    g = graphtree.graphed(lambda x: x * 2 + 1, name="expanded")
+    for _ in range(5):
+        graphtree.mark_step()
+        x = torch.rand(1, 512, device=DEV).expand(4, 512)
+        torch.testing.assert_close(g(x), x * 2 + 1, rtol=0, atol=0)
+    s = graphtree.stats()
+    assert s.replays == 3 and not s.eager, s
+
+
+# 7. ops that must not be frozen --------------------------------------------------------------------
+_lib = torch.library.Library("graphtree_test", "DEF")
+_lib.define("host_counter(Tensor x) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+_calls = [0]
+
+
+def _host_counter(x):
+    _calls[0] += 1
+    return x + _calls[0]  # a value of the host, read at every call
+
+
+_lib.impl("host_counter", _host_counter, "CUDA")
+
+
+def _counter_times_one(x):
+    return torch.ops.graphtree_test.host_counter(x) * 1
+
+
+def test_an_op_tagged_cudagraph_unsafe_is_never_frozen():
+    g = graphtree.graphed(_counter_times_one, name="counter")
+    x = torch.zeros(4, device=DEV)
+    got = []
+    for _ in range(5):
+        graphtree.mark_step()
+        got.append(g(x)[0].item())
+    assert got == [_calls[0] - 4 + i for i in range(5)], got  # fresh on every call
+    assert any("cudagraph_unsafe" in r for r in graphtree.stats().eager), graphtree.stats().eager
+
+
+# 8. memory of dropped callables --------------------------------------------------------------------
+def _closure(w):
+    return graphtree.graphed(lambda x: (x @ w).relu(), name="closure")
+
+
+def test_a_dropped_graphed_callable_gives_its_recordings_and_memory_back():
+    x = torch.randn(512, 512, device=DEV)
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    w = torch.randn(1024, 512, device=DEV).t()  # 2 MiB the closure holds
+    g = _closure(w)
+    w_ref = weakref.ref(w)
+    del w
+    for _ in range(4):
+        graphtree.mark_step()
+        y = g(x)
+    del y
+    assert graphtree.stats().pool_bytes > 0
+    del g
+    gc.collect()
+    other = graphtree.graphed(lambda x: x + 1, name="other")
+    graphtree.mark_step()
+    other(x)  # a new step in this thread's tree: the dropped callable's recordings go
+    assert w_ref() is None, "the recording still holds the closure's tensor"
+    assert graphtree.stats().pool_bytes == 0, "the tree is empty: its pool must go"
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 << 20, (before, torch.cuda.memory_allocated())
+
+
+def test_closures_made_again_and_again_do_not_grow_memory():
+    x = torch.randn(256, 256, device=DEV)
+    keep = graphtree.graphed(lambda x: x * 2, name="kept")  # the tree stays non-empty
+    sizes = []
+    for _ in range(12):
+        g = _closure(torch.randn(256, 256, device=DEV))
+        for _ in range(3):
+            graphtree.mark_step()
+            keep(x)
+            g(x)
+        del g
+        gc.collect()
+        torch.cuda.synchronize()
+        sizes.append(torch.cuda.memory_allocated())
+    assert sizes[-1] - sizes[2] < 1 << 20, sizes
+
+
+# 2. threads and random numbers ----------------------------------------------------------------------
+@pytest.mark.parametrize("n_threads", [2, 4])
+def test_other_threads_draw_random_numbers_while_one_records(n_threads):
+    errors: list[str] = []
+    replays: list[int] = []
+    barrier = threading.Barrier(n_threads)
+
+    def worker(k):
+        try:
+            drop = graphtree.graphed(lambda x: torch.nn.functional.dropout(x, 0.5) + x.sin(), name=f"drop{k}")
+            noisy = graphtree.graphed(lambda x: x + torch.randn_like(x), name=f"noisy{k}")
+            barrier.wait()
+            for _ in range(30):
+                graphtree.mark_step()
+                x = torch.randn(4096, device=DEV)  # the default generator, drawn while another thread records
+                a = drop(x)
+                kept = a != x.sin()
+                torch.testing.assert_close(a[kept], (x * 2 + x.sin())[kept])
+                b = noisy(x)
+                assert (b - x).std() > 0.5
+            replays.append(manager.tree_for(0).counters.replays)  # this thread's tree
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {k}: {e!r}"[:400])
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    torch.randn(8, device=DEV)  # and the process's generator still works
+    assert len(replays) == n_threads and min(replays) >= 40, replays  # 2 functions x 30 steps, less warm-ups
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -1,0 +1,216 @@
+"""CPU checks of the pieces behind issue 24 (the GPU tests are tests/gpu/test_real_paths_gpu.py,
+test_hf_defaults_gpu.py and test_fault_injection_gpu.py): the ambient key and its native twin,
+tensor kinds a graph cannot take, random operations redirected to a capture's own generator,
+pruning of collected callables, and Hugging Face's automatic compilation turned off."""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+
+import graphtree
+from graphtree import _native, _torch
+from graphtree.tree import ambient, manager
+from graphtree.tree.inputs import Unsupported, read_call, tensor_kind
+
+
+def _switches():
+    """Context managers, each changing one thing ambient.state() must see."""
+    yield torch.no_grad()
+    yield torch.inference_mode()
+    yield torch.backends.cudnn.flags(enabled=False)
+    yield torch.backends.cudnn.flags(enabled=True, benchmark=True)
+    yield torch.backends.cudnn.flags(enabled=True, deterministic=True)
+    yield torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH])
+
+
+class _Set:
+    """Set a global switch for a ``with`` block."""
+
+    def __init__(self, set_, get, value):
+        self.set, self.get, self.value = set_, get, value
+
+    def __enter__(self):
+        self.old = self.get()
+        self.set(self.value)
+
+    def __exit__(self, *exc):
+        self.set(self.old)
+
+
+_GLOBALS = [
+    _Set(torch.set_default_dtype, torch.get_default_dtype, torch.float64),
+    _Set(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled, True),
+    _Set(torch.set_float32_matmul_precision, torch.get_float32_matmul_precision, "medium"),
+    _Set(
+        lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v),
+        lambda: torch.backends.cuda.matmul.allow_tf32,
+        True,
+    ),
+    _Set(
+        lambda v: setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", v),
+        lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        False,
+    ),
+    _Set(torch.backends.cuda.enable_math_sdp, torch.backends.cuda.math_sdp_enabled, False),
+]
+
+
+@pytest.mark.parametrize("i", range(len(_GLOBALS) + 6))
+def test_every_switch_changes_the_ambient_state_and_the_native_twin_agrees(i):
+    native = _native.wait(600)
+    before = ambient._python_state()
+    switch = _GLOBALS[i] if i < len(_GLOBALS) else list(_switches())[i - len(_GLOBALS)]
+    with switch:
+        inside = ambient._python_state()
+        if native is not None:
+            assert native.ambient() == inside
+        assert ambient.state() == inside
+        assert ambient.describe(inside)
+    assert inside != before
+    assert ambient._python_state() == before
+
+
+def test_the_ambient_state_is_part_of_the_key_of_a_call(monkeypatch):
+    from graphtree.tree import graphed as graphed_module
+    from graphtree.tree.inputs import Call
+
+    seen = []
+    monkeypatch.setattr(graphed_module, "_cuda_ok", True)  # as on a GPU: the call reaches its tree
+    monkeypatch.setattr(graphed_module, "read_call", lambda a, k, b: Call(a, None, ("x",), 0, False, -1, -1, (), 1))
+    monkeypatch.setattr(graphed_module._manager, "run", lambda gc_, call, device: seen.append(call.key))
+    g = graphtree.graphed(lambda x: x, name="keyed")
+    g(1)
+    with torch.no_grad():
+        g(1)
+    assert seen[0] == ("x", ambient.state())
+    assert seen[1][0] == "x" and seen[1][1] != seen[0][1]
+
+
+def test_tensor_kinds_a_graph_cannot_take_are_named():
+    dense = torch.zeros(3)
+    assert tensor_kind(dense) is None
+    assert tensor_kind(torch.nn.Parameter(dense)) is None
+    assert tensor_kind(dense.to_sparse()) == "a sparse_coo tensor"
+    assert tensor_kind(torch.zeros(3, device="meta")) == "a meta tensor"
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    assert tensor_kind(nested) == "a nested tensor"
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert tensor_kind(dense.as_subclass(Sub)) == "a tensor subclass (Sub)"
+    with pytest.raises(Unsupported, match="input 1 is a sparse_coo tensor"):
+        read_call((1, dense.to_sparse()), {}, None)
+    assert _torch.readable_storage(dense.to_sparse()) is None
+    assert _torch.readable_storage(dense) is not None
+
+
+def test_random_ops_draw_from_the_generator_given():
+    gen = torch.Generator().manual_seed(7)
+    watch = _torch.StateWatch({})
+    watch.generator = gen
+    with watch:
+        a = (torch.randn(64), torch.rand_like(torch.zeros(8)), torch.randint(0, 9, (4,)), torch.randperm(5))
+        drop = torch.ops.aten.native_dropout.default(torch.ones(1000), 0.25, True)
+        kept = torch.ops.aten.dropout.default(torch.ones(10), 0.5, False)
+    gen.manual_seed(7)
+    with watch:
+        b = (torch.randn(64), torch.rand_like(torch.zeros(8)), torch.randint(0, 9, (4,)), torch.randperm(5))
+    for x, y in zip(a, b):  # the same generator state gives the same numbers: they came from it
+        assert torch.equal(x, y)
+    out, mask = drop
+    assert mask.dtype == torch.bool and 0.6 < mask.float().mean() < 0.9
+    assert torch.equal(out, mask * (1 / 0.75))
+    assert torch.equal(kept, torch.ones(10))
+    before = torch.get_rng_state()
+    with watch:
+        torch.randn(64)
+    assert torch.equal(torch.get_rng_state(), before)  # the default generator did not move
+
+
+def test_a_collected_graphed_callable_is_pruned_at_the_next_step():
+    tree = manager.TreeManager(device=0)
+
+    def node(gid, children=()):
+        n = types.SimpleNamespace(key=(gid, ()), children={}, parent=None)
+        for c in children:
+            n.children.setdefault(c.key, []).append(c)
+            c.parent = n
+        return n
+
+    below = node(3)
+    dead = node(2, [below])
+    live = node(1)
+    for n in (dead, live):
+        tree.root.children.setdefault(n.key, []).append(n)
+    tree.warmed = {(2, "k"): 1, (1, "k"): 1}
+    tree._pool = object()
+    g = graphtree.graphed(lambda x: x, name="doomed")
+    g.id = 2  # the collected callable's recordings are those keyed by its id
+    manager._collected.append(2)  # what its finalizer does
+    tree._new_step(())
+    assert list(tree.root.children) == [(1, ())]
+    assert dead.children == {} and below.parent is None  # unlinked: freed without the collector
+    assert tree.warmed == {(1, "k"): 1}
+    assert tree._pool is not None  # a recording is left: the pool stays
+    manager._collected.append(1)
+    tree._new_step(())
+    assert tree.root.children == {} and tree._pool is None  # empty: the pool goes
+
+
+def test_dropping_a_graphed_callable_reports_its_id():
+    g = graphtree.graphed(lambda x: x, name="dropped")
+    gid = g.id
+    del g
+    gc.collect()
+    assert gid in manager._collected
+
+
+def test_graphing_a_transformers_model_turns_its_automatic_compile_off():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.generation_config = types.SimpleNamespace(disable_compile=None)
+            self.lin = torch.nn.Linear(2, 2)
+
+        def _valid_auto_compile_criteria(self, *a):
+            return True
+
+        def forward(self, x):
+            return self.lin(x)
+
+    m = Model()
+    graphtree.graphed(m.forward)
+    assert m.generation_config.disable_compile is True
+    kept = Model()
+    kept.generation_config.disable_compile = False  # the user's explicit choice stays
+    graphtree.graphed(kept)
+    assert kept.generation_config.disable_compile is False
+    plain = torch.nn.Linear(2, 2)
+    graphtree.graphed(plain)
+    assert not hasattr(plain, "generation_config")
+
+
+def test_compiled_code_calls_a_graphed_function_outside_its_trace():
+    g = graphtree.graphed(lambda x: x * 3, name="inner")
+
+    def outer(x):
+        return g(x + 1) - 1
+
+    explained = torch._dynamo.explain(outer)(torch.ones(4))
+    assert explained.graph_break_count >= 1
+    compiled = torch.compile(outer, backend="eager")
+    torch.testing.assert_close(compiled(torch.ones(4)), torch.full((4,), 5.0))
+    torch._dynamo.reset()
+
+
+def test_a_signature_shows_the_arguments_not_the_ambient_state():
+    from graphtree.tree.describe import signature
+
+    key = (1, ((torch.Size([4, 8]), torch.float32, (8, 1)), (int, 2), ambient.state(), ("training", False)))
+    node = types.SimpleNamespace(name="step", key=key)
+    assert signature(node) == "step(float32[4, 8], 2, eval)"
