@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
+# named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
+#
+#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call]
+#
+#   new       the GPU tests added by the current issue, one process
+#   suite     the whole GPU suite in ONE process, in sequence (a poisoned process shows here)
+#   files     the GPU suite file by file, each in its own process
+#   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
+#             base commit: git archive BASE graphtree benchmarks | tar -x -C .before) and after it,
+#             in one run on the same machine
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # subprocesses of the tests import graphtree from here
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+python3 -c "from graphtree import _native; m = _native.wait(900); print('native helpers:', _native.status(), '| CUDA part:', hasattr(m, 'capture_begin_isolated'))" 2>&1 | tail -3 | tee -a "$OUT/device.txt"
+
+stages=${*:-new suite files per_call}
+for stage in $stages; do
+  case $stage in
+    some)  # the files named in $FILES, in one process
+      timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider $FILES 2>&1 | tee "$OUT/some.log" | tail -30
+      ;;
+    new)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
+        tests/gpu/test_hf_defaults_gpu.py tests/gpu/test_fault_injection_gpu.py 2>&1 | tee "$OUT/new.log" | tail -40
+      ;;
+    suite)
+      timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
+      ;;
+    files)
+      for f in tests/gpu/test_*.py; do
+        printf '%s: ' "$f" | tee -a "$OUT/files.log"
+        timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -1 | tee -a "$OUT/files.log"
+      done
+      ;;
+    per_call)
+      if [ -d .before ]; then
+        (cd .before && TORCH_EXTENSIONS_DIR=/tmp/ext_before PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+          timeout 240 python3 benchmarks/per_call.py --json "$OUT/per_call_before.json" 2>&1 | tail -14)
+      fi
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/per_call.py --json "$OUT/per_call_after.json" 2>&1 | tail -14
+      ;;
+  esac
+done
