@@ -345,9 +345,13 @@ def draw_from(gen: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any
     only with dropout on, and then raise :class:`RandomOutsideCapture` naming the operator."""
     if func is _DROPOUT or func is _NATIVE_DROPOUT:
         x, p, train = (*args, *kwargs.values(), None)[:3]
-        if train is False or p == 0:
+        if train is False:
             return func(*args, **kwargs)
-        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=gen)
+        # (torch's CUDA kernel draws even for p == 0: the mask is all ones then, drawn from nothing)
+        if p == 0:
+            mask = torch.ones_like(x, dtype=torch.bool)
+        else:
+            mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=gen)
         out = x * mask * (0.0 if p == 1 else 1.0 / (1.0 - p))
         return out if func is _DROPOUT else (out, mask)
     target = _generator_overload(func)

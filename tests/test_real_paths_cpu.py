@@ -130,6 +130,11 @@ def test_random_ops_draw_from_the_generator_given():
     with watch:
         torch.randn(64)
     assert torch.equal(torch.get_rng_state(), before)  # the default generator did not move
+    state = gen.get_state()
+    with watch:  # dropout with p == 0 in training: an all-ones mask, nothing drawn
+        same, ones = torch.ops.aten.native_dropout.default(torch.arange(4.0), 0.0, True)
+    assert torch.equal(same, torch.arange(4.0)) and bool(ones.all())
+    assert torch.equal(gen.get_state(), state)
 
 
 def test_a_collected_graphed_callable_is_pruned_at_the_next_step():
