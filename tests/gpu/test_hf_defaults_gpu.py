@@ -20,28 +20,20 @@ def _model(kind):
     if kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
         model = transformers.GPT2LMHeadModel(cfg)
-    elif kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.MistralConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        model = transformers.MistralForCausalLM(cfg)
+    else:  # Llama, and Mistral (the same shape, with sliding-window attention)
+        sizes = {
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+        }
+        if kind == "llama":
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+        else:
+            model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes))
     model.generation_config.pad_token_id = 0
     model.generation_config.do_sample = False
     return model.to(DEV).eval()
