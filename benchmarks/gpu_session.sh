@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call]
 #
-#   new       the GPU tests added by the current issue, one process
+#   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
+#             injection, the ambient fuzz, whose FUZZ line -s shows), one process
 #   suite     the whole GPU suite in ONE process, in sequence (a poisoned process shows here)
 #   files     the GPU suite file by file, each in its own process
 #   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
@@ -30,11 +31,11 @@ for stage in $stages; do
       timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
     new)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
-        tests/gpu/test_hf_defaults_gpu.py tests/gpu/test_fault_injection_gpu.py 2>&1 | tee "$OUT/new.log" | tail -40
+      timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
+        tests/gpu/test_hf_defaults_gpu.py tests/gpu/test_fault_injection_gpu.py tests/gpu/test_fuzz_ambient_gpu.py 2>&1 | tee "$OUT/new.log" | tail -40
       ;;
     suite)
-      timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
+      timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
       ;;
     files)
       for f in tests/gpu/test_*.py; do
