@@ -16,7 +16,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -152,13 +152,13 @@ def graph_launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
 
 # Weak references to storages, as bare ints: cheaper than a Python object on the replay path.
 # An int is the StorageImpl pointer; it stays valid for the functions below while not expired.
-weak_ref: Callable[[torch.UntypedStorage], int] = torch.UntypedStorage._weak_ref  # type: ignore[attr-defined]
+weak_ref = cast(Callable[[torch.UntypedStorage], int], torch.UntypedStorage._weak_ref)
 """``weak_ref(storage)``: a weak reference (an int) that must be released with :func:`weak_free`."""
-weak_expired: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[attr-defined]
+weak_expired = cast(Callable[[int], bool], torch.UntypedStorage._expired)
 """``weak_expired(ref)``: whether no tensor holds the storage any more."""
-weak_free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref  # type: ignore[attr-defined]
+weak_free: Callable[[int], None] = torch.UntypedStorage._free_weak_ref
 """``weak_free(ref)``: release a weak reference."""
-storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count  # type: ignore[attr-defined]
+storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count
 """``storage_use_count(ref)``: how many tensors and storage objects hold the storage of a weak
 reference (0 once it died): what tells a replay output the caller dropped from one still held
 while graphtree keeps a tensor on it itself."""
@@ -294,7 +294,7 @@ def capture_empty(
             if isolated and begin is not None:
                 begin(graph, pool or (0, 0), torch.Generator(device=f"cuda:{device}"))
             else:
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[arg-type]  # a (int, int) handle
             graph.capture_end()
 
 
@@ -414,7 +414,7 @@ class StateWatch(TorchDispatchMode):
         self.generator: torch.Generator | None = None  # random ops draw from it, not the default one
         self._track_reads = track_reads
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _UNSAFE_TAG is not None and not self.unsafe and _UNSAFE_TAG in func.tags:
             self.unsafe = str(func.name())
@@ -475,7 +475,7 @@ def weak_data_ptr(ref: int) -> int:
     """
     if weak_expired(ref):
         return 0
-    return torch.UntypedStorage._new_with_weak_ptr(ref).data_ptr()  # type: ignore[attr-defined]
+    return torch.UntypedStorage._new_with_weak_ptr(ref).data_ptr()
 
 
 @functools.cache
@@ -581,7 +581,7 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
 def cudnn_compiled_version() -> int | None:
     """The cuDNN version torch was built with (``torch._C._cudnn.getCompileVersion``), or None."""
     try:
-        major, minor, patch = torch._C._cudnn.getCompileVersion()  # type: ignore[attr-defined]
+        major, minor, patch = torch._C._cudnn.getCompileVersion()
     except Exception:  # noqa: BLE001 - a build without cuDNN, or a moved API
         return None
     return major * 10000 + minor * 100 + patch

@@ -183,6 +183,11 @@ class Recorder:
         return path
 
 
+def _capture(data: ProfileData, frames: Any) -> Callable[[], int]:
+    """The ``capture`` callback of a replayed event: interns its logged ``frames`` when called."""
+    return lambda: data.stacks.intern_list(frames)
+
+
 def replay(events: list[list[Any]], data: ProfileData) -> ProfileData:
     """Feed logged events into ``data`` exactly as the live session would; returns ``data``.
 
@@ -211,13 +216,11 @@ def replay(events: list[list[Any]], data: ProfileData) -> ProfileData:
         if pending:
             flush()
         if op == "api_enter":
-            frames = ev[6]
-            data.api_enter(ev[1], ev[2], ev[3], ev[4], ev[5], lambda f=frames: data.stacks.intern_list(f))
+            data.api_enter(ev[1], ev[2], ev[3], ev[4], ev[5], _capture(data, ev[6]))
         elif op == "api_exit":
             data.api_exit(ev[1], ev[2], ev[3], ev[4], ev[5])
         elif op == "node_created":
-            frames = ev[5]
-            data.node_created(ev[1], ev[2], ev[3], ev[4], lambda f=frames: data.stacks.intern_list(f))
+            data.node_created(ev[1], ev[2], ev[3], ev[4], _capture(data, ev[5]))
         elif op == "node_cloned":
             data.node_cloned(ev[1], ev[2])
         elif op == "graph_cloned":

@@ -269,12 +269,12 @@ def measure_overhead(
             opts["flush_period_ms"] = flush_period_ms
         if sample is not None:  # sampled mode: (window steps, every steps)
             opts["sample"] = graphtree.profile.Sampling(window_steps=sample[0], every_steps=sample[1])
-        prof = graphtree.profile(**opts)
+        prof = graphtree.profile.profile(**opts)  # the function behind graphtree.profile(), typed
         t0 = time.perf_counter()
         prof.start()
         t1 = time.perf_counter()
         if sample is not None:
-            loop(prof.step)  # type: ignore[call-arg]
+            loop(prof.step)
         else:
             loop()
         t2 = time.perf_counter()

@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.isdir(path):
         path = os.path.join(path, "profile_graph_replay.json")
     recorder = Recorder()
-    prof = graphtree.profile(tap=recorder.attach)
+    prof = graphtree.profile.profile(tap=recorder.attach)  # the function behind graphtree.profile(), typed
     outcome, expect = run_scenario(prof)
     problems = check_expectations(prof, expect)
     if not outcome["results_correct"]:

@@ -186,7 +186,7 @@ def _find_ninja() -> None:
     if shutil.which("ninja") is not None:
         return
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
     except ImportError:
         return  # cpp_extension says "Ninja is required", which status() shows
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

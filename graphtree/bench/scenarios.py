@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -194,6 +194,15 @@ class _Ctx:
     log: Progress
 
 
+class _Rounds(TypedDict):
+    """The keyword arguments of :func:`interleaved` that one case's timers share."""
+
+    repeats: int
+    warmup: int
+    stop: Callable[[], bool]
+    min_repeats: int
+
+
 # --------------------------------------------------------------------------------------------
 # shared pieces
 
@@ -213,7 +222,7 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
 def _check_extra(check: dict[str, Any] | None, tol: dict[str, float]) -> dict[str, Any]:
     if not check:
         return {}
-    out = {k: check[k] for k in ("bitwise", "max_abs_diff", "why") if k in check}
+    out: dict[str, Any] = {k: check[k] for k in ("bitwise", "max_abs_diff", "why") if k in check}
     out.update(tol)
     return out
 
@@ -378,7 +387,7 @@ def run_overhead(ctx: _Ctx) -> list[Result]:
             results,
         )
         fns = {n: partial(c, x) for n, c in calls.items()}
-        common = dict(
+        common = _Rounds(
             repeats=cfg.overhead_repeats, warmup=cfg.overhead_warmup, stop=ctx.budget.expired, min_repeats=MIN_REPEATS
         )
         cpu = interleaved(fns, timer=partial(timing.cpu_per_call, calls=cfg.overhead_calls, sync=sync), **common)
@@ -549,7 +558,7 @@ def _bucketed(
     if name == HANDWRITTEN:
         graphs: dict[int, HandGraph] = {}
         for s in sizes:
-            graphs[s], secs = timed(lambda s=s: HandGraph(fn, xs[s]))  # a private pool each
+            graphs[s], secs = timed(lambda: HandGraph(fn, xs[s]))  # noqa: B023 - called at once; a private pool each
             report(s, secs)
 
         def call_hand(x: torch.Tensor) -> Any:
@@ -566,7 +575,7 @@ def _bucketed(
             # cudagraph trees run a new shape eagerly once, then record it; the largest size
             # already had its eager run inside the compile call
             n = 1 if s == top else 2
-            _, secs = timed(lambda s=s, n=n: [call(xs[s]) for _ in range(n)])
+            _, secs = timed(lambda: [call(xs[s]) for _ in range(n)])  # noqa: B023 - timed() calls it at once
             report(s, secs)
         if cudagraph_skips() > skips:
             setup["note"] = "inductor skipped CUDA graphs for this function"
@@ -576,7 +585,7 @@ def _bucketed(
 
         g = graphtree.graphed(fn, buckets=sizes, bucket_dim=0)
         for s in sizes:
-            _, secs = timed(lambda s=s: g.warm_up(xs[s], sizes=[s]))
+            _, secs = timed(lambda: g.warm_up(xs[s], sizes=[s]))  # noqa: B023 - timed() calls it at once
             report(s, secs)
         setup["note"] = graphtree_note()
         return stepped(g, graphtree.mark_step), setup, [g]

@@ -255,7 +255,7 @@ def measure(
     return rows
 
 
-def publish_overhead(model: Any, rounds: int = 10, calls: int = 300) -> dict[str, float]:
+def publish_overhead(model: Any, rounds: int = 10, calls: int = 300) -> dict[str, float | list[float]]:
     """What publishing costs the producer's CPU per step, measured apart from the noise of a live
     loop: the graphed decode step writing its logits into a buffer of its own (``out=``, three
     buffers in turn, as a channel's slots) against a channel's :meth:`~graphtree.share.channel.

@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import FrameType
 from typing import Any
 
 __all__ = ["LaunchWatch", "demangle", "internal_dirs", "short_name"]
@@ -109,7 +110,7 @@ class LaunchWatch:
         if not symbol:
             return
         self.launches += 1
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(self._skip):
             frame = frame.f_back
         where: dict[str, Any] = {"kernel": symbol, "api": api}

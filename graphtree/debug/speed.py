@@ -118,7 +118,7 @@ def verdict(device_name: str, figures: list[Figure]) -> tuple[str, list[str]]:
     )
 
 
-def _gpu_seconds(fn: Callable[[], None], reps: int) -> float:
+def _gpu_seconds(fn: Callable[[], object], reps: int) -> float:
     """GPU time of one ``fn()``, by CUDA events around ``reps`` calls after one warm-up call."""
     import torch
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -184,7 +185,8 @@ class TinyGPT(nn.Module):
         bias = torch.zeros(visible.shape, device=x.device, dtype=x.dtype)
         bias = bias.masked_fill(~visible, float("-inf"))  # [max_seq]
 
-        for i, blk in enumerate(self.blocks):
+        blocks = cast("Iterable[_Block]", self.blocks)  # a ModuleList iterates as plain Modules for mypy
+        for i, blk in enumerate(blocks):
             y = blk.ln1(x)
             q, k, v = blk.qkv(y).split(cfg.d_model, dim=-1)
             q = q.view(b, 1, h, hd).transpose(1, 2)  # [b, h, 1, hd]

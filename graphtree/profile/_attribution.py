@@ -93,11 +93,11 @@ class StackTable:
             sid = self._raw.setdefault(key, self.intern(_resolve_raw(key)))
         return sid
 
-    def intern_list(self, frames: Sequence[Sequence[object]] | None) -> int:
+    def intern_list(self, frames: Sequence[Sequence[str | int]] | None) -> int:
         """Like :meth:`intern` for JSON-ish input (lists of ``[file, line, function]``)."""
         if not frames:
             return 0
-        return self.intern(tuple((str(f[0]), int(f[1]), str(f[2])) for f in frames))  # type: ignore[arg-type]
+        return self.intern(tuple((str(f[0]), int(f[1]), str(f[2])) for f in frames))
 
     def get(self, sid: int | None) -> Stack:
         """The stack with id ``sid`` (``None`` or unknown: the empty stack)."""

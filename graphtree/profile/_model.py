@@ -674,11 +674,11 @@ class ProfileData:
                 launch.kernels += int(lcount[j])
                 launch.gpu_ns += int(round(lsum[j]))  # noqa: RUF046
             elif is_graph[r]:
-                c = int(ucorr[j])
-                if c not in self._orphan_graph_corrs:
+                cid = int(ucorr[j])
+                if cid not in self._orphan_graph_corrs:
                     if len(self._orphan_graph_corrs) > 100_000:
                         self._orphan_graph_corrs.clear()
-                    self._orphan_graph_corrs.add(c)
+                    self._orphan_graph_corrs.add(cid)
                     self._graphs[int(gkey[r])].replays += 1
 
         # aggregates, one Python step per distinct (name, stack, graph, before, label)

@@ -10,9 +10,11 @@ record. How and why: ``DESIGN.md`` beside this file ("Records: buffers, memory, 
 from __future__ import annotations
 
 import ctypes
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileOptions
+
+_P = TypeVar("_P", bound="_FastParser")  # create() on a subclass makes that subclass
 
 
 def _pin(objs: list[Any]) -> None:
@@ -73,7 +75,7 @@ class _FastParser:
         self.compact: dict[int, Any] = {}  # our KERNEL/MEMCPY/MEMSET -> dtype of the stashed columns
 
     @classmethod
-    def create(cls, cupti: Any, options: ProfileOptions) -> _FastParser | None:
+    def create(cls: type[_P], cupti: Any, options: ProfileOptions) -> _P | None:
         try:
             import numpy as np
         except ImportError:

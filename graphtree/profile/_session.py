@@ -684,7 +684,13 @@ class Session:
             timings["flush: buffers"] = self.data.buffers_completed - buffers
             timings["flush: in graphtree's buffer callbacks"] = 1e3 * (self.data.buffer_seconds - in_callbacks)
         for kind in self.enabled_kinds:
-            _step(errors, f"disable activity {kind}", lambda k=kind: act.disable(k), timings, "disable")
+            _step(
+                errors,
+                f"disable activity {kind}",
+                lambda: act.disable(kind),  # noqa: B023 - _step calls it at once
+                timings,
+                "disable",
+            )
         if self.enabled_kinds:
             _step(errors, "flush", self._flush_forced, timings, "flush again")
         self.enabled_kinds = []
@@ -709,7 +715,7 @@ class Session:
                     _step(
                         errors,
                         f"disable callback {domain}/{cbid}",
-                        lambda d=domain, c=cbid: cupti.enable_callback(0, sub, d, c),
+                        lambda: cupti.enable_callback(0, sub, domain, cbid),  # noqa: B023 - _step calls it at once
                     )
 
             _step(errors, "disable callbacks", disable_callbacks, timings)

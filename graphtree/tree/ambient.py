@@ -78,30 +78,33 @@ def _flag(name: str) -> Callable[[], Any]:
     return getattr(_C, name, None) or (lambda: False)
 
 
+_FLAGS = tuple(
+    _flag(name)
+    for name in (  # BITS 3 to 15, in order
+        "_get_deterministic_algorithms",
+        "_get_deterministic_fill_uninitialized_memory",
+        "_get_cudnn_enabled",
+        "_get_cudnn_benchmark",
+        "_get_cudnn_deterministic",
+        "_get_cudnn_allow_tf32",
+        "_get_cublas_allow_tf32",
+        "_get_cublas_allow_fp16_accumulation",
+        "_get_flash_sdp_enabled",
+        "_get_mem_efficient_sdp_enabled",
+        "_get_math_sdp_enabled",
+        "_get_cudnn_sdp_enabled",
+        "_get_math_sdp_allow_fp16_bf16_reduction",
+    )
+)
+
+
 def _python_state(
     grad: Callable[[], bool] = _C.is_grad_enabled,
     inference: Callable[[], bool] = torch.is_inference_mode_enabled,
     autocast: Callable[[str], bool] = torch.is_autocast_enabled,
     autocast_dtype: Callable[[str], torch.dtype] = torch.get_autocast_dtype,
     default_dtype: Callable[[], torch.dtype] = torch.get_default_dtype,
-    flags: tuple[Callable[[], Any], ...] = tuple(
-        _flag(n)
-        for n in (
-            "_get_deterministic_algorithms",
-            "_get_deterministic_fill_uninitialized_memory",
-            "_get_cudnn_enabled",
-            "_get_cudnn_benchmark",
-            "_get_cudnn_deterministic",
-            "_get_cudnn_allow_tf32",
-            "_get_cublas_allow_tf32",
-            "_get_cublas_allow_fp16_accumulation",
-            "_get_flash_sdp_enabled",
-            "_get_mem_efficient_sdp_enabled",
-            "_get_math_sdp_enabled",
-            "_get_cudnn_sdp_enabled",
-            "_get_math_sdp_allow_fp16_bf16_reduction",
-        )
-    ),
+    flags: tuple[Callable[[], Any], ...] = _FLAGS,
     precision: Callable[[], str] = _C._get_float32_matmul_precision,
     fp16: Callable[[], Any] = _C._get_cublas_allow_fp16_reduced_precision_reduction,
     bf16: Callable[[], Any] = _C._get_cublas_allow_bf16_reduced_precision_reduction,
@@ -122,7 +125,8 @@ def state() -> tuple[int, torch.dtype, torch.dtype | None]:
     """The ambient state of this thread as a hashable key (see the module's docstring)."""
     native = _native.loaded
     if native is not None:
-        return native.ambient()
+        found: tuple[int, torch.dtype, torch.dtype | None] = native.ambient()
+        return found
     return _python_state()
 
 

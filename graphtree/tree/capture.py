@@ -44,11 +44,11 @@ class OpTracker(TorchFunctionMode):
         self.last: str = ""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.last = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        self.last = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
         return func(*args, **(kwargs or {}))
 
 
-_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, _graphtree_pkg))
+_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (torch, _graphtree_pkg))
 
 
 _SKIP_FILES = {os.path.abspath(warnings.__file__), os.path.abspath(__file__)}
@@ -133,7 +133,7 @@ class SyncWatch:
         self._catch.__enter__()
         warnings.simplefilter("always")
         self._show = warnings.showwarning
-        warnings.showwarning = self._hook  # type: ignore[assignment]
+        warnings.showwarning = self._hook
         self._mode = torch.cuda.get_sync_debug_mode()
         _set_sync_mode("warn")
         return self
@@ -156,7 +156,7 @@ class SyncWatch:
 
     def __exit__(self, *exc: Any) -> None:
         _set_sync_mode(self._mode)
-        warnings.showwarning = self._show  # type: ignore[assignment]
+        warnings.showwarning = self._show
         self._catch.__exit__(*exc)
         for message, category, filename, lineno in self._others:
             warnings.warn_explicit(message, category, filename, lineno)

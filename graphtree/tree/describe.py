@@ -56,7 +56,7 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
         for i, m in enumerate(managers):
             root = f"t{i}_root"
             lines.append(f'  {root} [label="cuda:{m.device} ({m.thread})", shape=ellipse];')
-            stack = [(root, m.root)]
+            stack: list[tuple[str, Node | Root]] = [(root, m.root)]
             while stack:
                 parent_id, node = stack.pop()
                 for k in _children(node):

@@ -122,7 +122,7 @@ class GraphedCallable:
                 _no_auto_compile(self._module)
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
-        functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn, updated=())
         # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
         weakref.finalize(self, _manager.forget, self.id)
 
@@ -173,9 +173,11 @@ class GraphedCallable:
                 dump_failure(self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots)
             raise
 
-    def _take_snapshot(self, args: tuple, kwargs: dict) -> None:
+    def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        snapshots = self._snapshots
+        assert snapshots is not None  # called with debug= only
         try:
-            self._snapshots.take(args, kwargs)
+            snapshots.take(args, kwargs)
         except RuntimeError as e:  # the first CUDA call of this call: a fault of earlier work surfaces here
             err = _manager.explain_fault_before_replay(e, self.name, str(self.debug))
             if err is e:
@@ -183,7 +185,7 @@ class GraphedCallable:
             raise err from e
 
     # --- eager paths ------------------------------------------------------------------------
-    def _eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
         _manager.count_eager(self.name, reason)
         return self.fn(*args, **kwargs)
 
@@ -279,7 +281,7 @@ class GraphedCallable:
 
 
 @torch.compiler.disable
-def _outside_compile(gc: GraphedCallable, args: tuple, kwargs: dict) -> Any:
+def _outside_compile(gc: GraphedCallable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A graphed call met by torch.compile's tracer: dynamo never traces into graphtree (its checks
     and private calls are not traceable); the compiled code breaks its graph here and graphtree
     replays, records or runs eagerly as it would outside."""
@@ -364,7 +366,8 @@ class GraphedModule(torch.nn.Module):
     @property
     def graphed_callable(self) -> GraphedCallable:
         """The graphed call behind this module (its name, buckets and options)."""
-        return self._graphtree_call
+        call: GraphedCallable = self._graphtree_call
+        return call
 
     def __repr__(self) -> str:
         return f"graphed({self._graphtree_module!r})"
@@ -486,18 +489,20 @@ def graphed(
 
         model = graphtree.graphed(model, buckets=[1, 2, 4, 8])
     """
-    options = {
-        "buckets": buckets,
-        "bucket_dim": bucket_dim,
-        "warmup": warmup,
-        "max_rerecords": max_rerecords,
-        "name": name,
-        "debug": debug,
-    }
-    if fn is None:
+
+    def make(f: Callable[..., Any]) -> Any:
+        call = GraphedCallable(
+            f,
+            buckets=buckets,
+            bucket_dim=bucket_dim,
+            warmup=warmup,
+            max_rerecords=max_rerecords,
+            name=name,
+            debug=debug,
+        )
+        return GraphedModule(f, call) if isinstance(f, torch.nn.Module) else call
+
+    if fn is None:  # as a decorator with options: @graphed(buckets=[...])
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
-        return lambda f: graphed(f, **options)
-    call = GraphedCallable(fn, **options)
-    if isinstance(fn, torch.nn.Module):
-        return GraphedModule(fn, call)
-    return call
+        return make
+    return make(fn)

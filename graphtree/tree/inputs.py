@@ -60,7 +60,7 @@ class _Keywords(NamedTuple):
     names: tuple[str, ...]
 
 
-def flatten(args: tuple, kwargs: dict) -> tuple[Sequence[Any], Any]:
+def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequence[Any], Any]:
     """The call's leaves and a spec to rebuild it: ``None`` when it is plain positional, a
     :class:`_Keywords` when it is flat with keywords (``f(x, out=y)``), else a pytree spec.
 
@@ -81,7 +81,7 @@ def flatten(args: tuple, kwargs: dict) -> tuple[Sequence[Any], Any]:
     return _torch.tree_flatten((args, kwargs))
 
 
-def unflatten(leaves: Sequence[Any], spec: Any) -> tuple[tuple, dict]:
+def unflatten(leaves: Sequence[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Inverse of :func:`flatten`."""
     if spec is None:
         return tuple(leaves), {}
@@ -92,7 +92,7 @@ def unflatten(leaves: Sequence[Any], spec: Any) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _key(parts: Sequence[Any], spec: Any) -> tuple:
+def _key(parts: Sequence[Any], spec: Any) -> tuple[Any, ...]:
     """A call's recording key: its leaves' parts and, unless it is plain positional, how they
     nest (keyword names, containers), so that ``f(x, a=y)``, ``f(x, b=y)``, ``f(x, y)`` and
     ``f([x, y])`` are recorded apart."""
@@ -143,7 +143,7 @@ class Call:
         self,
         leaves: Sequence[Any],
         spec: Any,
-        key: tuple,
+        key: tuple[Any, ...],
         device: int,
         needs_grad: bool,
         n: int,
@@ -161,13 +161,13 @@ class Call:
         self.padded = padded  # indices of leaves padded to the bucket
         self.n_args = n_args
 
-    def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple, dict]:
+    def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of this call, optionally with other leaves in place of its own."""
         leaves = self.leaves if leaves is None else leaves
         return unflatten(leaves if len(leaves) == self.n_args else leaves[: self.n_args], self.spec)
 
 
-def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
+def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketing | None) -> Call:
     """Flatten a call, build its recording key and check that it can be graphed at all.
 
     Tensors and plain values (int, float, bool, str, None, dtype, device) are keyed as they are.
@@ -245,7 +245,7 @@ def read_call(args: tuple, kwargs: dict, bucketing: Bucketing | None) -> Call:
                 device = d
             elif d != device:
                 raise Unsupported(f"mixed-device inputs (cuda:{device} and cuda:{d})")
-            shape = x.shape
+            shape: tuple[int, ...] = x.shape
             if bucket >= 0 and x.dim() > dim and shape[dim] == n:
                 padded.append(i)
                 shape = (*shape[:dim], bucket, *shape[dim + 1 :])
@@ -324,7 +324,7 @@ _MAX_ITEMS = 20_000
 _SKIP_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 
 
-def read_object(obj: Any, held: HeldTensors) -> tuple:
+def read_object(obj: Any, held: HeldTensors) -> tuple[Any, ...]:
     """The key part of an object argument; appends the tensors it holds to ``held``.
 
     - An ``nn.Module`` (``self`` of a graphed method, say) is keyed by its type, identity and
@@ -389,11 +389,11 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if isinstance(x, _SKIP_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
         out.append(type(x))  # code, not state
         return
-    state = _attributes(x)
-    if state is None:
+    attributes = _attributes(x)
+    if attributes is None:
         raise _unreadable(top, f"an attribute of type {type(x).__name__} has no readable state")
     out.append(type(x))
-    for name, v in state:
+    for name, v in attributes:
         out.append(name)
         _read_state(v, out, held, depth + 1, top, seen)
 

@@ -76,7 +76,8 @@ def tree_for(device: int) -> TreeManager:
     if managers is None:
         managers = _tls.managers = {}
     if device in managers:
-        return managers[device]
+        found: TreeManager = managers[device]
+        return found
     m = managers[device] = TreeManager(device, user_steps=getattr(_tls, "user_steps", False))
     with _registry_lock:
         _all_managers.add(m)
@@ -187,6 +188,7 @@ class TreeManager:
             if not self.warming:
                 kids = self.current.children.get((gc.id, call.key))
                 if kids:
+                    node: Node | None  # None: no recording at this place fits
                     node = kids[0]
                     if not node.unconditional:  # something to check first (see Node.can_replay)
                         # A module's recording: only its parameters and buffers to check, in one

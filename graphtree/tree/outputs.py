@@ -101,12 +101,12 @@ class SameObject(NamedTuple):
 
 
 class Repeat(NamedTuple):
-    """The same object as output leaf ``index`` (returned twice)."""
+    """The same object as output leaf ``leaf`` (returned twice)."""
 
-    index: int
+    leaf: int
 
     def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
-        return done[self.index]
+        return done[self.leaf]
 
 
 class Empty(NamedTuple):
@@ -180,6 +180,7 @@ class OutputPlan:
         ``in_leaves`` are the tensors the graph read (placeholders in place of copied inputs,
         the caller's tensors otherwise); ``in_pool(ptr)`` says whether an address is pool memory.
         """
+        spec: Any
         if isinstance(out, torch.Tensor):
             leaves, spec = [out], None
         elif type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
@@ -218,7 +219,7 @@ class OutputPlan:
             if storage.nbytes() == 0:
                 kinds.append(Empty(_torch.meta_of(t)))
             elif ptr in input_storage:
-                kinds.append(FromInput(input_storage[ptr], tuple(t.shape), t.stride(), t.storage_offset()))
+                kinds.append(FromInput(input_storage[ptr], tuple(t.shape), t.stride(), int(t.storage_offset())))
             elif in_pool(ptr):
                 g = group_of.setdefault(ptr, len(group_outputs))
                 if g == len(group_outputs):
@@ -266,7 +267,7 @@ class OutputPlan:
                 leaves[j] = leaves[j].narrow(self.pad_dim, 0, n)
             for j, k in enumerate(self.kinds):
                 if isinstance(k, Repeat):
-                    leaves[j] = leaves[k.index]
+                    leaves[j] = leaves[k.leaf]
         if self.spec is None:
             return leaves[0]
         if self.spec == "tuple":

@@ -245,11 +245,11 @@ def record(
             err = user_error if isinstance(user_error, Exception) else end_error
             msg = explain_capture_error(err, tracker, gc.name)
             interrupt = next(
-                (e for e in (user_error, end_error) if e is not None and not isinstance(e, Exception)), None
+                (x for x in (user_error, end_error) if x is not None and not isinstance(x, Exception)), None
             )
-            for e in (user_error, end_error):
-                if e is not None and e is not interrupt:
-                    clear_traceback(e)
+            for x in (user_error, end_error):
+                if x is not None and x is not interrupt:
+                    clear_traceback(x)
             del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph
             _torch.end_failed_capture(device, pool.id, began and not ended)
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
@@ -335,7 +335,7 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device:
     native = _native.loaded
     begin = getattr(native, "capture_begin_isolated", None)
     if begin is None:
-        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")  # type: ignore[arg-type]  # (int, int)
         return
     decoy = torch.Generator(device=f"cuda:{device}")
     seed = torch.cuda.default_generators[device].initial_seed()
