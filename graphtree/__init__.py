@@ -20,9 +20,13 @@ Example::
 Without CUDA every graphed callable simply runs eagerly.
 """
 
-from graphtree import profile  # a module you can call: graphtree.profile() (CUPTI loads on start)
+from graphtree import (
+    debug,  # dumps, re-runs and doctor; also what graphed(fn, debug=dir) calls
+    profile,  # a module you can call: graphtree.profile() (CUPTI loads on start)
+)
+from graphtree.tree.describe import describe
 from graphtree.tree.graphed import GraphedCallable, GraphedModule, graphed, mark_static
-from graphtree.tree.manager import describe, mark_step, reset, stats
+from graphtree.tree.manager import mark_step, reset, stats
 from graphtree.tree.stats import Stats
 
 __version__ = "0.1.0"
@@ -32,6 +36,7 @@ __all__ = [
     "GraphedModule",
     "Stats",
     "__version__",
+    "debug",
     "describe",
     "graphed",
     "mark_static",

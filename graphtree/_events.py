@@ -10,6 +10,11 @@ Events published by :mod:`graphtree.tree`:
   successful capture;
 - ``"replay"`` is deliberately *not* published: replay is the hot path.
 
+Tools above the tree also *provide* what the tree calls on them without importing them
+(:func:`provide`, :func:`provided`): ``"debug"``, from :mod:`graphtree.debug`, is the object that
+``graphed(fn, debug=dir)`` takes its input snapshots from (``snapshots()``) and writes its dumps with
+(``dump_failure(...)``).
+
 Example::
 
     from graphtree import _events
@@ -40,3 +45,19 @@ def publish(event: str, **payload: Any) -> None:
     """Deliver ``payload`` to the listeners of ``event`` (none: nothing happens)."""
     for fn in _listeners.get(event, ()):
         fn(**payload)
+
+
+_provided: dict[str, Any] = {}
+
+
+def provide(name: str, tool: Any) -> None:
+    """Make ``tool`` what :func:`provided` gives for ``name`` (a tool registers itself on import)."""
+    _provided[name] = tool
+
+
+def provided(name: str) -> Any:
+    """The tool provided for ``name``; raises ``LookupError`` naming it when none was."""
+    try:
+        return _provided[name]
+    except KeyError:
+        raise LookupError(f"graphtree: no {name!r} tool is loaded (import graphtree.{name})") from None

@@ -3,7 +3,7 @@ the manager's hook runs on the GPU)."""
 
 import pytest
 
-from graphtree.debug.replay_error import GraphReplayError, explain, is_cuda_error
+from graphtree.tree.replay_error import GraphReplayError, explain, is_cuda_error
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ def test_object_arguments_are_keyed_by_type_and_plain_state():
 
 
 def test_describe_names_every_kind_of_signature_part():
-    from graphtree.tree.describe import _sig
+    from graphtree.tree.node import signature
 
     @dataclasses.dataclass
     class Cache:
@@ -305,15 +305,17 @@ def test_describe_names_every_kind_of_signature_part():
 
     call = read_call((3, 2.0, "s", Cache(torch.zeros(1)), torch.nn.Linear(2, 2)), {}, None)
 
-    class FakeNode:  # describe reads a node's key only
+    class FakeNode:  # a signature reads a node's name and key only
+        name = ""
         key = (1, (((2, 3), torch.float16, (3, 1)), *call.key, ("training", False)))
 
-    assert _sig(FakeNode()) == "(float16[2, 3], 3, 2.0, 's', Cache, Linear, eval)"
+    assert signature(FakeNode()) == "(float16[2, 3], 3, 2.0, 's', Cache, Linear, eval)"
 
     class WithKeywords:
+        name = ""
         key = (1, read_call((3,), {"n": 2, "s": None}, None).key)
 
-    assert _sig(WithKeywords()) == "(3, n=2, s=None)"
+    assert signature(WithKeywords()) == "(3, n=2, s=None)"
 
 
 @pytest.mark.parametrize(

@@ -214,7 +214,7 @@ def test_compiled_code_calls_a_graphed_function_outside_its_trace():
 
 
 def test_a_signature_shows_the_arguments_not_the_ambient_state():
-    from graphtree.tree.describe import signature
+    from graphtree.tree.node import signature
 
     key = (1, ((torch.Size([4, 8]), torch.float32, (8, 1)), (int, 2), ambient.state(), ("training", False)))
     node = types.SimpleNamespace(name="step", key=key)

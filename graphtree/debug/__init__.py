@@ -8,9 +8,13 @@ Example::
     print(doctor().render())
 """
 
+import types
+
+from graphtree import _events
 from graphtree.debug.doctor import DoctorReport, doctor
-from graphtree.debug.dump import Dump, DumpTooLarge, dump_on_error, load_dump, write_dump
-from graphtree.debug.replay_error import GraphReplayError
+from graphtree.debug.dump import Dump, DumpTooLarge, dump_failure, dump_on_error, load_dump, write_dump
+from graphtree.debug.snapshot import InputSnapshots
+from graphtree.tree.replay_error import GraphReplayError
 
 __all__ = [
     "DoctorReport",
@@ -22,3 +26,6 @@ __all__ = [
     "load_dump",
     "write_dump",
 ]
+
+# What graphed(fn, debug=dir) calls: the tree reaches this tool through graphtree._events only.
+_events.provide("debug", types.SimpleNamespace(snapshots=InputSnapshots, dump_failure=dump_failure))

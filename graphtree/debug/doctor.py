@@ -377,9 +377,9 @@ def _debugger_rows(driver: tuple[int, int] | None) -> list[Row]:
 
 
 def _probe_runtime_view() -> list[Row]:
-    import graphtree
+    from graphtree.tree.manager import stats  # the tree below, not the package above this tool
 
-    s = graphtree.stats()
+    s = stats()
     note = getattr(s, "note", "")
     return [("graphtree sees CUDA", f"{'yes' if getattr(s, 'cuda', False) else 'no'}{f' ({note})' if note else ''}")]
 

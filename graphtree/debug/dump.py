@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.debug.replay_error import GraphReplayError, is_cuda_error
 from graphtree.debug.snapshot import ORIGIN_BEFORE, ORIGIN_RAISED, InputSnapshots, Snapshot, layout_of
+from graphtree.tree.replay_error import GraphReplayError, is_cuda_error
 
 __all__ = [
     "DEFAULT_LIMIT_BYTES",

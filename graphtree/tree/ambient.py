@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from graphtree import _native
 
 _C: Any = torch._C
+log = logging.getLogger("graphtree")
 
 BITS = (
     "grad mode",
@@ -125,9 +127,30 @@ def state() -> tuple[int, torch.dtype, torch.dtype | None]:
     """The ambient state of this thread as a hashable key (see the module's docstring)."""
     native = _native.loaded
     if native is not None:
-        found: tuple[int, torch.dtype, torch.dtype | None] = native.ambient()
-        return found
+        if _checked is not native:
+            _check(native)
+        if _checked is native:
+            found: tuple[int, torch.dtype, torch.dtype | None] = native.ambient()
+            return found
     return _python_state()
+
+
+_checked: object = None  # the native module whose ambient() agreed with the twin; False: one disagreed
+
+
+def _check(native: Any) -> None:
+    """Use the native ``ambient()`` only if it agrees with the Python twin (once per module): keys
+    made before the helpers loaded must equal those made after, or recordings would be made again."""
+    global _checked
+    if _checked is False:
+        return
+    with torch.no_grad():  # a second state, with a switch off the process's own
+        same = native.ambient() == _python_state()
+    if same and native.ambient() == _python_state():
+        _checked = native
+    else:
+        _checked = False
+        log.warning("graphtree: the native ambient() disagrees with its Python twin; using the twin")
 
 
 def describe(s: tuple[int, torch.dtype, torch.dtype | None]) -> str:

@@ -21,8 +21,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-import graphtree as _graphtree_pkg
-
 
 class CaptureFailed(RuntimeError):
     """The function did something a CUDA graph cannot record; the message says what and where.
@@ -48,7 +46,10 @@ class OpTracker(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (torch, _graphtree_pkg))
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.abspath(str(torch.__file__))) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # graphtree/, from graphtree/tree/
+)
 
 
 _SKIP_FILES = {os.path.abspath(warnings.__file__), os.path.abspath(__file__)}

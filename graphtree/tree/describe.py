@@ -3,44 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from graphtree.tree.inputs import PLAIN_TYPES
-
-if TYPE_CHECKING:
-    from graphtree.tree.manager import TreeManager
-    from graphtree.tree.node import Node, Root
-
-
-def _sig(node: Node) -> str:
-    parts = []
-    for p in node.key[1]:
-        if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
-            continue
-        if len(p) == 3:  # tensor: (shape, dtype, stride)
-            parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
-        elif p[0] == "training":  # a graphed module's mode
-            parts.append("train" if p[1] else "eval")
-        elif p[0] == "keywords":  # the last len(names) leaves were passed by keyword
-            k = len(p[1])
-            parts[len(parts) - k :] = [f"{n}={v}" for n, v in zip(p[1], parts[len(parts) - k :], strict=True)]
-        elif p[0] == "structure":  # containers among the arguments: their leaves are shown flat
-            continue
-        elif isinstance(p[0], type) and p[0] in PLAIN_TYPES:  # a plain value
-            parts.append(repr(p[1]))
-        else:  # an object argument: its type (its state is in the key, too long to show)
-            parts.append(p[0].__name__ if isinstance(p[0], type) else "?")
-    return "(" + ", ".join(parts) + ")"
-
-
-def signature(node: Node) -> str:
-    """A recording as people read it: its function and the call's signature, e.g. ``step(float32[4, 8], 2)``."""
-    return f"{node.name}{_sig(node)}"
+from graphtree.tree.manager import TreeManager, managers
+from graphtree.tree.node import Node, Root, signature
 
 
 def _label(node: Node) -> str:
     return (
-        f"{node.name}{_sig(node)} [{node.id}] replays={node.replays} "
+        f"{signature(node)} [{node.id}] replays={node.replays} "
         f"outputs={node.outputs.nbytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
     )
 
@@ -82,3 +52,15 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
 
         walk(m.root, "")
     return "\n".join(out)
+
+
+def describe(format: str = "text") -> str:
+    """The trees as text (default) or as Graphviz ``dot`` (``format="dot"``).
+
+    Example::
+
+        print(graphtree.describe())
+    """
+    if format not in ("text", "dot"):
+        raise ValueError(f"describe(format=...) takes 'text' or 'dot', not {format!r}")
+    return render(managers(), format)

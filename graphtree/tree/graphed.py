@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from graphtree import _events
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
+from graphtree.tree.callee import user_code
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -25,7 +27,6 @@ from graphtree.tree.inputs import (
     unflatten,
     watch_parameter_changes,
 )
-from graphtree.tree.recorder import user_code
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
@@ -39,12 +40,6 @@ def _has_cuda() -> bool:
     if _cuda_ok is None:
         _cuda_ok = torch.cuda.is_available()
     return _cuda_ok
-
-
-def _input_snapshots() -> Any:
-    from graphtree.debug.snapshot import InputSnapshots
-
-    return InputSnapshots()
 
 
 def _check_options(
@@ -102,7 +97,8 @@ class GraphedCallable:
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
-        self._snapshots = _input_snapshots() if debug is not None else None
+        # debug=: graphtree.debug provides the inputs' snapshots and the dump of a call that raises
+        self._snapshots = _events.provided("debug").snapshots() if debug is not None else None
         self.fn = fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -123,6 +119,7 @@ class GraphedCallable:
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())
+        _prepare_for_compile()
         # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
         weakref.finalize(self, _manager.forget, self.id)
 
@@ -168,9 +165,9 @@ class GraphedCallable:
             return _manager.run(self, call, device)
         except Exception as e:
             if self.debug is not None:
-                from graphtree.debug.dump import dump_failure
-
-                dump_failure(self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots)
+                _events.provided("debug").dump_failure(
+                    self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots
+                )
             raise
 
     def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -280,12 +277,23 @@ class GraphedCallable:
         _manager.begin_internal_step()
 
 
-@torch.compiler.disable
-def _outside_compile(gc: GraphedCallable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _call_outside_compile(gc: GraphedCallable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A graphed call met by torch.compile's tracer: dynamo never traces into graphtree (its checks
     and private calls are not traceable); the compiled code breaks its graph here and graphtree
     replays, records or runs eagerly as it would outside."""
     return gc(*args, **kwargs)
+
+
+_outside_compile: Callable[[GraphedCallable, tuple[Any, ...], dict[str, Any]], Any] = _call_outside_compile
+""":func:`_call_outside_compile` wrapped by ``torch.compiler.disable`` when the first graphed callable
+is made (:func:`_prepare_for_compile`): that wrapper imports ``torch._dynamo`` (about 1 s), which
+``import graphtree`` must not pay."""
+
+
+def _prepare_for_compile() -> None:
+    global _outside_compile
+    if _outside_compile is _call_outside_compile:
+        _outside_compile = torch.compiler.disable(_call_outside_compile)
 
 
 class GraphedModule(torch.nn.Module):

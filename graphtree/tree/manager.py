@@ -25,20 +25,19 @@ import gc as _collector
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from graphtree import _native, _torch
 from graphtree.tree import recorder
+from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
-from graphtree.tree.node import Node, Root
+from graphtree.tree.node import Node, Root, signature
 from graphtree.tree.pool import Pool
+from graphtree.tree.replay_error import explain, is_cuda_error
 from graphtree.tree.stats import Counters, Stats, log, log_fallback
-
-if TYPE_CHECKING:
-    from graphtree.tree.graphed import GraphedCallable
 
 MAX_PATH_DEPTH = 64
 """Calls in one step before graphtree starts a new step by itself (guards a missing mark_step)."""
@@ -84,7 +83,7 @@ def tree_for(device: int) -> TreeManager:
     return m
 
 
-def run(gc: GraphedCallable, call: Call, device: int) -> Any:
+def run(gc: Callee, call: Call, device: int) -> Any:
     """Run ``call`` of ``gc`` in the calling thread's tree on ``device``."""
     try:
         tree = _tls.managers[device]
@@ -102,8 +101,6 @@ def count_eager(name: str, reason: str) -> None:
 def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -> RuntimeError:
     """``e`` itself, or, for a CUDA error raised before ``name``'s replay began (while its inputs
     were copied for ``debug=``), one that names the recording this thread's trees ran last."""
-    from graphtree.debug.replay_error import explain, is_cuda_error
-
     if not is_cuda_error(e):
         return e
     previous = next((s for m in getattr(_tls, "managers", {}).values() if (s := m.last_signature())), None)
@@ -168,7 +165,7 @@ class TreeManager:
         return self._pool.reserved_bytes() if self._pool is not None else 0
 
     # --- the entry point -----------------------------------------------------------------
-    def call(self, gc: GraphedCallable, call: Call) -> Any:
+    def call(self, gc: Callee, call: Call) -> Any:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
         with self.lock:
             leaves = call.leaves
@@ -223,12 +220,9 @@ class TreeManager:
                 return self._warm_up(gc, call)
             return self._record(gc, call)
 
-    def _replay_error(self, gc: GraphedCallable, node: Node, e: RuntimeError) -> RuntimeError:
+    def _replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> RuntimeError:
         """``e`` itself, or, for a CUDA error, one that names the recording, the graph replayed
-        before it, and how to find the kernel (:mod:`graphtree.debug.replay_error`)."""
-        from graphtree.debug.replay_error import explain, is_cuda_error
-        from graphtree.tree.describe import signature
-
+        before it, and how to find the kernel (:mod:`graphtree.tree.replay_error`)."""
         if not is_cuda_error(e):
             return e
         debug = None if gc.debug is None else str(gc.debug)
@@ -236,8 +230,6 @@ class TreeManager:
 
     def last_signature(self) -> str | None:
         """The signature of the recording this tree ran last (in this step or the one before)."""
-        from graphtree.tree.describe import signature
-
         node = self.path[-1] if self.path else self.last_replayed
         return signature(node) if node is not None else None
 
@@ -320,7 +312,7 @@ class TreeManager:
         )
 
     # --- replay ---------------------------------------------------------------------------
-    def _replayable(self, gc: GraphedCallable, kids: list[Node], leaves: Sequence[Any]) -> Node | None:
+    def _replayable(self, gc: Callee, kids: list[Node], leaves: Sequence[Any]) -> Node | None:
         """The first recording among ``kids`` that can be replayed for these inputs, if any."""
         epoch = param_epoch()
         native = _native.loaded
@@ -357,7 +349,7 @@ class TreeManager:
         self.bookkeeping_live = True
 
     # --- warm-up and record -------------------------------------------------------------------
-    def _warm_up(self, gc: GraphedCallable, call: Call) -> Any:
+    def _warm_up(self, gc: Callee, call: Call) -> Any:
         self.warming = True
         done = recorder.warm_up(gc, call, self.stream, self.device)
         self.counters.warmups += 1
@@ -371,7 +363,7 @@ class TreeManager:
             self.warmed[key] = self.warmed.get(key, 0) + 1
         return done.out
 
-    def _record(self, gc: GraphedCallable, call: Call) -> Any:
+    def _record(self, gc: Callee, call: Call) -> Any:
         self._sync_bookkeeping()
         key = (gc.id, call.key)
         siblings = self._alive_siblings(key)
@@ -465,7 +457,8 @@ KEEPS_STATE = (
 )
 
 
-def _managers() -> list[TreeManager]:
+def managers() -> list[TreeManager]:
+    """Every tree of every thread (for :func:`stats` and :func:`graphtree.describe`)."""
     with _registry_lock:
         return list(_all_managers)
 
@@ -500,7 +493,7 @@ def reset() -> None:
         graphtree.reset()
     """
     _tls.user_steps = False
-    for m in _managers():
+    for m in managers():
         m.reset()
     _untreed.__init__()  # type: ignore[misc]
 
@@ -516,22 +509,8 @@ def stats() -> Stats:
     if not s.cuda:
         s.note = "no CUDA: graphed functions run eagerly"
     _untreed.add_to(s)
-    for m in _managers():
+    for m in managers():
         m.counters.add_to(s)
         s.trees += 1
         s.pool_bytes += m.pool_bytes()
     return s
-
-
-def describe(format: str = "text") -> str:
-    """The trees as text (default) or as Graphviz ``dot`` (``format="dot"``).
-
-    Example::
-
-        print(graphtree.describe())
-    """
-    from graphtree.tree.describe import render
-
-    if format not in ("text", "dot"):
-        raise ValueError(f"describe(format=...) takes 'text' or 'dot', not {format!r}")
-    return render(_managers(), format)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import InputPlan
+from graphtree.tree.inputs import PLAIN_TYPES, InputPlan
 from graphtree.tree.outputs import OutputPlan
 
 _ids = itertools.count(1)
@@ -288,3 +288,26 @@ class Node:
                     _weak_free(r)
         except Exception:  # noqa: BLE001 - interpreter shutdown: torch may be gone
             pass
+
+
+def signature(node: Node) -> str:
+    """A recording as people read it: its function and the call's signature, e.g. ``step(float32[4, 8], 2)``
+    (for messages, ``describe()`` and the replay-error explanation)."""
+    parts: list[str] = []
+    for p in node.key[1]:
+        if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
+            continue
+        if len(p) == 3:  # tensor: (shape, dtype, stride)
+            parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
+        elif p[0] == "training":  # a graphed module's mode
+            parts.append("train" if p[1] else "eval")
+        elif p[0] == "keywords":  # the last len(names) leaves were passed by keyword
+            k = len(p[1])
+            parts[len(parts) - k :] = [f"{n}={v}" for n, v in zip(p[1], parts[len(parts) - k :], strict=True)]
+        elif p[0] == "structure":  # containers among the arguments: their leaves are shown flat
+            continue
+        elif isinstance(p[0], type) and p[0] in PLAIN_TYPES:  # a plain value
+            parts.append(repr(p[1]))
+        else:  # an object argument: its type (its state is in the key, too long to show)
+            parts.append(p[0].__name__ if isinstance(p[0], type) else "?")
+    return f"{node.name}(" + ", ".join(parts) + ")"

@@ -16,30 +16,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from graphtree import _events, _native, _torch
+from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.pool import Pool
-
-if TYPE_CHECKING:
-    from graphtree.tree.graphed import GraphedCallable
-
-
-class _UserCode(threading.local):
-    """Per thread: whether the thread runs a graphed function's warm-up or capture right now."""
-
-    active = False
-
-
-user_code = _UserCode()
-"""``user_code.active``: this thread runs user code for a tree; graphed functions called from
-there run inline, as part of the outer warm-up or recording (read on every graphed call)."""
 
 # Warm-ups and captures run one at a time across threads: they clear cuBLAS's workspaces, which
 # are shared by all threads, and a capture must not see another thread's workspace vanish.
@@ -102,7 +89,7 @@ class WarmUp:
         self.kept = kept  # storages the function made and kept beyond its outputs (state it allocated)
 
 
-def warm_up(gc: GraphedCallable, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
+def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
     """Run ``gc``'s function eagerly, watching for what a graph cannot hold.
 
     Warm-ups allocate from the ordinary caching allocator, not the tree's pool: whatever the
@@ -168,7 +155,7 @@ def _storages(leaves: Sequence[Any], out: Any, statics: Sequence[torch.Tensor]) 
 
 
 def record(
-    gc: GraphedCallable,
+    gc: Callee,
     call: Call,
     *,
     parent: Node | Root,
@@ -344,7 +331,7 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device:
     begin(graph, pool_id, decoy)
 
 
-def _pad_dim(gc: GraphedCallable) -> int:
+def _pad_dim(gc: Callee) -> int:
     """The dimension bucket padding pads (0 without buckets)."""
     return gc.bucketing.dim if gc.bucketing else 0
 
@@ -356,7 +343,7 @@ _KEPT_REASON = (
 
 
 def _externals(
-    gc: GraphedCallable,
+    gc: Callee,
     watch: _torch.StateWatch,
     graph_leaves: Sequence[Any],
     statics: list[torch.Tensor],
@@ -374,7 +361,7 @@ def _externals(
     return found
 
 
-def _origin(gc: GraphedCallable, ptr: int) -> str:
+def _origin(gc: Callee, ptr: int) -> str:
     """Where the function finds the tensor whose storage is at ``ptr``, as far as can be seen."""
     fn = getattr(gc.fn, "__func__", gc.fn)
     fn = getattr(fn, "forward", fn) if isinstance(fn, torch.nn.Module) else fn

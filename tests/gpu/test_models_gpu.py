@@ -195,7 +195,7 @@ def test_a_global_tensor_rebound_and_freed_is_never_read_stale():
         del junk
     s = graphtree.stats()
     assert s.replaced >= 3 and not s.eager, s
-    nodes = [n for m in graphtree.tree.manager._managers() for n in m.nodes()]
+    nodes = [n for m in graphtree.tree.manager.managers() for n in m.nodes()]
     assert any("global `W`" in e.origin for n in nodes for e in n.externals), [n.externals for n in nodes]
 
 

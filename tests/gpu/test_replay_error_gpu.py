@@ -1,5 +1,5 @@
 """A planted fault inside a graph: the CUDA error that surfaces at graphtree's next replay names
-the recording (graphtree.debug.replay_error). In a subprocess: the context dies."""
+the recording (graphtree.tree.replay_error). In a subprocess: the context dies."""
 
 import subprocess
 import sys

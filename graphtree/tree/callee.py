@@ -1,0 +1,55 @@
+"""The graphed callable as the tree sees it, and whether this thread runs user code for a tree.
+
+:mod:`graphtree.tree.graphed` makes the callables; :mod:`~graphtree.tree.manager` and
+:mod:`~graphtree.tree.recorder` only ask of them what :class:`Callee` lists, so neither imports
+``graphed`` (which stands above both).
+
+Example::
+
+    from graphtree.tree.callee import user_code
+
+    if user_code.active:   # inside another graphed function's warm-up or capture: run inline
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from graphtree.tree.inputs import Bucketing, Call
+
+
+class Callee(Protocol):
+    """What the tree's manager and recorder use of a graphed callable."""
+
+    id: int  # its recordings are keyed (id, signature)
+    name: str
+    fn: Callable[..., Any]
+    warmup: int
+    max_rerecords: int
+    debug: str | os.PathLike[str] | None
+    bucketing: Bucketing | None
+    given_up: dict[Any, str]
+
+    def give_up(self, key: Any, reason: str) -> None: ...
+    def run_eager(self, call: Call, reason: str) -> Any: ...
+    def note_kept_state(self, key: Any) -> bool: ...
+    def static_tensors(self) -> list[torch.Tensor]: ...
+    def module(self) -> torch.nn.Module | None: ...
+
+
+class _UserCode(threading.local):
+    """Per thread: whether the thread runs a graphed function's warm-up or capture right now."""
+
+    active = False
+
+
+user_code = _UserCode()
+"""``user_code.active``: this thread runs user code for a tree; graphed functions called from
+there run inline, as part of the outer warm-up or recording (read on every graphed call)."""

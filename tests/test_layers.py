@@ -1,0 +1,140 @@
+"""Layers point one way, and no module imports itself back (issue 25).
+
+Read from the sources with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count: a
+reader follows them too): the bottom (``_torch``, ``_native``, ``_events``) and the core
+(``graphtree.tree``) never import a tool (``debug``, ``profile``, ``share``, ``bench``, ``demo``,
+``cli``, ``_dev``) nor the package root; the bottom never imports the core; and there is no import
+cycle anywhere in ``graphtree/`` but those listed in ``KNOWN_CYCLES``, which may only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "graphtree"
+
+KNOWN_CYCLES: set[frozenset[str]] = {
+    # the generate scenario takes the scenarios' context type, the scenarios run it: one module per
+    # scenario with a registry (issue 25) ends it
+    frozenset({"graphtree.bench.generate", "graphtree.bench.scenarios"}),
+}
+
+BOTTOM = ("graphtree._torch", "graphtree._native", "graphtree._events")
+CORE = ("graphtree.tree",)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    edges[name].add(t)
+    return edges
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _cycles(edges: dict[str, set[str]], names: list[str]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in names:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.add(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def test_the_core_and_the_bottom_never_import_upwards():
+    modules = _modules()
+    edges = _imports(modules)
+    upward = []
+    for name, targets in edges.items():
+        for t in targets:
+            below = BOTTOM if _within(name, BOTTOM) else (*BOTTOM, *CORE) if _within(name, CORE) else None
+            if below is not None and not _within(t, below):
+                upward.append(f"{name} -> {t}")
+    assert not upward, "imports that point up a layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycle_but_the_known_ones():
+    modules = _modules()
+    cycles = _cycles(_imports(modules), sorted(modules))
+    new = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
+    assert not new, f"new import cycles: {new}"
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
+    assert not gone, f"cycles that no longer exist: remove them from KNOWN_CYCLES: {gone}"
+
+
+def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "graphtree"
+    (pkg / "tree").mkdir(parents=True)
+    (pkg / "debug").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tree" / "__init__.py").write_text("")
+    (pkg / "debug" / "__init__.py").write_text("")
+    (pkg / "tree" / "a.py").write_text("from graphtree.tree import b\n")
+    (pkg / "tree" / "b.py").write_text(
+        "def f():\n    from graphtree.tree.a import x\n    from graphtree.debug import d\n"
+    )
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    edges = _imports(_modules())
+    assert edges["graphtree.tree.b"] == {"graphtree.tree.a", "graphtree.debug"}
+    assert _cycles(edges, sorted(_modules())) == [frozenset({"graphtree.tree.a", "graphtree.tree.b"})]
