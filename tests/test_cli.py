@@ -44,9 +44,8 @@ def test_demo_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tokens match: yes" in out
     assert "device:  cpu" in out
     assert str(torch.__version__) in out
-    assert "eager:" in out and "graphed:" in out and "speedup:" in out
-    assert "first 3 steps" in out
-    assert "this run was eager too" in out
+    assert "CPU: graphs not available, eager only" in out
+    assert "speedup" not in out and "ms/step" not in out  # no ratio of two eager runs to disbelieve
     assert "recordings:" in out and "replays:" in out and "eager runs:" in out
 
 
