@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from graphtree.bench import contenders, scenarios, timing
+from graphtree.bench import contenders, kit, scenarios, timing
 from graphtree.bench import share as bench_share
 from graphtree.bench.harness import Progress, render_table, to_json, validate_json
 from graphtree.demo.gpt import GPTConfig
@@ -73,7 +73,7 @@ def fake_gpu(monkeypatch):
     """Fake the CUDA-only calls; returns the list the fake compiler logs its calls to."""
     reserved = itertools.count(0, 2**21)
     compiled: list[str] = []
-    monkeypatch.setattr(scenarios, "DEVICE", "cpu")
+    monkeypatch.setattr(kit, "DEVICE", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: next(reserved))
@@ -89,7 +89,6 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(timing, "gpu_time", gpu_time)
     monkeypatch.setattr(contenders, "HandGraph", _FakeHandGraph)
-    monkeypatch.setattr(scenarios, "HandGraph", _FakeHandGraph)
 
     def compile_fn(name, fn, dynamic=None):
         compiled.append(name)
@@ -98,7 +97,6 @@ def fake_gpu(monkeypatch):
         return fn  # "compiled" = eager
 
     monkeypatch.setattr(contenders, "compile_fn", compile_fn)
-    monkeypatch.setattr(scenarios, "compile_fn", compile_fn)
     return compiled
 
 

@@ -4,7 +4,7 @@ Read from the sources with ``ast`` (imports inside functions and under ``TYPE_CH
 reader follows them too): the bottom (``_torch``, ``_native``, ``_events``) and the core
 (``graphtree.tree``) never import a tool (``debug``, ``profile``, ``share``, ``bench``, ``demo``,
 ``cli``, ``_dev``) nor the package root; the bottom never imports the core; and there is no import
-cycle anywhere in ``graphtree/`` but those listed in ``KNOWN_CYCLES``, which may only shrink.
+cycle anywhere in ``graphtree/`` (``KNOWN_CYCLES`` is empty, and may only shrink).
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "graphtree"
 
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # the generate scenario takes the scenarios' context type, the scenarios run it: one module per
-    # scenario with a registry (issue 25) ends it
-    frozenset({"graphtree.bench.generate", "graphtree.bench.scenarios"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()  # none left; a cycle found later goes here only with a reason
 
 BOTTOM = ("graphtree._torch", "graphtree._native", "graphtree._events")
 CORE = ("graphtree.tree",)

@@ -35,7 +35,7 @@ from graphtree.bench.contenders import COMPILED, EAGER, GRAPHTREE, reset_all
 from graphtree.bench.harness import Result, failed, interleaved
 
 if TYPE_CHECKING:
-    from graphtree.bench.scenarios import _Ctx
+    from graphtree.bench.kit import Ctx
 
 SCENARIO = "generate"
 REDUCE_OVERHEAD = "compile-reduce-overhead"
@@ -59,7 +59,7 @@ def tiny_llama(hidden: int, layers: int, vocab: int, max_positions: int) -> Any:
     return transformers.LlamaForCausalLM(cfg).to("cuda").eval()
 
 
-def run_generate(ctx: _Ctx) -> list[Result]:
+def run_generate(ctx: Ctx) -> list[Result]:
     """Time per generated token of ``generate()`` for each applicable contender, both cases."""
     cfg = ctx.cfg
     results: list[Result] = []
