@@ -20,19 +20,8 @@ from graphtree.bench.contenders import (
     snapshot,
     step_begin,
 )
-from graphtree.bench.harness import (
-    Result,
-    format_value,
-)
-from graphtree.bench.kit import (
-    TOL_MLP,
-    Ctx,
-    check_extra,
-    merge_checks,
-    randn,
-    run_logged,
-    skip_all,
-)
+from graphtree.bench.harness import Result, format_value
+from graphtree.bench.kit import TOL_MLP, Ctx, check_extra, merge_checks, randn, run_logged, skip_all
 from graphtree.bench.workloads import MLP
 
 

@@ -6,30 +6,9 @@ from functools import partial
 from typing import Any
 
 from graphtree.bench import kit
-from graphtree.bench.contenders import (
-    COMPILED,
-    EAGER,
-    GRAPHTREE,
-    HANDWRITTEN,
-    compare,
-    reset_all,
-    snapshot,
-)
-from graphtree.bench.harness import (
-    Result,
-    format_value,
-)
-from graphtree.bench.kit import (
-    TOL_MLP,
-    Ctx,
-    bucketed,
-    check_extra,
-    merge_checks,
-    randn,
-    run_logged,
-    skip_all,
-    summary,
-)
+from graphtree.bench.contenders import COMPILED, EAGER, GRAPHTREE, HANDWRITTEN, compare, reset_all, snapshot
+from graphtree.bench.harness import Result, format_value
+from graphtree.bench.kit import TOL_MLP, Ctx, bucketed, check_extra, merge_checks, randn, run_logged, skip_all, summary
 from graphtree.bench.workloads import MLP
 
 

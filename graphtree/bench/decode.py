@@ -9,27 +9,9 @@ from typing import Any
 import torch
 
 from graphtree.bench import kit, timing
-from graphtree.bench.contenders import (
-    EAGER,
-    compare,
-    reset_all,
-    snapshot,
-)
-from graphtree.bench.harness import (
-    Result,
-    interleaved,
-)
-from graphtree.bench.kit import (
-    MIN_REPEATS,
-    TOL_LOGITS,
-    Ctx,
-    build_all,
-    gen,
-    line,
-    merge_checks,
-    skip_all,
-    timing_rows,
-)
+from graphtree.bench.contenders import EAGER, compare, reset_all, snapshot
+from graphtree.bench.harness import Result, interleaved
+from graphtree.bench.kit import MIN_REPEATS, TOL_LOGITS, Ctx, build_all, gen, line, merge_checks, skip_all, timing_rows
 
 
 def run_decode(ctx: Ctx) -> list[Result]:

@@ -30,15 +30,7 @@ from graphtree.bench.contenders import (
     stepped,
     timed,
 )
-from graphtree.bench.harness import (
-    Budget,
-    Progress,
-    Result,
-    Timings,
-    failed,
-    format_value,
-    run_contender,
-)
+from graphtree.bench.harness import Budget, Progress, Result, Timings, failed, format_value, run_contender
 from graphtree.demo.gpt import GPTConfig
 
 SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate", "share")

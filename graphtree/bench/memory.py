@@ -14,20 +14,8 @@ from graphtree.bench.contenders import (
     reset_all,
     snapshot,
 )
-from graphtree.bench.harness import (
-    Result,
-    format_value,
-)
-from graphtree.bench.kit import (
-    TOL_MLP,
-    Ctx,
-    bucketed,
-    check_extra,
-    merge_checks,
-    randn,
-    run_logged,
-    skip_all,
-)
+from graphtree.bench.harness import Result, format_value
+from graphtree.bench.kit import TOL_MLP, Ctx, bucketed, check_extra, merge_checks, randn, run_logged, skip_all
 from graphtree.bench.workloads import MLP
 
 

@@ -7,26 +7,9 @@ from functools import partial
 import torch
 
 from graphtree.bench import kit, timing
-from graphtree.bench.contenders import (
-    compare,
-    reset_all,
-    snapshot,
-)
-from graphtree.bench.harness import (
-    Result,
-    interleaved,
-)
-from graphtree.bench.kit import (
-    MIN_REPEATS,
-    TOL_MM,
-    Ctx,
-    Rounds,
-    build_all,
-    line,
-    randn,
-    skip_all,
-    timing_rows,
-)
+from graphtree.bench.contenders import compare, reset_all, snapshot
+from graphtree.bench.harness import Result, interleaved
+from graphtree.bench.kit import MIN_REPEATS, TOL_MM, Ctx, Rounds, build_all, line, randn, skip_all, timing_rows
 from graphtree.bench.workloads import MMChain
 
 
