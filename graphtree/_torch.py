@@ -272,6 +272,27 @@ def end_open_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> 
 _empty_capture_lock = threading.Lock()
 
 
+def begin_capture(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, device: int, decoy: torch.Generator | None
+) -> bool:
+    """Begin capturing into ``graph`` on the current stream, in thread-local mode; True when the
+    device's default CUDA generator was kept out of it.
+
+    With a ``decoy`` and graphtree's native CUDA part (torch before 2.12), the capture registers the
+    decoy's state instead of the default generator's (``_native.capture_begin_isolated``), so that
+    other threads' random ops are not disturbed while it runs; the capture's own random ops must
+    then draw from the decoy (:func:`draw_from`). Otherwise torch's own ``capture_begin``.
+    """
+    from graphtree import _native  # loaded after this module, in the background
+
+    begin = getattr(_native.loaded, "capture_begin_isolated", None)
+    if decoy is None or begin is None:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[arg-type]  # (int, int)
+        return False
+    begin(graph, pool or (0, 0), decoy)
+    return True
+
+
 def capture_empty(
     graph: torch.cuda.CUDAGraph, device: int, pool: tuple[int, int] | None = None, isolated: bool = False
 ) -> None:
@@ -288,13 +309,7 @@ def capture_empty(
     with _empty_capture_lock, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-            from graphtree import _native  # the default generator kept out (see recorder.begin_capture)
-
-            begin = getattr(_native.loaded, "capture_begin_isolated", None)
-            if isolated and begin is not None:
-                begin(graph, pool or (0, 0), torch.Generator(device=f"cuda:{device}"))
-            else:
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[arg-type]  # a (int, int) handle
+            begin_capture(graph, pool, device, torch.Generator(device=f"cuda:{device}") if isolated else None)
             graph.capture_end()
 
 
@@ -306,7 +321,6 @@ _UNSAFE_TAG = getattr(torch.Tag, "cudagraph_unsafe", None)
 
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
-_with_generator: dict[Any, Any] = {}  # an operator -> the overload of it that takes a generator, or None
 
 
 class RandomOutsideCapture(RuntimeError):
@@ -314,26 +328,19 @@ class RandomOutsideCapture(RuntimeError):
     that keeps that generator out (see :func:`draw_from`)."""
 
 
+@functools.cache
 def _generator_overload(func: Any) -> Any:
     """``func`` if it takes a ``generator``, else its overload with the same arguments and a
     ``generator`` (``aten.randn.default`` -> ``aten.randn.generator``), or None."""
-    try:
-        return _with_generator[func]
-    except KeyError:
-        pass
     names = {a.name for a in func._schema.arguments}
-    found = None
     if "generator" in names:
-        found = func
-    else:
-        packet = func.overloadpacket
-        for name in packet.overloads():
-            other = getattr(packet, name)
-            if {a.name for a in other._schema.arguments} == names | {"generator"}:
-                found = other
-                break
-    _with_generator[func] = found
-    return found
+        return func
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        if {a.name for a in other._schema.arguments} == names | {"generator"}:
+            return other
+    return None
 
 
 def draw_from(gen: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:

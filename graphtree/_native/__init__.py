@@ -137,25 +137,26 @@ def build_here() -> str:
     from torch.utils import cpp_extension
 
     _find_ninja()
-    cuda = _cuda_flags()
-    for flags in [cuda] if cuda is None else [cuda, None]:
-        try:
-            module = cpp_extension.load(
-                name="graphtree_native" if flags is None else "graphtree_native_cuda",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O2", *(flags["cflags"] if flags else [])],
-                extra_ldflags=["-ldl", *(flags["ldflags"] if flags else [])],
-                extra_include_paths=flags["include"] if flags else None,
-                is_python_module=True,
-                verbose=False,
-            )
-        except Exception as e:
-            if flags is None:
-                raise
-            print(f"graphtree: native helpers without their CUDA part: {str(e).strip()[-300:]}", file=sys.stderr)
-            continue
+
+    def load(name: str, cflags: list[str], ldflags: list[str], include: list[str] | None) -> str:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O2", *cflags],
+            extra_ldflags=["-ldl", *ldflags],
+            extra_include_paths=include,
+            is_python_module=True,
+            verbose=False,
+        )
         return str(module.__file__)
-    raise RuntimeError("unreachable")
+
+    cuda = _cuda_flags()
+    if cuda is not None:
+        try:
+            return load("graphtree_native_cuda", cuda["cflags"], cuda["ldflags"], cuda["include"])
+        except Exception as e:  # noqa: BLE001 - the CUDA part is optional: build without it
+            print(f"graphtree: native helpers without their CUDA part: {str(e).strip()[-300:]}", file=sys.stderr)
+    return load("graphtree_native", [], [], None)
 
 
 def _cuda_flags() -> dict[str, list[str]] | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from graphtree import _events, _native, _torch
+from graphtree import _events, _torch
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
@@ -319,16 +319,11 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device:
     ``capture_begin``: the default generator is captured, and is in capture mode for every thread
     until the capture ends.
     """
-    native = _native.loaded
-    begin = getattr(native, "capture_begin_isolated", None)
-    if begin is None:
-        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")  # type: ignore[arg-type]  # (int, int)
-        return
     decoy = torch.Generator(device=f"cuda:{device}")
     seed = torch.cuda.default_generators[device].initial_seed()
     decoy.manual_seed((seed * 6364136223846793005 + next(_decoys)) % (1 << 63))
-    watch.generator = decoy
-    begin(graph, pool_id, decoy)
+    if _torch.begin_capture(graph, pool_id, device, decoy):
+        watch.generator = decoy
 
 
 def _pad_dim(gc: Callee) -> int:
