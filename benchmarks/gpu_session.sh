@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call]
+#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call] [startup] [first] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -15,27 +15,45 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The image's site-packages take no .pyc files: every process compiled torch's sources again
+# (import torch 4.5 s, torch._dynamo 6 s on the H100 host). A writable cache for them:
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+export GRAPHTREE_TEST_TIMES=$OUT/test-times.txt  # each test's duration as it ends (tests/gpu/conftest.py)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # subprocesses of the tests import graphtree from here
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+env | grep -E '^PYTHON(DONTWRITEBYTECODE|PYCACHEPREFIX)=' | tee "$OUT/python-env.txt"
+unset PYTHONDONTWRITEBYTECODE
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+python3 -c "import torch, torch._dynamo, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 python3 -c "from graphtree import _native; m = _native.wait(900); print('native helpers:', _native.status(), '| CUDA part:', hasattr(m, 'capture_begin_isolated'))" 2>&1 | tail -3 | tee -a "$OUT/device.txt"
 
 stages=${*:-new suite files per_call}
 for stage in $stages; do
   case $stage in
+    startup)  # what one fresh process costs (the GPU tests start ~60): torch, CUDA, graphtree, a first tree
+      for code in "import torch" "import torch; torch.zeros(1, device='cuda')" "import torch, graphtree; torch.zeros(1, device='cuda')" \
+          "import torch, graphtree; f = graphtree.graphed(lambda x: x * 2); x = torch.zeros(1, device='cuda'); [f(x) for _ in range(4)]; torch.cuda.synchronize()"; do
+        TIMEFORMAT="%R s  $code"
+        { time python3 -c "$code" >/dev/null 2>&1; } 2>&1 | tee -a "$OUT/startup.txt"
+      done
+      python3 -X importtime -c "import graphtree" 2>&1 | sort -t'|' -k2 -n | tail -15 > "$OUT/importtime.txt"
+      ;;
+    first)  # a fresh process up to its first replay, stage by stage (benchmarks/first_call.py)
+      TIMEFORMAT="%R s  the whole process"
+      { time python3 benchmarks/first_call.py; } 2>&1 | tee "$OUT/first_call.txt"
+      ;;
     some)  # the files named in $FILES, in one process
-      timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider $FILES 2>&1 | tee "$OUT/some.log" | tail -30
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
     new)
-      timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
+      timeout -s INT -k 20 ${NEW_TIMEOUT:-420} python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
         tests/gpu/test_hf_defaults_gpu.py tests/gpu/test_fault_injection_gpu.py tests/gpu/test_fuzz_ambient_gpu.py 2>&1 | tee "$OUT/new.log" | tail -40
       ;;
     suite)
-      timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
       ;;
     files)
       for f in tests/gpu/test_*.py; do

@@ -1,4 +1,5 @@
 import gc
+import os
 
 import pytest
 import torch
@@ -34,6 +35,12 @@ def fresh_trees():
 
 
 def pytest_runtest_logreport(report):
-    """Print a failure as soon as it happens: a later crash must not swallow the report."""
+    """Print a failure as soon as it happens: a later crash must not swallow the report. With
+    ``GRAPHTREE_TEST_TIMES=path``, each test's duration is appended there as it ends, so a run
+    killed by a time limit still says where its time went."""
+    times = os.environ.get("GRAPHTREE_TEST_TIMES")
+    if times and (report.when == "call" or report.duration > 1):
+        with open(times, "a") as f:
+            f.write(f"{report.duration:8.2f} {report.outcome:7} {report.nodeid} ({report.when})\n")
     if report.failed:
         print(f"\n--- FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n", flush=True)

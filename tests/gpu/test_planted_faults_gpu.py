@@ -60,13 +60,25 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
-    """Run each planted fault once; (producer output, the dump holding the bad input) per case."""
+    """Run each planted fault once (the four at the same time, each in its own process); (producer
+    output, the dump holding the bad input) per case."""
     pytest.importorskip("triton")
+    folders = {case: tmp_path_factory.mktemp("-".join(case)) for case in CASES}
+    procs = {
+        (kind, mode): subprocess.Popen(
+            [sys.executable, "-c", PRODUCER, kind, mode, str(folders[kind, mode]), str(BAD[kind])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for kind, mode in CASES
+    }
     out = {}
-    for kind, mode in CASES:
-        folder = tmp_path_factory.mktemp(f"{kind}-{mode}")
-        cmd = [sys.executable, "-c", PRODUCER, kind, mode, str(folder), str(BAD[kind])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), check=False)
+    for (kind, mode), popen in procs.items():
+        stdout, stderr = popen.communicate(timeout=300)
+        proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+        folder = folders[kind, mode]
         bad = [p for p in sorted(folder.glob("*.gtdump")) if int(load_dump(p).args[1].max()) == BAD[kind]]
         out[kind, mode] = (proc, bad[0] if bad else None, sorted(folder.glob("*.gtdump")))
     return out

@@ -127,7 +127,7 @@ def test_a_consumer_killed_with_sigkill_leaks_nothing_in_the_producer():
     )
     fds = None
     try:
-        for i in range(12):
+        for i in range(6):
             proc = subprocess.Popen([sys.executable, "-c", reader, name], stdout=subprocess.PIPE, text=True)
             assert proc.stdout.readline().strip() == "READING"  # holds a claim on the newest slot
             proc.send_signal(signal.SIGKILL)

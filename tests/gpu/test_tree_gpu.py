@@ -554,27 +554,34 @@ for _ in range(f.warmup + 3):
     y = f(x)
 del y
 torch.cuda.synchronize()
+torch.cuda.empty_cache()            # cached segments outside the pool (the warm-ups') go first
 pool, reserved = graphtree.stats().pool_bytes, torch.cuda.memory_reserved()
 graphtree.reset()
 print("POOL", pool, "FREED", reserved - torch.cuda.memory_reserved(), flush=True)
 """
 
 
-def _script(script, mode):
-    proc = subprocess.run(
-        [sys.executable, "-c", script, mode], check=False, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, proc.stderr
+def _scripts(script, *modes):
+    """(stdout, stderr) of ``script`` run once per mode, the runs at the same time (each its own process)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for mode in modes
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return results
 
 
 def test_reset_gives_the_pools_memory_back_without_waiting_for_the_collector():
     # the recordings reset() drops link to each other (a node and its children): their pool
     # stayed reserved until the collector happened to run (seen on the H200: 62 MiB held)
-    out, err = _script(RESET_WITHOUT_THE_COLLECTOR, "collection")
+    (out, err), (control, _) = _scripts(RESET_WITHOUT_THE_COLLECTOR, "collection", "no-collection")
     pool, freed = (int(v) for v in out.split()[1::2])
     assert pool > 0 and freed >= pool, (out, err[-3000:])
-    out, err = _script(RESET_WITHOUT_THE_COLLECTOR, "no-collection")
+    out = control
     pool, freed = (int(v) for v in out.split()[1::2])
     assert freed < pool, ("the control should hold the pool", out)
 
@@ -617,9 +624,9 @@ def test_a_collection_during_a_capture_does_not_end_it():
     # the capture, and the function then ran eagerly (seen in a script on the H100 and the H200:
     # the recordings a graphtree.reset() had dropped, collected in the next capture); graphtree
     # pauses automatic collection while it captures. The control, collector on, shows the failure.
-    out, err = _script(COLLECTED_IN_A_CAPTURE, "paused")
+    (out, err), control = _scripts(COLLECTED_IN_A_CAPTURE, "paused", "collector-on")
     assert "EAGER 0" in out, (out, err[-3000:])
-    out, err = _script(COLLECTED_IN_A_CAPTURE, "collector-on")
+    out, err = control
     assert "EAGER 0" not in out and "capture failed" in err, ("the control's capture should fail", out, err[-3000:])
 
 
