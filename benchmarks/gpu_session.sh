@@ -6,6 +6,7 @@
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
+#   new_before  the same tests run on the code before the change (.before/): they should fail
 #   suite     the whole GPU suite in ONE process, in sequence (a poisoned process shows here)
 #   files     the GPU suite file by file, each in its own process
 #   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
@@ -51,6 +52,12 @@ for stage in $stages; do
     new)
       timeout -s INT -k 20 ${NEW_TIMEOUT:-420} python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
         tests/gpu/test_hf_defaults_gpu.py tests/gpu/test_fault_injection_gpu.py tests/gpu/test_fuzz_ambient_gpu.py 2>&1 | tee "$OUT/new.log" | tail -40
+      ;;
+    new_before)  # the same new tests against the code before the change (.before/): each should fail, for its bug
+      # run from .before/ so that its graphtree comes first on sys.path (python -m puts the cwd there)
+      (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 ${NEW_TIMEOUT:-300} \
+        python3 -m pytest -q -p no:cacheprovider --tb=line -rf ../tests/gpu/test_real_paths_gpu.py \
+        ../tests/gpu/test_hf_defaults_gpu.py ../tests/gpu/test_fault_injection_gpu.py 2>&1 | tee "$OUT/new_before.log" | tail -40)
       ;;
     suite)
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
