@@ -3,7 +3,7 @@
 Read from the sources with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count: a
 reader follows them too): the bottom (``_torch``, ``_native``, ``_events``) and the core
 (``graphtree.tree``) never import a tool (``debug``, ``profile``, ``share``, ``bench``, ``demo``,
-``cli``, ``_dev``) nor the package root; the bottom never imports the core; and there is no import
+``cli``) nor the package root; the bottom never imports the core; and there is no import
 cycle anywhere in ``graphtree/`` (``KNOWN_CYCLES`` is empty, and may only shrink).
 """
 

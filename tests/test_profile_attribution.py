@@ -76,7 +76,6 @@ def test_format_frame():
 
 def test_graphtree_machinery_is_internal_but_its_demo_model_is_user_code():
     import graphtree
-    import graphtree._dev.profile_overhead
     import graphtree.cli
     import graphtree.demo
     import graphtree.demo.gpt
@@ -88,5 +87,4 @@ def test_graphtree_machinery_is_internal_but_its_demo_model_is_user_code():
     assert _attribution.is_user_file(graphtree.cli.__file__)
     assert not _attribution.is_user_file(graphtree.__file__)
     assert not _attribution.is_user_file(graphtree.tree.node.__file__)
-    assert not _attribution.is_user_file(graphtree._dev.profile_overhead.__file__)  # developer tools
     assert not _attribution.is_user_file(_attribution.__file__)

@@ -1,7 +1,7 @@
 """Profiles rebuilt from recorded CUPTI events (tests/fixtures/profile_*.json).
 
 ``profile_graph_replay.json`` is meant to come from a real GPU run
-(``python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json``); until
+(``python tools/record_profile_fixture.py tests/fixtures/profile_graph_replay.json``); until
 then it is a hand-made stand-in (``"hand_made": true``) produced by tests/fakes/make_profile_fixture.py.
 """
 
@@ -16,9 +16,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 from gt_profile_testkit import fixture_files, load_fixture
+from profile_fixture import FORMAT, load, replay
+from record_profile_fixture import check_expectations
 
-from graphtree._dev.profile_fixture import FORMAT, load, replay
-from graphtree._dev.record_profile_fixture import check_expectations
 from graphtree.profile._model import ProfileData
 
 FILES = fixture_files()

@@ -140,7 +140,7 @@ def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 _STD, _SITE = _stdlib_dirs()
 
-# graphtree's own machinery (and its developer tools in ``_dev/``) is never a call site; the demo
+# graphtree's own machinery is never a call site; the demo
 # (``demo/``: its model ``demo/gpt.py`` and the decode loop that drives it) and the command line
 # are code like the user's, so their lines show.
 _GT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,7 +151,6 @@ _GRAPHTREE_MACHINERY = tuple(
         "profile" + os.sep,
         "bench" + os.sep,
         "debug" + os.sep,
-        "_dev" + os.sep,
         "_torch.py",
         "_events.py",
         "__init__.py",

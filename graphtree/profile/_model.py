@@ -2,7 +2,7 @@
 
 :class:`ProfileData` is fed by the CUPTI session (``_session.py``) through a handful of *ingest*
 methods whose arguments are plain numbers and strings (so a recorded run can be replayed from JSON
-fixtures, see :mod:`graphtree._dev.profile_fixture`):
+fixtures, see ``tools/profile_fixture.py``):
 
 - ``api_enter`` / ``api_exit``: a launch API call (runtime or driver, kernel or graph launch).
   Calls nest: ``cudaGraphLaunch`` calls ``cuGraphLaunch`` in the same thread; the inner call is

@@ -2,7 +2,7 @@
 
 What a profile costs is almost all CUPTI's activity tracing (5-8 % of a decode loop on H100 and
 H200); the launch and graph-node callbacks cost about nothing (``callback_floor`` of
-``graphtree._dev.profile_overhead``: within ±0.1 %). So in sampled mode the callbacks stay on the
+``benchmarks/profile_overhead.py``: within ±0.1 %). So in sampled mode the callbacks stay on the
 whole time - every graph node captured meanwhile keeps its Python line, every launch is counted -
 and the activity kinds are on for ``window_steps`` steps out of every ``every_steps``. The
 program marks its steps with ``prof.step()``, as with ``torch.profiler``'s schedules.

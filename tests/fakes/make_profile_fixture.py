@@ -1,11 +1,11 @@
 """Write the HAND-MADE stand-in of tests/fixtures/profile_graph_replay.json (no GPU needed).
 
-It runs the very scenario of ``graphtree._dev.record_profile_fixture`` (same source, same line
+It runs the very scenario of ``tools/record_profile_fixture.py`` (same source, same line
 numbers) against the fake CUPTI and a tiny fake ``torch`` whose ops launch fake kernels, records
-the profiler's events with the same :class:`~graphtree._dev.profile_fixture.Recorder`, and marks the
+the profiler's events with the same ``Recorder`` (``tools/profile_fixture.py``), and marks the
 file ``"hand_made": true``. Replace it with a real recording::
 
-    python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json   # on a GPU
+    python tools/record_profile_fixture.py tests/fixtures/profile_graph_replay.json   # on a GPU
 
 Usage (here)::
 
@@ -23,6 +23,7 @@ __graphtree_profile_internal__ = True
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tools"))  # record_profile_fixture, profile_fixture
 
 
 class _Tensor:
@@ -166,9 +167,10 @@ def build(path: str | None = None) -> dict[str, Any]:
     saved_factory = _rawbuf.BACKEND_FACTORY
     _rawbuf.BACKEND_FACTORY = lambda _cupti: cupti.LIBCUPTI  # never a real libcupti here
     try:
+        import record_profile_fixture
+        from profile_fixture import Recorder
+
         import graphtree
-        from graphtree._dev import record_profile_fixture
-        from graphtree._dev.profile_fixture import Recorder
 
         cupti.SIM.reset()
         torch = _FakeTorch(cupti.SIM)
@@ -185,7 +187,7 @@ def build(path: str | None = None) -> dict[str, Any]:
             expect=expect,
             note=(
                 "HAND-MADE from the fake CUPTI, not a GPU recording. Replace it by running on a GPU: "
-                "python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json"
+                "python tools/record_profile_fixture.py tests/fixtures/profile_graph_replay.json"
             ),
         )
         if path:

@@ -50,7 +50,7 @@ pytestmark = [
 def _run(scenario: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        [str(ROOT), str(ROOT / "tools")] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     full_env.update(env or {})
     try:
@@ -166,8 +166,9 @@ def _rss_mb() -> float:
 def scenario_launch_paths() -> dict[str, Any]:
     import tempfile
 
+    import record_profile_fixture  # tools/ (on the scenario's PYTHONPATH)
+
     import graphtree
-    from graphtree._dev import record_profile_fixture
 
     prof = graphtree.profile()
     outcome, expect = record_profile_fixture.run_scenario(prof)

@@ -6,7 +6,7 @@ methods (``api_enter``, ``api_exit``, ``node_created``, ``node_cloned``, ``graph
 plain numbers and strings. :class:`Recorder` sits in between during a real GPU run (``tap=``
 option) and logs every call; :func:`replay` feeds a log into a fresh profile. So the CPU tests
 build profiles from records that a real GPU produced (``tests/fixtures/*.json``, written by
-``python -m graphtree._dev.record_profile_fixture``).
+``python tools/record_profile_fixture.py``).
 
 File format (``"format": "graphtree.profile.fixture/1"``)::
 
@@ -45,6 +45,8 @@ from typing import Any
 
 from graphtree.profile._model import ProfileData, ProfileOptions
 from graphtree.profile._profile import Profile
+
+__graphtree_profile_internal__ = True  # its frames are machinery to graphtree.profile, never a call site
 
 __all__ = ["FORMAT", "Recorder", "load", "replay"]
 

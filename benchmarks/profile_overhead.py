@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m graphtree._dev.profile_overhead                  # synthetic step, torch + graphtree loops
-    python -m graphtree._dev.profile_overhead --mode torch --steps 400 --rounds 9
-    python -m graphtree._dev.profile_overhead --workload gpt   # the decode benchmark's TinyGPT, batch 1 and 32
+    python benchmarks/profile_overhead.py                  # synthetic step, torch + graphtree loops
+    python benchmarks/profile_overhead.py --mode torch --steps 400 --rounds 9
+    python benchmarks/profile_overhead.py --workload gpt   # the decode benchmark's TinyGPT, batch 1 and 32
 
 ``--workload decode``: a decode-like step (``layers`` x [matmul, GELU, residual add, layer norm],
 then an argmax "token") captured once, before profiling; the loop replays it ``steps`` times and
@@ -35,7 +35,7 @@ within ``--threshold`` (default 0.05).
 
 Example::
 
-    >>> from graphtree._dev.profile_overhead import measure_overhead
+    >>> from benchmarks/profile_overhead.py import measure_overhead
     >>> r = measure_overhead(mode="torch")                       # doctest: +SKIP
     >>> r["overhead"] <= 0.05                                     # doctest: +SKIP
     True
@@ -50,6 +50,8 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+__graphtree_profile_internal__ = True  # its frames are machinery to graphtree.profile, never a call site
 
 __all__ = ["main", "measure_overhead"]
 
@@ -392,7 +394,7 @@ def measure_overhead(
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and print JSON; exit status 0 when every overhead is within the threshold."""
-    p = argparse.ArgumentParser(prog="python -m graphtree._dev.profile_overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/profile_overhead.py", description=__doc__.split("\n")[0])
     p.add_argument(
         "--workload",
         choices=("decode", "gpt"),

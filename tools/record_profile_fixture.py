@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU, torch and cupti-python::
 
-    python -m graphtree._dev.record_profile_fixture tests/fixtures/profile_graph_replay.json
+    python tools/record_profile_fixture.py tests/fixtures/profile_graph_replay.json
 
 The scenario (``SCENARIO`` below, compiled under the file name ``<profile-scenario>`` so that its
 frames count as user code and the fixture does not depend on install paths):
@@ -32,6 +32,8 @@ import json
 import os
 import sys
 from typing import Any
+
+__graphtree_profile_internal__ = True  # machinery to graphtree.profile: the scenario's lines are the call sites
 
 __all__ = ["SCENARIO", "SCENARIO_FILE", "check_expectations", "main", "run_scenario"]
 
@@ -273,8 +275,9 @@ def _meta() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Record the fixture to ``argv[0]`` (default tests/fixtures/profile_graph_replay.json)."""
+    from profile_fixture import Recorder
+
     import graphtree
-    from graphtree._dev.profile_fixture import Recorder
 
     args = list(sys.argv[1:] if argv is None else argv)
     path = args[0] if args else os.path.join("tests", "fixtures", "profile_graph_replay.json")
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         hand_made=False,
         meta=_meta(),
         expect=expect,
-        note="recorded on a GPU by `python -m graphtree._dev.record_profile_fixture`",
+        note="recorded on a GPU by `python tools/record_profile_fixture.py`",
     )
     print(json.dumps({"fixture": path, "events": len(recorder.events), "problems": problems}, indent=1))
     return 1 if problems else 0
