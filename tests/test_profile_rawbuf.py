@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 from gt_profile_workloads import digest, mixed_workload
 
 import graphtree
-from graphtree.profile import ProfileOptions, _parse, _rawbuf, _session
+from graphtree.profile import ProfileOptions, _buffers, _parse, _rawbuf
 from graphtree.profile._model import KERNEL, MEMCPY
 
 STUB = Path(__file__).resolve().parent / "fakes" / "libcupti_stub.c"
@@ -160,7 +160,7 @@ def test_raw_path_is_used_and_creates_no_object_per_record(fake_cupti, monkeypat
 
     monkeypatch.setattr(fake_cupti.ActivityKernel10, "from_ptr", classmethod(counting))
     slow = []
-    monkeypatch.setattr(_session.Session, "_buffer_completed_slow", lambda self, acts: slow.append(acts))
+    monkeypatch.setattr(_buffers.ActivityBuffers, "_completed_slow", lambda self, acts: slow.append(acts))
     prof = _graph_run(sim, {"buffer_size": 64 * 216}, replays=100, kernels=40)
     s = prof.summary()
     assert prof.data.buffer_path.startswith("libcupti") and prof.data.notes == []
@@ -220,7 +220,7 @@ def test_stop_aggregates_a_million_records_in_well_under_a_second(fake_cupti):
     replays = n // per
     prof = graphtree.profile(buffer_size=8 << 20)
     prof.start()
-    session = prof._session
+    session = prof._session.buffers  # the activity side of the session
     data = prof.data
     size = cupti.activity_kernel10_dtype.itemsize
 

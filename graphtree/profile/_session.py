@@ -40,11 +40,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from graphtree.profile import _cbids, _rawbuf
+from graphtree.profile import _cbids
 from graphtree.profile._attribution import capture_stack, format_frame
+from graphtree.profile._buffers import ActivityBuffers, step
 from graphtree.profile._errors import INSTALL_HINT, ProfilerBusyError, ProfilerUnavailableError
-from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileData, ProfileOptions
-from graphtree.profile._parse import _FastParser, _memcpy_names, _pin, _RawParser, _record_classes
+from graphtree.profile._model import ProfileData, ProfileOptions
 from graphtree.profile._sampling import Sampler, Sampling
 
 __all__ = ["Session", "active_session", "guess_other_cupti_users", "load_cupti"]
@@ -52,7 +52,6 @@ __all__ = ["Session", "active_session", "guess_other_cupti_users", "load_cupti"]
 SUBSCRIBER_NAME = "graphtree.profile"
 _MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
 _STATE_LOCK = threading.Lock()
-_RAW_LAYOUT_BAD = False  # a raw buffer failed its layout check: later sessions use cupti-python's
 _ACTIVE: Session | None = None
 
 
@@ -173,30 +172,16 @@ class Session:
         self.cupti: Any = None
         self.subscriber: Any = None
         self.enabled_callbacks: list[tuple[int, int]] = []
-        self.enabled_kinds: list[int] = []
-        self._kinds: list[int] = []  # the activity kinds this session traces
+        self.buffers: ActivityBuffers | None = None  # the activity side, once subscribed (_buffers.py)
         self.sampler: Sampler | None = None  # sampled mode: opens and closes the tracing windows
         self._sites: dict[Any, str] = {}  # (stack id, graph, label) -> call site text (window tables)
         self.missing_callbacks: list[str] = []
-        self._flush_period_set = False
-        self._in_flight = 0
         self._unsubscribe_events: list[Callable[[], None]] = []
         self._capture = functools.partial(capture_stack, data.stacks, options.stack_depth)
         self._params: Any = None
         self._callback: Any = None
         self._resource_ids: dict[str, int] = {}
         self._atexit: Callable[[], None] | None = None
-        self._fast: _FastParser | None = None
-        self._drainer: _FastParser | None = None  # parses what was stashed (kept after a mismatch)
-        self._pending: list[tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
-        self._pending_records = 0
-        self._pending_since = 0  # data.launch_puts when the oldest pending buffer arrived
-        # activity control: libcupti through ctypes (raw buffers) or cupti-python
-        self._act: Any = None
-        self._raw: _RawParser | None = None  # raw-buffer parser while its layout checks pass
-        self._raw_backend: Any = None
-        self._pool: _rawbuf.BufferPool | None = None
-        self.buffer_path = ""  # "libcupti" (raw buffers through ctypes) or "cupti-python"
 
     # ----------------------------------------------------------------------------- start
     def start(self) -> None:
@@ -219,15 +204,11 @@ class Session:
                     cupti.enable_callback(1, sub, domain, cbid)
                     self.enabled_callbacks.append((domain, cbid))
                 self._resource_ids = resource_ids
-                self._register_buffers(cupti)
-                kinds = [cupti.ActivityKind.CONCURRENT_KERNEL]
-                if self.options.memcpy:
-                    kinds += [cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
-                self._kinds = [int(k) for k in kinds]
+                self.buffers = buffers = ActivityBuffers(cupti, self.data, self.options, self.sink)
                 if self.options.sample is None:
-                    self._enable_activity()
+                    buffers.enable()
                 else:  # sampled: the sampler turns activity on inside windows only
-                    self.sampler = self._make_sampler(self.options.sample)
+                    self.sampler = self._make_sampler(self.options.sample, buffers)
             except BaseException as e:
                 self._teardown([])
                 if _status(e) == _MULTIPLE_SUBSCRIBERS:
@@ -241,25 +222,17 @@ class Session:
             self._atexit = self._stop_at_exit
             atexit.register(self._atexit)
 
-    # -- activity on and off (the whole session, or the sampler's windows)
-    def _enable_activity(self) -> None:
-        for kind in self._kinds:
-            self._act.enable(kind)
-            self.enabled_kinds.append(kind)
+    @property
+    def pending(self) -> bool:
+        """Whether records are stashed and not aggregated yet."""
+        return self.buffers is not None and self.buffers.pending
 
-    def _disable_activity(self) -> None:
-        for kind in self.enabled_kinds:
-            self._act.disable(kind)
-        self.enabled_kinds = []
+    def drain(self) -> None:
+        """Aggregate every stashed record now (records keep their arrival order)."""
+        if self.buffers is not None:
+            self.buffers.drain()
 
-    def _flush_forced(self) -> None:
-        """Make CUPTI hand over every buffer, full or not (our buffer callbacks run meanwhile)."""
-        self._act.flush_all(int(getattr(getattr(self.cupti, "ActivityFlag", None), "FLUSH_FORCED", 1)))
-
-    def _flush_window(self) -> None:
-        self._flush_forced()
-        self.drain()
-
+    # -- the sampler's windows
     def _window_rows(self) -> dict[Any, tuple[int, int, Any]]:
         """Every aggregate so far: key -> (count, total ns, the stats row)."""
         out = {}
@@ -280,61 +253,19 @@ class Session:
             self._sites[key] = site
         return site
 
-    def _make_sampler(self, sampling: Sampling) -> Sampler:
+    def _make_sampler(self, sampling: Sampling, buffers: ActivityBuffers) -> Sampler:
         if not isinstance(sampling, Sampling):
             raise TypeError(f"profile(sample=...) takes a graphtree.profile.Sampling, got {type(sampling).__name__}")
         return Sampler(
             sampling,
-            enable=self._enable_activity,
-            disable=self._disable_activity,
+            enable=buffers.enable,
+            disable=buffers.disable,
             quiesce=_synchronize_cuda,
-            flush=self._flush_window,
+            flush=buffers.flush,
             rows=self._window_rows,
             site=self._site,
             note=self.data.notes.append,
         )
-
-    def _register_buffers(self, cupti: Any) -> None:
-        """Register the activity buffer callbacks: raw buffers straight from libcupti when it can
-        be loaded and the record dtypes are known (see ``_rawbuf``), else cupti-python's."""
-        data = self.data
-        if self.options.vectorized and self.options.raw_buffers and not _RAW_LAYOUT_BAD:
-            parser = _RawParser.create(cupti, self.options)
-            backend = None
-            if parser is not None:
-                try:
-                    backend = _rawbuf.open_backend(cupti)
-                except Exception as e:  # no libcupti to load: cupti-python's buffers
-                    data.buffer_path_reason = f"{type(e).__name__}: {e}"
-            if parser is not None and backend is not None:
-                parser.backend = backend
-                parser.objects = _record_classes(cupti)
-                self._pool = _rawbuf.BufferPool(int(self.options.buffer_size), keep=self.options.buffer_pool)
-                try:
-                    backend.register(self._raw_requested, self._raw_completed)
-                    self._set_flush_period(backend)
-                except Exception as e:  # this libcupti will not do: cupti-python's buffers
-                    data.buffer_path_reason = f"{type(e).__name__}: {e}"
-                    self._pool = None
-                    backend.release()
-                else:
-                    self._raw = self._drainer = parser
-                    self._raw_backend = self._act = backend
-                    self.buffer_path = "libcupti"
-                    data.buffer_path = f"libcupti ({getattr(backend, 'path', '?')})"
-                    return
-        cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
-        self._act = _CuptiPythonActivity(cupti)
-        self._set_flush_period(self._act)
-        self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
-        self._drainer = self._fast
-        self.buffer_path = "cupti-python"
-        data.buffer_path = "cupti-python"
-
-    def _set_flush_period(self, act: Any) -> None:
-        if self.options.flush_period_ms > 0 and act.has_flush_period:
-            act.flush_period(int(self.options.flush_period_ms))
-            self._flush_period_set = True
 
     def _resolve_ids(
         self, cupti: Any
@@ -466,191 +397,6 @@ class Session:
         elif cbid == ids.get("GRAPH_CLONED"):
             self.sink.graph_cloned(_graph_id(cupti, gd.graph), _graph_id(cupti, gd.original_graph))
 
-    def _buffer_requested(self, *args: Any) -> tuple[int, int]:
-        self._in_flight += 1
-        if self._in_flight > self.data.max_buffers_in_flight:
-            self.data.max_buffers_in_flight = self._in_flight
-        return int(self.options.buffer_size), 0
-
-    def _buffer_completed(self, *args: Any) -> None:
-        """CUPTI's thread hands over a completed buffer (holding the GIL: the replay loop waits).
-
-        Fast path: copy the needed fields of the buffer's records into compact numpy columns
-        (:meth:`_FastParser.stash`, a few vectorized copies per buffer) and return. Aggregation
-        (:meth:`drain`) runs at ``stop()``, on queries, or when ``options.defer_records`` records or
-        half a launch-table generation of launches are pending, so memory stays bounded and every
-        record still finds its launch.
-        """
-        self._in_flight = max(0, self._in_flight - 1)
-        data = self.data
-        activities = args[-1] if args else ()
-        if not activities:
-            with data.lock:
-                data.buffers_completed += 1
-            return
-        if self._fast is not None:
-            try:
-                items = self._fast.stash(activities)
-            except Exception as e:  # layout not as expected: per-record path from now on
-                self._fast = None
-                self._vectorized_failed(e)
-            else:
-                self._add_pending(items)
-                return
-        self._buffer_completed_slow(activities)
-
-    def _vectorized_failed(self, e: BaseException) -> None:
-        """Note why bulk parsing stopped, and aggregate what it stashed (records keep their order)."""
-        self.data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
-        self.drain()
-
-    def _add_pending(self, items: list[tuple[int, Any]]) -> None:
-        data = self.data
-        with data.lock:
-            data.buffers_completed += 1
-            if not self._pending:
-                self._pending_since = data.launch_puts
-            self._pending.extend(items)
-            self._pending_records += sum(int(a.shape[0]) for _, a in items)
-            if (
-                self._pending_records >= self.options.defer_records
-                or data.launch_puts - self._pending_since >= data.launch_generation // 2
-            ):
-                self.drain()
-
-    # -- raw buffers (libcupti through ctypes)
-    def _raw_requested(self) -> tuple[int, int]:
-        pool = self._pool
-        if pool is None:
-            return 0, 0
-        got = pool.take()
-        if pool.max_in_flight > self.data.max_buffers_in_flight:
-            self.data.max_buffers_in_flight = pool.max_in_flight
-        return got
-
-    def _raw_completed(self, addr: int, size: int, valid: int) -> None:
-        """CUPTI hands back buffer ``addr`` with ``valid`` bytes of records (CUPTI's thread, or the
-        flushing one; ctypes holds the GIL meanwhile). The records' fields are copied into compact
-        numpy columns (:meth:`_RawParser.stash_raw`: a few vectorized copies per run of records of
-        one kind, no Python object per record), then the buffer goes back to the pool."""
-        data = self.data
-        t0 = time.perf_counter()
-        try:
-            if valid <= 0:
-                with data.lock:
-                    data.buffers_completed += 1
-                return
-            raw = self._raw
-            if raw is not None:
-                try:
-                    items = raw.stash_raw(addr, valid)
-                except Exception as e:  # layout not as expected: CUPTI's iterator + cupti-python objects
-                    global _RAW_LAYOUT_BAD
-                    _RAW_LAYOUT_BAD = True  # later sessions use cupti-python's buffers
-                    self._raw = None
-                    self._vectorized_failed(e)
-                else:
-                    self._add_pending(items)
-                    return
-            self._raw_completed_slow(addr, valid)
-        except Exception:
-            data.record_errors += 1
-        finally:
-            pool = self._pool
-            if pool is not None:
-                pool.give(addr)
-            data.buffer_seconds += time.perf_counter() - t0
-
-    def _raw_completed_slow(self, addr: int, valid: int) -> None:
-        """Per-record fallback: CUPTI's own iterator finds the records, cupti-python's classes
-        (``from_ptr``) read them."""
-        backend = self._raw_backend
-        parser = self._drainer
-        classes = getattr(parser, "objects", {}) or {}
-        offsets = backend.record_offsets(addr, valid)
-        objs = []
-        lost = 0
-        for off in offsets:
-            kind = ctypes.c_uint32.from_address(addr + off).value
-            cls = classes.get(int(kind))
-            if cls is None:
-                lost += 1
-                continue
-            objs.append(cls.from_ptr(addr + off, True))
-        _pin(objs)
-        if lost:
-            self.data.record_errors += lost
-        self._buffer_completed_slow(objs)
-
-    @property
-    def pending(self) -> bool:
-        """Whether records are stashed and not aggregated yet."""
-        return bool(self._pending)
-
-    def _resolve_names(self) -> None:
-        drainer = self._drainer
-        if drainer is not None:
-            with self.data.lock:
-                drainer.resolve_names(self._pending)
-
-    def drain(self) -> None:
-        """Aggregate every stashed record now (records keep their arrival order)."""
-        data = self.data
-        with data.lock:
-            if not self._pending:
-                return
-            items, self._pending = self._pending, []
-            self._pending_records = 0
-            drainer = self._drainer
-            if drainer is None:  # pragma: no cover - nothing is stashed without a parser
-                return
-            try:
-                for batch in drainer.batches(items):
-                    self.sink.record_batch(*batch)
-            except Exception as e:
-                data.record_errors += sum(int(a.shape[0]) for _, a in items)
-                data.notes.append(f"records lost while aggregating ({type(e).__name__}: {e})")
-
-    def _buffer_completed_slow(self, activities: Any) -> None:
-        """Per-record reading (cupti-python objects), aggregated per kind in one batch each."""
-        data = self.data
-        try:
-            cupti = self.cupti
-            code_of = {int(cupti.ActivityKind.CONCURRENT_KERNEL): KERNEL, int(cupti.ActivityKind.KERNEL): KERNEL}
-            code_of[int(cupti.ActivityKind.MEMCPY)] = MEMCPY
-            code_of[int(cupti.ActivityKind.MEMSET)] = MEMSET
-            memcpy_names = self._memcpy_names
-            rows: dict[int, list[tuple[Any, ...]]] = {KERNEL: [], MEMCPY: [], MEMSET: []}
-            for a in activities or ():
-                try:
-                    code = code_of.get(a.kind)
-                    if code is None:
-                        continue
-                    if code == KERNEL:
-                        name, nbytes = a.name, 0
-                    elif code == MEMCPY:
-                        name, nbytes = memcpy_names.get(a.copy_kind, "Memcpy"), a.bytes
-                    else:
-                        name, nbytes = "Memset", a.bytes
-                    row = (name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id)
-                    rows[code].append((*row, a.graph_id, a.graph_node_id, nbytes))
-                except Exception:
-                    data.record_errors += 1
-            with data.lock:
-                data.buffers_completed += 1
-                for code, batch in rows.items():
-                    if batch:
-                        names = sorted({r[0] for r in batch})
-                        index = {n: i for i, n in enumerate(names)}
-                        columns = list(zip(*batch))
-                        self.sink.record_batch(code, names, [index[n] for n in columns[0]], *columns[1:])
-        except Exception:
-            data.record_errors += 1
-
-    @functools.cached_property
-    def _memcpy_names(self) -> dict[int, str]:
-        return _memcpy_names(self.cupti)
-
     # ----------------------------------------------------------------------------- stop
     def stop(self) -> None:
         """Synchronize, flush, disable, unsubscribe (each step runs even if an earlier one failed)."""
@@ -660,9 +406,9 @@ class Session:
                 return
             errors: list[str] = []
             t0 = time.perf_counter()
-            _step(errors, "synchronize", _synchronize_cuda)
+            step(errors, "synchronize", _synchronize_cuda)
             if self.sampler is not None:  # closes an open window: its records are kept
-                _step(errors, "sampler", self.sampler.stop)
+                step(errors, "sampler", self.sampler.stop)
             t_sync = 1e3 * (time.perf_counter() - t0)
             self._teardown(errors)
             self.data.stop_timings["synchronize"] = t_sync
@@ -675,58 +421,31 @@ class Session:
 
     def _teardown(self, errors: list[str]) -> None:
         cupti = self.cupti
-        act = self._act
         timings = self.data.stop_timings
         timings.clear()
-        in_callbacks, buffers = self.data.buffer_seconds, self.data.buffers_completed
-        if self.enabled_kinds:
-            _step(errors, "flush", self._flush_forced, timings)
-            timings["flush: buffers"] = self.data.buffers_completed - buffers
-            timings["flush: in graphtree's buffer callbacks"] = 1e3 * (self.data.buffer_seconds - in_callbacks)
-        for kind in self.enabled_kinds:
-            _step(
-                errors,
-                f"disable activity {kind}",
-                lambda: act.disable(kind),  # noqa: B023 - _step calls it at once
-                timings,
-                "disable",
-            )
-        if self.enabled_kinds:
-            _step(errors, "flush", self._flush_forced, timings, "flush again")
-        self.enabled_kinds = []
-        # Aggregation waits for the first query (Profile._drain): stop() only reads the kernel
-        # names, pointers into CUPTI's memory, while CUPTI is still attached.
-        _step(errors, "read kernel names", self._resolve_names, timings)
-        if self._flush_period_set:
-            _step(errors, "flush period", lambda: act.flush_period(0), timings)
-            self._flush_period_set = False
-        if self._pool is not None:
-            if self._pool.in_flight:  # CUPTI still holds some: never free memory it may write to
-                _rawbuf.ORPHANED.append(self._pool)
-            self._pool = None
-        if self._raw_backend is not None and hasattr(self._raw_backend, "release"):
-            self._raw_backend.release()
+        if self.buffers is not None:  # the activity side first, while CUPTI is still attached
+            self.buffers.close(errors, timings)
         ts = self._now()
         if self.subscriber is not None:
             sub = self.subscriber
 
             def disable_callbacks() -> None:
                 for domain, cbid in self.enabled_callbacks:
-                    _step(
+                    step(
                         errors,
                         f"disable callback {domain}/{cbid}",
-                        lambda: cupti.enable_callback(0, sub, domain, cbid),  # noqa: B023 - _step calls it at once
+                        lambda: cupti.enable_callback(0, sub, domain, cbid),  # noqa: B023 - step calls it at once
                     )
 
-            _step(errors, "disable callbacks", disable_callbacks, timings)
-            _step(errors, "unsubscribe", lambda: cupti.unsubscribe(sub), timings)
+            step(errors, "disable callbacks", disable_callbacks, timings)
+            step(errors, "unsubscribe", lambda: cupti.unsubscribe(sub), timings)
             self.subscriber = None
         self.enabled_callbacks = []
-        _step(errors, "dropped records", self._read_dropped, timings)
+        step(errors, "dropped records", self._read_dropped, timings)
         if self.options.finalize:
-            _step(errors, "finalize", cupti.finalize)
+            step(errors, "finalize", cupti.finalize)
         for unsub in self._unsubscribe_events:
-            _step(errors, "graphtree events", unsub)
+            step(errors, "graphtree events", unsub)
         self._unsubscribe_events = []
         if self.data.sessions and self.data.sessions[-1][1] == 0 and _ACTIVE is self:
             self.sink.session_stop(ts)
@@ -755,26 +474,6 @@ class Session:
             pass
 
 
-class _CuptiPythonActivity:
-    """Activity control through cupti-python (the path without raw buffers)."""
-
-    def __init__(self, cupti: Any) -> None:
-        self.cupti = cupti
-        self.has_flush_period = hasattr(cupti, "activity_flush_period")
-
-    def enable(self, kind: int) -> None:
-        self.cupti.activity_enable(kind)
-
-    def disable(self, kind: int) -> None:
-        self.cupti.activity_disable(kind)
-
-    def flush_all(self, flag: int) -> None:
-        self.cupti.activity_flush_all(flag)
-
-    def flush_period(self, ms: int) -> None:
-        self.cupti.activity_flush_period(ms)
-
-
 def _current_context() -> int:
     if "cuda.bindings" not in sys.modules and "cuda.bindings.driver" not in sys.modules:
         return 0  # do not import cuda-python just for this
@@ -785,20 +484,6 @@ def _current_context() -> int:
         return int(ctx) if int(err) == 0 else 0
     except Exception:
         return 0
-
-
-def _step(
-    errors: list[str], what: str, fn: Callable[[], Any], timings: dict[str, float] | None = None, key: str | None = None
-) -> None:
-    t0 = time.perf_counter()
-    try:
-        fn()
-    except Exception as e:  # keep tearing down: never leave CUPTI subscribed
-        errors.append(f"{what}: {type(e).__name__}: {e}")
-    finally:
-        if timings is not None:
-            k = key or what
-            timings[k] = timings.get(k, 0.0) + 1e3 * (time.perf_counter() - t0)
 
 
 def _graph_data(cupti: Any, cbdata: Any) -> Any:

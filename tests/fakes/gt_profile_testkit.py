@@ -32,7 +32,7 @@ def fake_cupti() -> Iterator[Any]:
     import fake_cupti as pkg
     from fake_cupti import cupti
 
-    from graphtree.profile import _parse, _rawbuf, _session
+    from graphtree.profile import _buffers, _parse, _rawbuf, _session
 
     saved = {k: sys.modules.get(k) for k in ("cupti", "cupti.cupti")}
     sys.modules["cupti"] = pkg
@@ -41,7 +41,7 @@ def fake_cupti() -> Iterator[Any]:
     # the raw-buffer path (libcupti through ctypes) talks to the fake's libcupti
     saved_factory = _rawbuf.BACKEND_FACTORY
     _rawbuf.BACKEND_FACTORY = lambda _cupti: cupti.LIBCUPTI
-    _session._RAW_LAYOUT_BAD = False
+    _buffers._RAW_LAYOUT_BAD = False
     _parse._RawParser._first_done = False
     try:
         yield cupti
@@ -50,7 +50,7 @@ def fake_cupti() -> Iterator[Any]:
         if s is not None:
             s.stop()
         _rawbuf.BACKEND_FACTORY = saved_factory
-        _session._RAW_LAYOUT_BAD = False
+        _buffers._RAW_LAYOUT_BAD = False
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)

@@ -1,0 +1,385 @@
+"""The activity side of a profiling session: the buffers CUPTI fills with kernel, memcpy and memset
+records, and what becomes of them.
+
+:class:`ActivityBuffers` registers the buffer callbacks (raw buffers straight from libcupti through
+ctypes when its record layouts check out, see ``_rawbuf``; else cupti-python's), switches the
+activity kinds on and off (for the whole session, or the sampler's windows), flushes, copies each
+completed buffer's records into compact numpy columns (the fast paths) or reads them one by one
+(the fallbacks), and aggregates what is stashed into the session's sink on :meth:`drain`. The
+subscription and the API callbacks are the session's (``_session.py``).
+
+Example::
+
+    buffers = ActivityBuffers(cupti, data, options, sink)   # after subscribing
+    buffers.enable(); ...; errors = []; buffers.close(errors, timings)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from graphtree.profile import _rawbuf
+from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileData, ProfileOptions
+from graphtree.profile._parse import _FastParser, _memcpy_names, _pin, _RawParser, _record_classes
+
+__all__ = ["ActivityBuffers", "step"]
+
+_RAW_LAYOUT_BAD = False  # a raw buffer failed its layout check: later sessions use cupti-python's
+
+
+class ActivityBuffers:
+    """One session's activity records, from CUPTI's buffers to the sink (built whole: the buffer
+    callbacks are registered by the constructor; nothing is traced until :meth:`enable`).
+
+    Example::
+
+        buffers = ActivityBuffers(cupti, data, ProfileOptions(), data)
+        buffers.enable(); step(x); buffers.close([], {})
+    """
+
+    def __init__(self, cupti: Any, data: ProfileData, options: ProfileOptions, sink: Any) -> None:
+        self.cupti = cupti
+        self.data = data
+        self.options = options
+        self.sink = sink
+        kinds = [cupti.ActivityKind.CONCURRENT_KERNEL]
+        if options.memcpy:
+            kinds += [cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
+        self.kinds = [int(k) for k in kinds]  # the activity kinds this session traces
+        self.enabled_kinds: list[int] = []
+        self.buffer_path = ""  # "libcupti" (raw buffers through ctypes) or "cupti-python"
+        self._in_flight = 0
+        self._flush_period_set = False
+        self._fast: _FastParser | None = None
+        self._drainer: _FastParser | None = None  # parses what was stashed (kept after a mismatch)
+        self._pending: list[tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
+        self._pending_records = 0
+        self._pending_since = 0  # data.launch_puts when the oldest pending buffer arrived
+        # activity control: libcupti through ctypes (raw buffers) or cupti-python
+        self._act: Any = None
+        self._raw: _RawParser | None = None  # raw-buffer parser while its layout checks pass
+        self._raw_backend: Any = None
+        self._pool: _rawbuf.BufferPool | None = None
+        self._register(cupti)
+
+    # -- activity on and off (the whole session, or the sampler's windows)
+    def enable(self) -> None:
+        """Trace this session's activity kinds from now on."""
+        for kind in self.kinds:
+            self._act.enable(kind)
+            self.enabled_kinds.append(kind)
+
+    def disable(self) -> None:
+        """Stop tracing (records already in CUPTI's buffers still arrive at the next flush)."""
+        for kind in self.enabled_kinds:
+            self._act.disable(kind)
+        self.enabled_kinds = []
+
+    def flush_forced(self) -> None:
+        """Make CUPTI hand over every buffer, full or not (our buffer callbacks run meanwhile)."""
+        self._act.flush_all(int(getattr(getattr(self.cupti, "ActivityFlag", None), "FLUSH_FORCED", 1)))
+
+    def flush(self) -> None:
+        """Hand over every buffer and aggregate it now (the end of a sampler's window)."""
+        self.flush_forced()
+        self.drain()
+
+    def _register(self, cupti: Any) -> None:
+        """Register the activity buffer callbacks: raw buffers straight from libcupti when it can
+        be loaded and the record dtypes are known (see ``_rawbuf``), else cupti-python's."""
+        data = self.data
+        if self.options.vectorized and self.options.raw_buffers and not _RAW_LAYOUT_BAD:
+            parser = _RawParser.create(cupti, self.options)
+            backend = None
+            if parser is not None:
+                try:
+                    backend = _rawbuf.open_backend(cupti)
+                except Exception as e:  # no libcupti to load: cupti-python's buffers
+                    data.buffer_path_reason = f"{type(e).__name__}: {e}"
+            if parser is not None and backend is not None:
+                parser.backend = backend
+                parser.objects = _record_classes(cupti)
+                self._pool = _rawbuf.BufferPool(int(self.options.buffer_size), keep=self.options.buffer_pool)
+                try:
+                    backend.register(self._raw_requested, self._raw_completed)
+                    self._set_flush_period(backend)
+                except Exception as e:  # this libcupti will not do: cupti-python's buffers
+                    data.buffer_path_reason = f"{type(e).__name__}: {e}"
+                    self._pool = None
+                    backend.release()
+                else:
+                    self._raw = self._drainer = parser
+                    self._raw_backend = self._act = backend
+                    self.buffer_path = "libcupti"
+                    data.buffer_path = f"libcupti ({getattr(backend, 'path', '?')})"
+                    return
+        cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        self._act = _CuptiPythonActivity(cupti)
+        self._set_flush_period(self._act)
+        self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
+        self._drainer = self._fast
+        self.buffer_path = "cupti-python"
+        data.buffer_path = "cupti-python"
+
+    def _set_flush_period(self, act: Any) -> None:
+        if self.options.flush_period_ms > 0 and act.has_flush_period:
+            act.flush_period(int(self.options.flush_period_ms))
+            self._flush_period_set = True
+
+    def _buffer_requested(self, *args: Any) -> tuple[int, int]:
+        self._in_flight += 1
+        if self._in_flight > self.data.max_buffers_in_flight:
+            self.data.max_buffers_in_flight = self._in_flight
+        return int(self.options.buffer_size), 0
+
+    def _buffer_completed(self, *args: Any) -> None:
+        """CUPTI's thread hands over a completed buffer (holding the GIL: the replay loop waits).
+
+        Fast path: copy the needed fields of the buffer's records into compact numpy columns
+        (:meth:`_FastParser.stash`, a few vectorized copies per buffer) and return. Aggregation
+        (:meth:`drain`) runs at ``stop()``, on queries, or when ``options.defer_records`` records or
+        half a launch-table generation of launches are pending, so memory stays bounded and every
+        record still finds its launch.
+        """
+        self._in_flight = max(0, self._in_flight - 1)
+        data = self.data
+        activities = args[-1] if args else ()
+        if not activities:
+            with data.lock:
+                data.buffers_completed += 1
+            return
+        if self._fast is not None:
+            try:
+                items = self._fast.stash(activities)
+            except Exception as e:  # layout not as expected: per-record path from now on
+                self._fast = None
+                self._vectorized_failed(e)
+            else:
+                self._add_pending(items)
+                return
+        self._completed_slow(activities)
+
+    def _vectorized_failed(self, e: BaseException) -> None:
+        """Note why bulk parsing stopped, and aggregate what it stashed (records keep their order)."""
+        self.data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
+        self.drain()
+
+    def _add_pending(self, items: list[tuple[int, Any]]) -> None:
+        data = self.data
+        with data.lock:
+            data.buffers_completed += 1
+            if not self._pending:
+                self._pending_since = data.launch_puts
+            self._pending.extend(items)
+            self._pending_records += sum(int(a.shape[0]) for _, a in items)
+            if (
+                self._pending_records >= self.options.defer_records
+                or data.launch_puts - self._pending_since >= data.launch_generation // 2
+            ):
+                self.drain()
+
+    # -- raw buffers (libcupti through ctypes)
+    def _raw_requested(self) -> tuple[int, int]:
+        pool = self._pool
+        if pool is None:
+            return 0, 0
+        got = pool.take()
+        if pool.max_in_flight > self.data.max_buffers_in_flight:
+            self.data.max_buffers_in_flight = pool.max_in_flight
+        return got
+
+    def _raw_completed(self, addr: int, size: int, valid: int) -> None:
+        """CUPTI hands back buffer ``addr`` with ``valid`` bytes of records (CUPTI's thread, or the
+        flushing one; ctypes holds the GIL meanwhile). The records' fields are copied into compact
+        numpy columns (:meth:`_RawParser.stash_raw`: a few vectorized copies per run of records of
+        one kind, no Python object per record), then the buffer goes back to the pool."""
+        data = self.data
+        t0 = time.perf_counter()
+        try:
+            if valid <= 0:
+                with data.lock:
+                    data.buffers_completed += 1
+                return
+            raw = self._raw
+            if raw is not None:
+                try:
+                    items = raw.stash_raw(addr, valid)
+                except Exception as e:  # layout not as expected: CUPTI's iterator + cupti-python objects
+                    global _RAW_LAYOUT_BAD
+                    _RAW_LAYOUT_BAD = True  # later sessions use cupti-python's buffers
+                    self._raw = None
+                    self._vectorized_failed(e)
+                else:
+                    self._add_pending(items)
+                    return
+            self._raw_completed_slow(addr, valid)
+        except Exception:
+            data.record_errors += 1
+        finally:
+            pool = self._pool
+            if pool is not None:
+                pool.give(addr)
+            data.buffer_seconds += time.perf_counter() - t0
+
+    def _raw_completed_slow(self, addr: int, valid: int) -> None:
+        """Per-record fallback: CUPTI's own iterator finds the records, cupti-python's classes
+        (``from_ptr``) read them."""
+        backend = self._raw_backend
+        parser = self._drainer
+        classes = getattr(parser, "objects", {}) or {}
+        offsets = backend.record_offsets(addr, valid)
+        objs = []
+        lost = 0
+        for off in offsets:
+            kind = ctypes.c_uint32.from_address(addr + off).value
+            cls = classes.get(int(kind))
+            if cls is None:
+                lost += 1
+                continue
+            objs.append(cls.from_ptr(addr + off, True))
+        _pin(objs)
+        if lost:
+            self.data.record_errors += lost
+        self._completed_slow(objs)
+
+    @property
+    def pending(self) -> bool:
+        """Whether records are stashed and not aggregated yet."""
+        return bool(self._pending)
+
+    def resolve_names(self) -> None:
+        """Read the kernel names (pointers into CUPTI's memory) while CUPTI is still attached."""
+        drainer = self._drainer
+        if drainer is not None:
+            with self.data.lock:
+                drainer.resolve_names(self._pending)
+
+    def drain(self) -> None:
+        """Aggregate every stashed record now (records keep their arrival order)."""
+        data = self.data
+        with data.lock:
+            if not self._pending:
+                return
+            items, self._pending = self._pending, []
+            self._pending_records = 0
+            drainer = self._drainer
+            if drainer is None:  # pragma: no cover - nothing is stashed without a parser
+                return
+            try:
+                for batch in drainer.batches(items):
+                    self.sink.record_batch(*batch)
+            except Exception as e:
+                data.record_errors += sum(int(a.shape[0]) for _, a in items)
+                data.notes.append(f"records lost while aggregating ({type(e).__name__}: {e})")
+
+    def _completed_slow(self, activities: Any) -> None:
+        """Per-record reading (cupti-python objects), aggregated per kind in one batch each."""
+        data = self.data
+        try:
+            cupti = self.cupti
+            code_of = {int(cupti.ActivityKind.CONCURRENT_KERNEL): KERNEL, int(cupti.ActivityKind.KERNEL): KERNEL}
+            code_of[int(cupti.ActivityKind.MEMCPY)] = MEMCPY
+            code_of[int(cupti.ActivityKind.MEMSET)] = MEMSET
+            memcpy_names = self._memcpy_names
+            rows: dict[int, list[tuple[Any, ...]]] = {KERNEL: [], MEMCPY: [], MEMSET: []}
+            for a in activities or ():
+                try:
+                    code = code_of.get(a.kind)
+                    if code is None:
+                        continue
+                    if code == KERNEL:
+                        name, nbytes = a.name, 0
+                    elif code == MEMCPY:
+                        name, nbytes = memcpy_names.get(a.copy_kind, "Memcpy"), a.bytes
+                    else:
+                        name, nbytes = "Memset", a.bytes
+                    row = (name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id)
+                    rows[code].append((*row, a.graph_id, a.graph_node_id, nbytes))
+                except Exception:
+                    data.record_errors += 1
+            with data.lock:
+                data.buffers_completed += 1
+                for code, batch in rows.items():
+                    if batch:
+                        names = sorted({r[0] for r in batch})
+                        index = {n: i for i, n in enumerate(names)}
+                        columns = list(zip(*batch))
+                        self.sink.record_batch(code, names, [index[n] for n in columns[0]], *columns[1:])
+        except Exception:
+            data.record_errors += 1
+
+    @functools.cached_property
+    def _memcpy_names(self) -> dict[int, str]:
+        return _memcpy_names(self.cupti)
+
+    # -- stop
+    def close(self, errors: list[str], timings: dict[str, float]) -> None:
+        """Flush, disable the activity kinds, flush again, read the kernel names and give the
+        buffers back; each step runs even if an earlier one failed (its error goes to ``errors``,
+        its time to ``timings``). Aggregation waits for the first query (``Profile._drain``)."""
+        act = self._act
+        in_callbacks, buffers = self.data.buffer_seconds, self.data.buffers_completed
+        if self.enabled_kinds:
+            step(errors, "flush", self.flush_forced, timings)
+            timings["flush: buffers"] = self.data.buffers_completed - buffers
+            timings["flush: in graphtree's buffer callbacks"] = 1e3 * (self.data.buffer_seconds - in_callbacks)
+        for kind in self.enabled_kinds:
+            step(
+                errors,
+                f"disable activity {kind}",
+                lambda: act.disable(kind),  # noqa: B023 - step calls it at once
+                timings,
+                "disable",
+            )
+        if self.enabled_kinds:
+            step(errors, "flush", self.flush_forced, timings, "flush again")
+        self.enabled_kinds = []
+        step(errors, "read kernel names", self.resolve_names, timings)
+        if self._flush_period_set:
+            step(errors, "flush period", lambda: act.flush_period(0), timings)
+            self._flush_period_set = False
+        if self._pool is not None:
+            if self._pool.in_flight:  # CUPTI still holds some: never free memory it may write to
+                _rawbuf.ORPHANED.append(self._pool)
+            self._pool = None
+        if self._raw_backend is not None and hasattr(self._raw_backend, "release"):
+            self._raw_backend.release()
+
+
+class _CuptiPythonActivity:
+    """Activity control through cupti-python (the path without raw buffers)."""
+
+    def __init__(self, cupti: Any) -> None:
+        self.cupti = cupti
+        self.has_flush_period = hasattr(cupti, "activity_flush_period")
+
+    def enable(self, kind: int) -> None:
+        self.cupti.activity_enable(kind)
+
+    def disable(self, kind: int) -> None:
+        self.cupti.activity_disable(kind)
+
+    def flush_all(self, flag: int) -> None:
+        self.cupti.activity_flush_all(flag)
+
+    def flush_period(self, ms: int) -> None:
+        self.cupti.activity_flush_period(ms)
+
+
+def step(
+    errors: list[str], what: str, fn: Callable[[], Any], timings: dict[str, float] | None = None, key: str | None = None
+) -> None:
+    """Run one step of tearing down: its error is noted in ``errors``, its time (ms) in ``timings``."""
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # keep tearing down: never leave CUPTI subscribed
+        errors.append(f"{what}: {type(e).__name__}: {e}")
+    finally:
+        if timings is not None:
+            k = key or what
+            timings[k] = timings.get(k, 0.0) + 1e3 * (time.perf_counter() - t0)
