@@ -1,4 +1,4 @@
-"""Layers point one way, and no module imports itself back (issue 25).
+"""Layers point one way, no module imports itself back, and none is over 700 lines (issue 25).
 
 Read from the sources with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count: a
 reader follows them too): the bottom (``_torch``, ``_native``, ``_events``) and the core
@@ -134,3 +134,22 @@ def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     edges = _imports(_modules())
     assert edges["graphtree.tree.b"] == {"graphtree.tree.a", "graphtree.debug"}
     assert _cycles(edges, sorted(_modules())) == [frozenset({"graphtree.tree.a", "graphtree.tree.b"})]
+
+
+MAX_LINES = 700
+
+
+def _too_long(root: Path) -> dict[str, int]:
+    sizes = {str(p.relative_to(root.parent)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    return {name: n for name, n in sizes.items() if n > MAX_LINES}
+
+
+def test_no_module_is_over_700_lines_and_no_developer_tools_ship():
+    assert _too_long(ROOT) == {}, "split where the jobs are (issue 25)"
+    assert not (ROOT / "_dev").exists(), "developer tools live in tools/, outside the package"
+
+
+def test_the_size_check_sees_a_long_module(tmp_path):
+    (tmp_path / "graphtree").mkdir()
+    (tmp_path / "graphtree" / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _too_long(tmp_path / "graphtree") == {"graphtree/big.py": MAX_LINES + 1}

@@ -13,7 +13,8 @@ import torch
 import graphtree
 from graphtree import _native
 from graphtree.share._control import ControlBlock, Membership
-from graphtree.share.channel import _WRITING, Channel, Subscription, _Read, _Releaser, drain_reads
+from graphtree.share._release import Releaser
+from graphtree.share.channel import _WRITING, Channel, Subscription, drain_reads
 
 
 def _pair(slots, reap=lambda: None):
@@ -276,7 +277,7 @@ def test_the_release_thread_frees_a_gpu_waiting_for_a_dead_producer_while_the_bl
     ch._publish()  # version 1 in slot 0, published on the CPU; its GPU never wrote ready (it died)
     sub = Subscription("logits", 0, buffers, Membership(ControlBlock(os.dup(block.fd)), 3), gone.pid)
     assert sub._claim(0) == (0, 1)
-    releaser, read, end = _Releaser(), _Read(sub, 0, 1), _Done()
+    releaser, read, end = Releaser(), sub._release_of(0, 1), _Done()
     with caplog.at_level("WARNING", logger="graphtree"):
         releaser.follow(read)
         _wait_until(lambda: _ready(ch, 0) == 1)  # the block is still open
@@ -291,12 +292,12 @@ def test_the_release_thread_frees_a_gpu_waiting_for_a_dead_producer_while_the_bl
 
 def test_the_release_thread_drops_each_claim_once_its_version_is_written_and_its_work_done(path):
     ch, sub = _pair(3)
-    releaser, reads = _Releaser(), []
+    releaser, reads = Releaser(), []
     for v in (1, 2):
         ch.next()
         assert ch._publish() == v  # not yet written by "the GPU"
         s, _ = sub._claim(v - 1)
-        reads.append((_Read(sub, s, v), _Done(), s))
+        reads.append((sub._release_of(s, v), _Done(), s))
         releaser.follow(reads[-1][0])
     for read, end, _ in reads:
         releaser.end(read, end)

@@ -37,22 +37,22 @@ Example::
 from __future__ import annotations
 
 import array
+import functools
 import logging
-import os
 import platform
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from graphtree import _native, _torch
 from graphtree.share._control import ChannelCells, ControlBlock, Membership, alive
+from graphtree.share._release import Read, backoff, drain_reads, releaser
 
-__all__ = ["Channel", "Frame", "GraphedWriter", "Subscription"]
+__all__ = ["Channel", "Frame", "GraphedWriter", "Subscription", "drain_reads"]
 
 log = logging.getLogger("graphtree")
 
@@ -74,7 +74,7 @@ def _poll(attempt: Callable[[], _T | None], timeout: float, what: Callable[[], s
     while (result := attempt()) is None:
         if time.perf_counter() - start > timeout:
             raise TimeoutError(what())
-        spins = _backoff(spins)
+        spins = backoff(spins)
     return result
 
 
@@ -516,15 +516,15 @@ class Subscription:
         # a CUDA call of this thread may block too (a kernel's first launch loads its module,
         # which waits for the device), so a producer that died before its GPU wrote the version
         # must be noticed by another thread
-        read = _Read(self, s, v)
-        releaser = _releaser()
-        releaser.follow(read)
+        read = self._release_of(s, v)
+        release = releaser()
+        release.follow(read)
         try:
             self._order.wait(stream.cuda_stream, s, v)
             yield Frame(self.buffers[s], v)
         finally:
             self.last = v
-            releaser.end(read, self._order.read_end(stream))
+            release.end(read, self._order.read_end(stream))
 
     def _claim(self, after: int) -> tuple[int, int] | None:
         """Claim the slot of the newest version for this consumer, if it is newer than ``after``."""
@@ -547,6 +547,18 @@ class Subscription:
             self._unclaim(s)
             return None
         return s, v
+
+    def _release_of(self, s: int, v: int) -> Read:
+        """The read of version ``v`` in slot ``s`` as the release thread follows it."""
+        return Read(
+            functools.partial(self._written, s, v),
+            functools.partial(self._unblock_if_producer_died, s, v),
+            release=functools.partial(self._unclaim, s),
+        )
+
+    def _written(self, s: int, v: int) -> bool:
+        """Whether the producer's GPU wrote version ``v`` of slot ``s`` (its ``ready`` cell)."""
+        return self._block.cells[self._cells.ready[s]] >= v
 
     def _unclaim(self, s: int) -> None:
         block, cells = self._block, self._block.cells
@@ -574,148 +586,3 @@ class Subscription:
             v,
         )
         return True
-
-
-class _Read:
-    """One ``read()`` block of a consumer as the release thread follows it: first until the
-    producer's GPU wrote the version (``ready`` cell, watched on the CPU), then, once the block
-    ended (``end``: an event after the GPU work queued inside it), until that work is done."""
-
-    __slots__ = ("end", "slot", "sub", "version", "written", "_check")
-
-    def __init__(self, sub: Subscription, slot: int, version: int) -> None:
-        self.sub, self.slot, self.version = sub, slot, version
-        self.end: Any = None  # an event (anything with query()), set when the block ends
-        self.written = False
-        self._check = time.monotonic() + _LIVENESS_CHECK
-
-    @property
-    def idle(self) -> bool:
-        """Nothing to poll: the version is written and the block has not ended."""
-        return self.written and self.end is None
-
-    def over(self) -> bool:
-        """Whether the claim may be dropped (a step of polling: no wait)."""
-        if not self.written:
-            if self.sub._block.cells[self.sub._cells.ready[self.slot]] >= self.version:
-                self.written = True
-            elif time.monotonic() > self._check:
-                self._check = time.monotonic() + _LIVENESS_CHECK
-                self.written = self.sub._unblock_if_producer_died(self.slot, self.version)
-            if not self.written:
-                return False
-        return self.end is not None and bool(self.end.query())
-
-
-_LIVENESS_CHECK = 0.1
-"""Seconds between checks that the producer lives, while a version it published is not yet written."""
-
-_WAKE = object()
-
-
-class _Releaser:
-    """The thread of a consumer process that ends reads (:class:`_Read`): it drops a read's claim
-    on its slot once the producer's GPU wrote the version and the GPU work queued inside the
-    ``read()`` block is done, so that the producer may write the slot again; and it writes the
-    ``ready`` cell itself if the producer died before its GPU did (checked every 100 ms while
-    waiting), which would otherwise leave this process's GPU waiting for ever. It polls (a short
-    spin, then sleeps of up to 1 ms) only while a read needs it; open blocks whose version is
-    written cost nothing."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="graphtree-share-release", daemon=True)
-        self._thread.start()
-
-    def follow(self, read: _Read) -> None:
-        """Follow a read from the moment its GPU wait is queued."""
-        self._queue.put(read)
-
-    def end(self, read: _Read, event: Any) -> None:
-        """The read's block ended; ``event`` completes after the GPU work queued inside it."""
-        read.end = event
-        self._queue.put(_WAKE)
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until the reads whose block ended so far have dropped their claims (False after
-        ``timeout`` seconds)."""
-        done = threading.Event()
-        self._queue.put(done)
-        return done.wait(timeout)
-
-    def _run(self) -> None:
-        from graphtree.share._memory import _relaxed_capture_mode
-
-        reads: list[_Read] = []
-        drains: list[tuple[threading.Event, list[_Read]]] = []
-        spins = 0
-        # its event queries must not end another thread's capture (none without CUDA)
-        with _relaxed_capture_mode() if torch.cuda.is_available() else nullcontext():
-            while True:
-                # nothing to poll: sleep until a read starts or ends
-                items = [self._queue.get()] if all(r.idle for r in reads) else []
-                while True:
-                    try:
-                        items.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-                for item in items:
-                    if isinstance(item, _Read):
-                        reads.append(item)
-                    elif isinstance(item, threading.Event):
-                        drains.append((item, [r for r in reads if r.end is not None]))
-                progressed = bool(items)
-                for read in [r for r in reads if self._over(r)]:
-                    reads.remove(read)
-                    read.sub._unclaim(read.slot)
-                    progressed = True
-                for done, waited in drains:
-                    if not any(r in reads for r in waited):
-                        done.set()
-                drains = [(d, w) for d, w in drains if not d.is_set()]
-                spins = 0 if progressed else _backoff(spins)
-
-    @staticmethod
-    def _over(read: _Read) -> bool:
-        try:
-            return read.over()
-        except ValueError:  # the consumer closed its block meanwhile
-            return True
-        except Exception:  # a broken context: drop the claim all the same
-            log.exception("graphtree.share: following a read failed")
-            return True
-
-
-def _backoff(spins: int) -> int:
-    """Yield the CPU, then sleep a little longer each time (up to 1 ms); the next count."""
-    if spins > 200:
-        time.sleep(min(1e-3, 1e-5 * spins / 200))
-    else:
-        os.sched_yield()
-    return spins + 1
-
-
-_the_releaser: _Releaser | None = None
-_releaser_lock = threading.Lock()
-
-
-def _forget_releaser() -> None:  # a forked child has no thread of its parent's
-    global _the_releaser
-    _the_releaser = None
-
-
-os.register_at_fork(after_in_child=_forget_releaser)
-
-
-def _releaser() -> _Releaser:
-    global _the_releaser
-    if _the_releaser is None:
-        with _releaser_lock:
-            if _the_releaser is None:
-                _the_releaser = _Releaser()
-    return _the_releaser
-
-
-def drain_reads(timeout: float = 5.0) -> bool:
-    """Wait until every read this process ended has dropped its claim (False after ``timeout``)."""
-    return _the_releaser is None or _the_releaser.drain(timeout)
