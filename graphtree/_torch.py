@@ -421,7 +421,9 @@ class StateWatch(TorchDispatchMode):
         self.generator: torch.Generator | None = None  # random ops draw from it, not the default one
         self._track_reads = track_reads
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if _UNSAFE_TAG is not None and not self.unsafe and _UNSAFE_TAG in func.tags:
             self.unsafe = str(func.name())
