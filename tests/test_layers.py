@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "graphtree"
 
 KNOWN_CYCLES: set[frozenset[str]] = set()  # none left; a cycle found later goes here only with a reason
 
-BOTTOM = ("graphtree._torch", "graphtree._native", "graphtree._events")
+BOTTOM = ("graphtree._torch", "graphtree._native", "graphtree._events", "graphtree._after_import")
 CORE = ("graphtree.tree",)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from graphtree import _events
+from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
 from graphtree.tree.callee import user_code
@@ -119,7 +120,6 @@ class GraphedCallable:
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())
-        _prepare_for_compile()
         # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
         weakref.finalize(self, _manager.forget, self.id)
 
@@ -285,15 +285,24 @@ def _call_outside_compile(gc: GraphedCallable, args: tuple[Any, ...], kwargs: di
 
 
 _outside_compile: Callable[[GraphedCallable, tuple[Any, ...], dict[str, Any]], Any] = _call_outside_compile
-""":func:`_call_outside_compile` wrapped by ``torch.compiler.disable`` when the first graphed callable
-is made (:func:`_prepare_for_compile`): that wrapper imports ``torch._dynamo`` (about 1 s), which
-``import graphtree`` must not pay."""
+""":func:`_call_outside_compile`, wrapped by ``torch.compiler.disable`` once ``torch._dynamo`` is
+imported (:func:`_prepare_for_compile`)."""
 
 
 def _prepare_for_compile() -> None:
+    """Have the compile break ready before torch.compile can trace a graphed call: at once if
+    ``torch._dynamo`` is loaded, else the moment the program imports it. The wrapper imports
+    ``torch._dynamo`` (1.1 s on the H100 host), which a program that never compiles must not pay."""
+    call_after_import("torch._dynamo", _wrap_for_compile)
+
+
+def _wrap_for_compile() -> None:
     global _outside_compile
     if _outside_compile is _call_outside_compile:
         _outside_compile = torch.compiler.disable(_call_outside_compile)
+
+
+_prepare_for_compile()
 
 
 class GraphedModule(torch.nn.Module):
