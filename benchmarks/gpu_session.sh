@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call] [startup] [first] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call] [startup] [first] [readme] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -41,6 +41,10 @@ for stage in $stages; do
         { time python3 -c "$code" >/dev/null 2>&1; } 2>&1 | tee -a "$OUT/startup.txt"
       done
       python3 -X importtime -c "import graphtree" 2>&1 | sort -t'|' -k2 -n | tail -15 > "$OUT/importtime.txt"
+      ;;
+    readme)  # the README's first snippet as pasted, and graphtree demo: their output goes in the README
+      python3 -c "$(python3 -c 'import sys; sys.path.insert(0, "tests"); from test_readme import first_snippet; print(first_snippet())')" 2>&1 | tee "$OUT/readme_snippet.txt"
+      timeout 300 python3 -m graphtree demo 2>&1 | tee "$OUT/demo.txt" | tail -25  # what `graphtree demo` runs
       ;;
     first)  # a fresh process up to its first replay, stage by stage (benchmarks/first_call.py)
       TIMEFORMAT="%R s  the whole process"
