@@ -31,6 +31,16 @@ from graphtree.tree.stats import Stats
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``graphtree.share`` is imported on first use: most programs never share a tensor."""
+    if name == "share":
+        import importlib
+
+        return importlib.import_module("graphtree.share")
+    raise AttributeError(f"module 'graphtree' has no attribute {name!r}")
+
+
 __all__ = [
     "GraphedCallable",
     "GraphedModule",
@@ -43,5 +53,6 @@ __all__ = [
     "mark_step",
     "profile",
     "reset",
+    "share",
     "stats",
 ]

@@ -37,13 +37,28 @@ def test_a_dump_round_trips_arguments_layouts_and_the_error(tmp_path):
     assert "cpu" in d.rng and d.versions["torch"] == torch.__version__
 
 
-def test_what_cannot_be_imported_says_how_to_rebuild_it(tmp_path):
+def test_what_cannot_be_imported_is_kept_by_value_weights_included(tmp_path):
     lin = torch.nn.Linear(2, 2)
-    for fn, says in ((lambda x: x, "not importable"), (lin, "rebuild it"), (lin.forward, "bound to an instance")):
-        d = load_dump(write_dump(tmp_path / "d.gtdump", fn, (torch.ones(2),), {}))
-        assert d.target is None and says in d.target_note, d.target_note
-        with pytest.raises(ValueError, match="cannot be imported"):
-            d.resolve()
+    offset = torch.tensor([5.0, 6.0])
+    x = torch.ones(2)
+    cases = ((lambda v: v + offset, "<lambda>"), (lin, "torch.nn.modules.linear.Linear"), (lin.forward, "bound"))
+    for fn, says in cases:
+        d = load_dump(write_dump(tmp_path / "d.gtdump", fn, (x,), {}))
+        assert d.target is None and says in d.target_note and "saved by value" in d.target_note, d.target_note
+        again = d.resolve()
+        assert again is not fn and torch.equal(again(x), fn(x))  # the closure's tensor, the weights
+    assert d.cwd == os.getcwd() and os.path.abspath(os.path.dirname(__file__)) in d.sys_path
+
+
+def test_a_callable_that_cannot_be_pickled_says_why_and_what_to_do(tmp_path):
+    import threading
+
+    lock = threading.Lock()
+    d = load_dump(write_dump(tmp_path / "d.gtdump", lambda v: lock and v, (torch.ones(2),), {}))
+    assert d.target is None and d.by_value is None and "could not be saved" in d.target_note, d.target_note
+    assert "make it importable" in d.target_note
+    with pytest.raises(ValueError, match="cannot be rebuilt"):
+        d.resolve()
 
 
 def test_dump_on_error_writes_and_reraises_the_same_error(tmp_path):
@@ -147,3 +162,31 @@ def test_a_writer_killed_at_any_moment_leaves_a_loadable_dump(tmp_path):
         for p in leftovers:  # a kill mid-write leaves at most a temporary file, never the dump's name
             assert p.name.startswith(".loop.gtdump.")
     assert loaded == 8
+
+
+def test_a_model_unreadable_when_it_fails_is_dumped_as_kept_at_its_first_call(tmp_path):
+    # on a GPU, a sticky CUDA error leaves a model's weights unreadable at the moment of the dump;
+    # here an attribute that cannot be pickled, set after the first call, stands for that
+    import threading
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            if getattr(self, "broken", None) is not None:
+                raise RuntimeError("fails now")
+            return self.lin(x)
+
+    net = Net()
+    step = dump_on_error(net, dir=tmp_path, snapshot=True)
+    x = torch.ones(2)
+    step(x)  # its first call: how to rebuild it is kept
+    net.broken = threading.Lock()
+    with pytest.raises(RuntimeError, match="fails now"):
+        step(x)
+    (path,) = tmp_path.glob("*.gtdump")
+    d = load_dump(path)
+    assert "as of its first call" in d.target_note and "could not be saved" in d.target_note, d.target_note
+    assert torch.equal(d.resolve()(x), net.lin(x))

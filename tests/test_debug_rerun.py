@@ -1,6 +1,7 @@
 """``graphtree debug rerun``: a dumped call run again in a fresh process (CPU)."""
 
 import importlib
+import subprocess
 import sys
 import textwrap
 
@@ -70,8 +71,11 @@ def test_an_error_that_does_not_come_back_says_so(mod, tmp_path):
 
 
 def test_unusable_dumps_and_crashes_are_told_apart(mod, tmp_path):
-    r = rerun(write_dump(tmp_path / "l.gtdump", lambda x: x, (torch.ones(1),), {}))
-    assert r["status"] == UNUSABLE and "cannot be imported" in r["error"]
+    import threading
+
+    lock = threading.Lock()  # a closure over a lock cannot be kept by value
+    r = rerun(write_dump(tmp_path / "l.gtdump", lambda x: lock and x, (torch.ones(1),), {}))
+    assert r["status"] == UNUSABLE and "cannot be rebuilt" in r["error"] and "could not be saved" in r["error"], r
     r = rerun(write_dump(tmp_path / "x.gtdump", mod.dies, (1,), {}))  # the process dies mid-call
     assert r["status"] == CRASHED and "exit status 7" in r["error"]
 
@@ -95,3 +99,74 @@ def test_cuda_gdb_command_reruns_the_dump_and_a_missing_debugger_is_named(mod, t
     assert cli_main(["debug", "rerun", str(path), "--cuda-gdb", "--run"]) == 4
     assert "cuda-gdb is not installed: it comes with the CUDA toolkit" in capsys.readouterr().err
     assert cli_main(["debug", "rerun", str(path), "--run"]) == 2  # --run alone is a usage error
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from graphtree.debug import dump_on_error
+    import helpers  # beside the script: importable where it runs (its folder is on sys.path)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x).relu()  # the failing line of the module
+
+    def divide(x, n):
+        return x // n  # the failing line of the function
+
+    calls = {
+        "function": (divide, (torch.arange(4), torch.zeros((), dtype=torch.long))),
+        "lambda": (lambda x: x[10], (torch.arange(3),)),
+        "module": (Net(), (torch.ones(2, 5),)),
+        "imported": (helpers.halve, (torch.arange(4), torch.zeros((), dtype=torch.long))),
+    }
+    fn, args = calls[sys.argv[1]]
+    try:
+        dump_on_error(fn, dir="dumps")(*args)
+    except Exception as e:
+        print("RAISED", type(e).__name__)
+    """
+)
+WHERE = {
+    "function": "return x // n  # the failing line of the function",
+    "lambda": '"lambda": (lambda x: x[10], (torch.arange(3),)),',
+    "module": "return self.lin(x).relu()  # the failing line of the module",
+    "imported": "return x // n  # helpers.py",
+}
+
+
+@pytest.mark.parametrize("kind", ["function", "lambda", "module", "imported"])
+def test_a_scripts_function_lambda_and_module_rerun_from_another_folder(tmp_path, kind):
+    # issue 30: a function of the script that was run (__main__), a lambda and an nn.Module of the
+    # script could not be re-run ("cannot be imported", "module '__main__' has no attribute"), and
+    # a module beside the script could not be imported from another folder (ModuleNotFoundError)
+    (tmp_path / "job").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "job" / "script.py").write_text(SCRIPT)
+    (tmp_path / "job" / "helpers.py").write_text("def halve(x, n):\n    return x // n  # helpers.py\n")
+    ran = subprocess.run(
+        [sys.executable, "script.py", kind],
+        check=False,
+        cwd=tmp_path / "job",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "RAISED" in ran.stdout, ran.stderr[-2000:]
+    (dump,) = (tmp_path / "job" / "dumps").glob("*.gtdump")
+    again = subprocess.run(
+        [sys.executable, "-m", "graphtree", "debug", "rerun", str(dump)],
+        check=False,
+        cwd=tmp_path / "elsewhere",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == REPRODUCED, again.stdout + again.stderr[-2000:]
+    file = "helpers.py" if kind == "imported" else "script.py"
+    assert f"job/{file}:" in again.stdout and WHERE[kind] in again.stdout, again.stdout

@@ -153,3 +153,18 @@ def test_the_size_check_sees_a_long_module(tmp_path):
     (tmp_path / "graphtree").mkdir()
     (tmp_path / "graphtree" / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert _too_long(tmp_path / "graphtree") == {"graphtree/big.py": MAX_LINES + 1}
+
+
+def test_the_tools_are_reachable_from_the_package_and_share_costs_nothing_until_used():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, graphtree\n"
+        "print('share' in sys.modules.get('graphtree').__dict__, 'graphtree.share' in sys.modules)\n"
+        "print(graphtree.share.attach.__module__, graphtree.debug.dump_on_error.__module__,\n"
+        "      callable(graphtree.profile))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split("\n")[0] == "False False", out  # not imported by import graphtree
+    assert out.split("\n")[1] == "graphtree.share.consumer graphtree.debug.dump True", out

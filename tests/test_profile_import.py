@@ -48,6 +48,25 @@ def test_graphtree_profile_stays_callable_after_the_submodule_import(monkeypatch
         pass
 
 
+def test_without_cupti_the_error_says_whether_the_gpu_is_missing_too(monkeypatch):
+    import torch
+
+    from graphtree.profile import _session
+
+    monkeypatch.setitem(sys.modules, "cupti", None)
+    monkeypatch.setitem(sys.modules, "cupti.cupti", None)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(_session.ProfilerUnavailableError) as info:
+        _session.load_cupti()
+    assert "needs a CUDA GPU and NVIDIA's CUPTI Python bindings; this machine has neither" in str(info.value)
+    assert "a build without CUDA" in str(info.value)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(_session.ProfilerUnavailableError) as info:
+        _session.load_cupti()
+    assert "needs NVIDIA's CUPTI Python bindings." in str(info.value) and "GPU" not in str(info.value)
+
+
 def test_errors_are_runtime_errors():
     from graphtree.profile import ProfilerBusyError, ProfilerError, ProfilerUnavailableError
 

@@ -1,11 +1,12 @@
 """Durable dumps of a failing call: what a fresh process needs to run it again.
 
 A dump holds the call's arguments (tensors with dtype, shape, strides and device, their values
-copied to the host), the callable's import path (``module:qualname``) or why it cannot be
-imported, the random-number states, the versions of torch, CUDA and the driver, and the
-exception with its traceback. It is written atomically: to a temporary file in the same folder,
-flushed and ``fsync``'d, renamed over the final name, and the folder ``fsync``'d, so a crash or a
-kill at any moment leaves the old dump or the new one, never a torn file. A dump larger than
+copied to the host), the callable (its import path, or itself by value: a script's function, a
+lambda, a model with its weights; :mod:`graphtree.debug.recipe`), the random-number states, the
+versions of torch, CUDA and the driver, and the exception with its traceback. It is written
+atomically: to a temporary file in the same folder, flushed and ``fsync``'d, renamed over the final
+name, and the folder ``fsync``'d, so a crash or a kill at any moment leaves the old dump or the new
+one, never a torn file. A dump larger than
 ``limit_bytes`` is refused before anything is written.
 
 After a sticky CUDA error (an illegal address, a device-side assert) the arguments on the GPU
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
+from graphtree.debug.recipe import Recipe, recipe_of
 from graphtree.debug.snapshot import ORIGIN_BEFORE, ORIGIN_RAISED, InputSnapshots, Snapshot, layout_of
 from graphtree.tree.replay_error import GraphReplayError, is_cuda_error
 
@@ -56,7 +58,8 @@ __all__ = [
 ]
 
 SUFFIX = ".gtdump"
-FORMAT = 1
+FORMAT = 2
+_READS = (1, 2)  # format 1: no callable by value, no sys.path or working directory
 DEFAULT_LIMIT_BYTES = 4 << 30
 """Dumps larger than this (4 GiB) are refused unless a larger limit is given."""
 
@@ -70,8 +73,8 @@ class Dump:
     """A loaded dump (see :func:`load_dump`)."""
 
     format: int
-    target: str | None  # "module:qualname", or None when the callable cannot be imported
-    target_note: str  # how to rebuild the callable, or why it cannot be
+    target: str | None  # "module:qualname" when the callable is imported, else None
+    target_note: str  # how the callable is rebuilt, or why it cannot be
     args: tuple
     kwargs: dict[str, Any]
     tensors: list[dict[str, Any]]  # dtype, shape, stride, device of each tensor argument, in order
@@ -81,40 +84,17 @@ class Dump:
     traceback: str
     created: float
     origin: str = ORIGIN_RAISED  # or ORIGIN_BEFORE (a fault reported one call late)
+    by_value: bytes | None = None  # the callable itself when it is not imported (format 2)
+    sys_path: list[str] = dataclasses.field(default_factory=list)  # the dumping process's (format 2)
+    cwd: str = ""  # the dumping process's working directory (format 2)
 
     def resolve(self) -> Callable[..., Any]:
-        """Import the callable the dump was taken from (``ValueError`` if it cannot be)."""
-        if self.target is None:
-            raise ValueError(f"this dump's callable cannot be imported: {self.target_note}")
-        module, _, qualname = self.target.partition(":")
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
-
-
-def _target_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
-    """``("module:qualname", note)`` of a callable, or ``(None, why not)``."""
-    inner = getattr(fn, "__wrapped__", fn)
-    if isinstance(inner, torch.nn.Module):
-        cls = type(inner)
-        return None, (
-            f"an instance of {cls.__module__}.{cls.__qualname__}: rebuild it (with its weights) and call it "
-            f"with the dumped arguments"
-        )
-    owner = getattr(inner, "__self__", None)
-    if owner is not None and not isinstance(owner, type):
-        cls = type(owner)
-        return None, (
-            f"a method bound to an instance of {cls.__module__}.{cls.__qualname__}: rebuild the instance "
-            f"and call {getattr(inner, '__name__', '?')} with the dumped arguments"
-        )
-    module, qualname = getattr(inner, "__module__", None), getattr(inner, "__qualname__", None)
-    if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
-        return None, f"{qualname or type(inner).__name__} is not importable (a lambda or a nested function)"
-    if module == "__main__":
-        return f"{module}:{qualname}", "defined in the script that was run: import that script as a module to call it"
-    return f"{module}:{qualname}", "importable"
+        """The callable the dump was taken from, rebuilt here (``ValueError`` saying why if it cannot be)."""
+        recipe = Recipe(self.target, self.target_note, self.by_value, self.sys_path, self.cwd)
+        try:
+            return recipe.rebuild()
+        except ImportError as e:
+            raise ValueError(f"{e} (the dump was written in {self.cwd or 'an unknown folder'})") from e
 
 
 def _to_host(x: Any, layouts: list[dict[str, Any]]) -> Any:
@@ -183,21 +163,31 @@ def write_dump(
     layouts: list[dict[str, Any]] = []
     leaves, spec = _torch.tree_flatten((args, kwargs))
     host_args, host_kwargs = _torch.tree_unflatten([_to_host(x, layouts) for x in leaves], spec)
-    doc = _document(fn, host_args, host_kwargs, layouts, _rng_states(), error, ORIGIN_RAISED)
+    doc = _document(recipe_of(fn, limit_bytes), host_args, host_kwargs, layouts, _rng_states(), error, ORIGIN_RAISED)
     return _write_atomically(Path(path), doc)
 
 
 def write_snapshot(
-    path: str | os.PathLike[str], fn: Callable[..., Any], snapshot: Snapshot, error: BaseException | None = None
+    path: str | os.PathLike[str],
+    fn: Callable[..., Any],
+    snapshot: Snapshot,
+    error: BaseException | None = None,
+    kept: Recipe | None = None,
 ) -> Path:
     """Write a dump of a call of ``fn`` from its :class:`~graphtree.debug.snapshot.Snapshot`
-    (its inputs and random states as they were before it ran), atomically; returns the path."""
-    doc = _document(fn, snapshot.args, snapshot.kwargs, snapshot.tensors, snapshot.rng, error, snapshot.origin)
+    (its inputs and random states as they were before it ran), atomically; returns the path.
+
+    ``kept``: how to rebuild ``fn`` as kept at its first call (:attr:`InputSnapshots.recipe`), used
+    when ``fn`` cannot be kept now (a model's weights unreadable after a sticky CUDA error)."""
+    recipe = recipe_of(fn)
+    if recipe.by_value is None and recipe.target is None and kept is not None and kept.by_value is not None:
+        recipe = dataclasses.replace(kept, note=f"{kept.note}, as of its first call (now: {recipe.note})")
+    doc = _document(recipe, snapshot.args, snapshot.kwargs, snapshot.tensors, snapshot.rng, error, snapshot.origin)
     return _write_atomically(Path(path), doc)
 
 
 def _document(
-    fn: Callable[..., Any],
+    recipe: Recipe,
     args: tuple,
     kwargs: dict[str, Any],
     layouts: list[dict[str, Any]],
@@ -205,11 +195,13 @@ def _document(
     error: BaseException | None,
     origin: str,
 ) -> dict[str, Any]:
-    target, note = _target_of(fn)
     return {
         "format": FORMAT,
-        "target": target,
-        "target_note": note,
+        "target": recipe.target,
+        "target_note": recipe.note,
+        "by_value": recipe.by_value,
+        "sys_path": recipe.sys_path,
+        "cwd": recipe.cwd,
         "args": args,
         "kwargs": kwargs,
         "tensors": layouts,
@@ -246,8 +238,8 @@ def _write_atomically(final: Path, doc: dict[str, Any]) -> Path:
 def load_dump(path: str | os.PathLike[str]) -> Dump:
     """Load a dump written by :func:`write_dump` (tensors come back on the host)."""
     doc = torch.load(Path(path), map_location="cpu", weights_only=False)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a graphtree dump of format {FORMAT}")
+    if not isinstance(doc, dict) or doc.get("format") not in _READS:
+        raise ValueError(f"{path} is not a graphtree dump of format {' or '.join(map(str, _READS))}")
     return Dump(**doc)
 
 
@@ -284,7 +276,7 @@ def dump_on_error(
         raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
     folder = Path(dir)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    snaps = InputSnapshots(limit_bytes) if snapshot else None
+    snaps = InputSnapshots(limit_bytes, of=fn) if snapshot else None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -332,7 +324,7 @@ def dump_failure(
     for snap in snaps:
         path = Path(dir) / f"{base}{'' if snap.origin == ORIGIN_RAISED else '-before'}{SUFFIX}"
         try:
-            written.append(write_snapshot(path, fn, snap, error))
+            written.append(write_snapshot(path, fn, snap, error, snapshots.recipe if snapshots else None))
             _note(error, f"graphtree: a dump of {snap.origin} (its inputs before it ran) was written to {path}")
         except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
             _note(error, f"graphtree: no dump of {snap.origin} was written: {dump_error}")

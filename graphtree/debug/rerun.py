@@ -83,6 +83,8 @@ def _inner(path: str) -> int:
 
     try:
         d = load_dump(path)
+        if d.cwd and os.path.isdir(d.cwd):  # as where it ran: relative paths, and the lines of a script's code
+            os.chdir(d.cwd)
         fn = d.resolve()
         leaves, spec = _torch.tree_flatten((d.args, d.kwargs))
         layouts = iter(d.tensors)

@@ -34,11 +34,13 @@ import atexit
 import ctypes
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from graphtree import _torch
+from graphtree.debug.recipe import Recipe, recipe_of
 
 __all__ = ["ORIGIN_BEFORE", "ORIGIN_RAISED", "InputSnapshots", "Snapshot", "layout_of"]
 
@@ -79,7 +81,9 @@ class InputSnapshots:
     ``take(args, kwargs)`` queues the copies (tensors on CUDA go to pinned memory with
     ``non_blocking=True``; other tensors are copied at once); ``completed()`` returns the
     snapshots known to be whole, newest first. Calls whose tensors exceed ``limit_bytes`` are
-    not snapshotted (:meth:`lost` says so). Not thread-safe: one per
+    not snapshotted (:meth:`lost` says so). Given the callable (``of``), its first call also keeps
+    how to rebuild it (:attr:`recipe`: a model with its weights, read while they still can be: a
+    sticky CUDA error later leaves them unreadable). Not thread-safe: one per
     graphed callable, whose calls graphtree already serialises per thread.
 
     Example::
@@ -88,8 +92,10 @@ class InputSnapshots:
         snaps.take((x, idx), {"scale": 2.0})
     """
 
-    def __init__(self, limit_bytes: int = 4 << 30) -> None:
+    def __init__(self, limit_bytes: int = 4 << 30, of: Callable[..., Any] | None = None) -> None:
         self.limit_bytes = limit_bytes
+        self._of = of
+        self.recipe: Recipe | None = None  # how to rebuild ``of``, as of its first call
         self._slots = (_Slot(), _Slot())
         self._calls = 0
         self._kept: list[torch.Tensor] = []  # pinned buffers replaced while the GPU was failing: never freed
@@ -99,6 +105,8 @@ class InputSnapshots:
 
     def take(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Queue host copies of this call's arguments (before the call runs)."""
+        if self.recipe is None and self._of is not None:
+            self.recipe = recipe_of(self._of, self.limit_bytes)
         self._calls = n = self._calls + 1
         slot = self._slots[n % 2]
         slot.n = -1

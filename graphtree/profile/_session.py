@@ -76,12 +76,29 @@ def load_cupti() -> Any:
     try:
         return importlib.import_module("cupti.cupti")
     except ImportError as e:
+        gpu = _no_gpu()
+        needs = (
+            "a CUDA GPU and NVIDIA's CUPTI Python bindings; this machine has neither"
+            if gpu
+            else ("NVIDIA's CUPTI Python bindings")
+        )
         raise ProfilerUnavailableError(
-            "graphtree.profile needs NVIDIA's CUPTI Python bindings (the `cupti` module, package "
-            f"cupti-python) and they cannot be imported ({e}). Install them with: {INSTALL_HINT} "
+            f"graphtree.profile needs {needs}{f' ({gpu})' if gpu else ''}. The bindings (the `cupti` module, "
+            f"package cupti-python) cannot be imported ({e}): install them with {INSTALL_HINT} "
             "(pick the cupti-python release that matches your CUDA's CUPTI, e.g. cupti-python 13.0.x "
             "for nvidia-cuda-cupti 13.0)."
         ) from e
+
+
+def _no_gpu() -> str:
+    """Why torch sees no CUDA GPU here, or "" when it sees one."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    if not torch.cuda.is_available():
+        return "torch finds no CUDA device (no GPU, or no driver)"
+    return ""
 
 
 def _status(exc: BaseException) -> int | None:

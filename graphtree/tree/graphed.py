@@ -99,7 +99,7 @@ class GraphedCallable:
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         # debug=: graphtree.debug provides the inputs' snapshots and the dump of a call that raises
-        self._snapshots = _events.provided("debug").snapshots() if debug is not None else None
+        self._snapshots = _events.provided("debug").snapshots(of=fn) if debug is not None else None
         self.fn = fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -477,12 +477,13 @@ def graphed(
             runs eagerly for good (in-place inputs or parameters that keep moving).
         name: a name for logs, ``stats()`` and error messages (default: the function's).
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
-            function's import path, random states, versions, traceback; see
-            :func:`graphtree.debug.dump_on_error`) before the error reaches the caller, with a
-            note naming it; ``graphtree debug rerun DUMP`` runs it again eagerly. The inputs
-            are copied to pinned host memory before every call (a ``cudaMemcpyAsync`` per
-            tensor), so that a CUDA error that leaves the GPU unreadable still gets its dump,
-            and the call before it too (a fault inside a graph is reported one call late).
+            function by import path or by value, a model with its weights, random states,
+            versions, traceback; see :func:`graphtree.debug.dump_on_error`) before the error
+            reaches the caller, with a note naming it; ``graphtree debug rerun DUMP`` runs it
+            again eagerly. The inputs are copied to pinned host memory before every call (a
+            ``cudaMemcpyAsync`` per tensor), and a model's weights once, at its first call, so
+            that a CUDA error that leaves the GPU unreadable still gets its dump, and the call
+            before it too (a fault inside a graph is reported one call late).
 
     Raises ``TypeError`` for a ``fn`` that is not callable and ``ValueError`` for an option
     out of range, naming the option, the value and what is allowed.
