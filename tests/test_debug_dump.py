@@ -190,3 +190,52 @@ def test_a_model_unreadable_when_it_fails_is_dumped_as_kept_at_its_first_call(tm
     d = load_dump(path)
     assert "as of its first call" in d.target_note and "could not be saved" in d.target_note, d.target_note
     assert torch.equal(d.resolve()(x), net.lin(x))
+
+
+LATE = textwrap.dedent(
+    """
+    import sys, torch, graphtree
+    double = graphtree.graphed(lambda x: x * 2, name="double", debug=sys.argv[1])
+    for i in range(3):
+        double(torch.full((4,), float(i)))
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")  # as the user's synchronize() says it
+    """
+)
+
+
+def test_a_cuda_error_surfacing_outside_the_graphed_calls_still_gets_dumps_of_the_last_ones(tmp_path):
+    # issue 30: a fault inside a replay that CUDA reports at the user's own synchronize() left no dump
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "surfaced outside the graphed calls" in proc.stderr and "illegal memory access" in proc.stderr
+    assert "a dump of the last call of `double`" in proc.stderr, proc.stderr[-3000:]  # a note on the traceback
+    last, before = sorted(tmp_path.glob("double-*.gtdump"), key=lambda p: "-before" in p.name)
+    assert torch.equal(load_dump(last).args[0], torch.full((4,), 2.0))  # the last call's inputs
+    assert torch.equal(load_dump(before).args[0], torch.full((4,), 1.0)) and before.name.endswith("-before.gtdump")
+
+
+def test_an_ordinary_error_outside_the_calls_writes_no_dump(tmp_path):
+    script = LATE.replace("CUDA error: an illegal memory access was encountered", "an ordinary error")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 1 and "an ordinary error" in proc.stderr
+    assert list(tmp_path.glob("*.gtdump")) == [] and "surfaced outside" not in proc.stderr
+
+
+def test_the_snapshots_of_a_dropped_graphed_function_are_not_kept_for_late_faults(tmp_path):
+    import gc
+
+    import graphtree
+    from graphtree.debug import late
+
+    gc.collect()
+    before = len(late._watched)
+    g = graphtree.graphed(lambda x: x + 1, debug=tmp_path)
+    g(torch.ones(2))
+    assert len(late._watched) == before + 1
+    del g
+    gc.collect()
+    assert len(late._watched) == before

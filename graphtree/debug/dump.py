@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
+from graphtree.debug import late as late_faults
 from graphtree.debug.recipe import Recipe, recipe_of
 from graphtree.debug.snapshot import ORIGIN_BEFORE, ORIGIN_RAISED, InputSnapshots, Snapshot, layout_of
 from graphtree.tree.replay_error import GraphReplayError, is_cuda_error
@@ -277,6 +278,8 @@ def dump_on_error(
     folder = Path(dir)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     snaps = InputSnapshots(limit_bytes, of=fn) if snapshot else None
+    if snaps is not None:  # dumped also should a CUDA fault surface outside the calls
+        late_faults.watch(snaps, late_dumps(folder, fn, name, limit_bytes))
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -300,15 +303,18 @@ def dump_failure(
     error: Exception,
     limit_bytes: int = DEFAULT_LIMIT_BYTES,
     snapshots: InputSnapshots | None = None,
+    late: bool = False,
 ) -> list[Path]:
     """Write the dump(s) of a call of ``fn`` that raised ``error`` into ``dir``; returns their paths.
 
     With ``snapshots``, the dumps hold the inputs as they were before the call: one of the call
     that raised (``NAME-TIME-PID.gtdump``) and one of the call before it
     (``NAME-TIME-PID-before.gtdump``, for a CUDA error only), each when its copy is known to be
-    whole; the call that raised falls back to its arguments as they are now. Adds a note to ``error`` for each dump
-    written or not written (and why): it never raises itself, so the caller's error always
-    reaches the caller. Used by :func:`dump_on_error` and ``graphtree.graphed(..., debug=dir)``.
+    whole; the call that raised falls back to its arguments as they are now. ``late``: ``error``
+    surfaced outside ``fn``'s calls (:mod:`graphtree.debug.late`): the dumps are of its last call
+    and the one before, from the snapshots only. Adds a note to ``error`` for each dump written or
+    not written (and why): it never raises itself, so the caller's error always reaches the caller.
+    Used by :func:`dump_on_error` and ``graphtree.graphed(..., debug=dir)``.
 
     Example::
 
@@ -316,18 +322,24 @@ def dump_failure(
             dump_failure("dumps", step, "step", args, kwargs, e)
             raise
     """
+    cuda = is_cuda_error(error) or isinstance(error, GraphReplayError)
+    if cuda:
+        late_faults.mark_dumped(error)
     base = f"{_safe(name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     written: list[Path] = []
     snaps = snapshots.completed() if snapshots is not None else []
-    if not (is_cuda_error(error) or isinstance(error, GraphReplayError)):  # only a CUDA fault is reported late
+    if not cuda:  # only a CUDA fault is reported late
         snaps = [s for s in snaps if s.origin == ORIGIN_RAISED]
     for snap in snaps:
         path = Path(dir) / f"{base}{'' if snap.origin == ORIGIN_RAISED else '-before'}{SUFFIX}"
+        what = f"the last call of `{name}`" if late and snap.origin == ORIGIN_RAISED else snap.origin
         try:
             written.append(write_snapshot(path, fn, snap, error, snapshots.recipe if snapshots else None))
-            _note(error, f"graphtree: a dump of {snap.origin} (its inputs before it ran) was written to {path}")
+            _note(error, f"graphtree: a dump of {what} (its inputs before it ran) was written to {path}")
         except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
-            _note(error, f"graphtree: no dump of {snap.origin} was written: {dump_error}")
+            _note(error, f"graphtree: no dump of {what} was written: {dump_error}")
+    if late:
+        return written
     if not any(s.origin == ORIGIN_RAISED for s in snaps):
         lost = snapshots.lost() if snapshots is not None else ""
         path = Path(dir) / f"{base}{SUFFIX}"
@@ -345,6 +357,13 @@ def dump_failure(
             "re-running this call's dump does not reproduce the error, re-run the -before one",
         )
     return written
+
+
+def late_dumps(
+    dir: str | os.PathLike[str], fn: Callable[..., Any], name: str, limit_bytes: int
+) -> Callable[[RuntimeError, InputSnapshots], list[Path]]:
+    """What :mod:`graphtree.debug.late` calls for ``fn`` when a CUDA error surfaces outside its calls."""
+    return lambda error, snapshots: dump_failure(dir, fn, name, (), {}, error, limit_bytes, snapshots, late=True)
 
 
 def _safe(name: str) -> str:

@@ -103,6 +103,11 @@ class InputSnapshots:
         self._sources: dict[torch.device, list[torch.Tensor]] = {}  # device -> views of arange(_MARKS)
         _live.add(self)
 
+    @property
+    def calls(self) -> int:
+        """How many calls were snapshotted (or tried)."""
+        return self._calls
+
     def take(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Queue host copies of this call's arguments (before the call runs)."""
         if self.recipe is None and self._of is not None:

@@ -98,11 +98,12 @@ class GraphedCallable:
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
-        # debug=: graphtree.debug provides the inputs' snapshots and the dump of a call that raises
-        self._snapshots = _events.provided("debug").snapshots(of=fn) if debug is not None else None
         self.fn = fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        # debug=: graphtree.debug provides the inputs' snapshots (dumped also should a CUDA fault
+        # surface outside the calls) and the dump of a call that raises
+        self._snapshots = _events.provided("debug").snapshots(fn, debug, self.name) if debug is not None else None
         self.bucketing = Bucketing(buckets, bucket_dim) if buckets is not None else None
         self.warmup = warmup
         self.max_rerecords = max_rerecords

@@ -1,0 +1,100 @@
+"""Dumps of CUDA faults that surface outside graphed calls.
+
+A fault in a graph replay or an asynchronous kernel is reported by CUDA at a later call that
+synchronises: often graphtree's next call (which writes the dumps itself), but as often the
+user's own ``torch.cuda.synchronize()``, another library's call, or the interpreter's exit. For
+every graphed function with ``debug=dir`` (and ``dump_on_error(..., snapshot=True)``), the
+snapshots of its last two calls are in host memory already; this module writes them when such a
+fault goes unhandled:
+
+- an uncaught CUDA error (``sys.excepthook``): the dumps are written and named on stderr, then
+  the usual traceback is printed;
+- a CUDA error pending at exit (``atexit``: one ``torch.cuda.synchronize()``, only in a process
+  that has such functions and has initialised CUDA).
+
+A CUDA error that the program catches itself and does not re-raise leaves no dump here (nothing
+sees it); a call of the graphed function after it does, as before. Costs nothing per call: the
+hooks are installed when the first such function is made.
+
+Example::
+
+    step = graphtree.graphed(step, debug="dumps")   # installs the hooks (once)
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from graphtree.tree.replay_error import is_cuda_error
+
+__all__ = ["watch"]
+
+# snapshots -> what writes their dumps (given the error and them: it must not hold them, or they never die)
+_watched: weakref.WeakKeyDictionary[Any, Callable[[RuntimeError, Any], list[Path]]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+_installed = False
+_dumped: set[int] = set()  # ids of the CUDA errors already dumped (by a graphed call or here)
+
+
+def watch(snapshots: Any, dump: Callable[[RuntimeError, Any], list[Path]]) -> None:
+    """Call ``dump(error, snapshots)`` (which writes the dumps of their last calls) should a CUDA
+    fault surface outside the calls, for as long as ``snapshots`` lives."""
+    global _installed
+    with _lock:
+        _watched[snapshots] = dump
+        if not _installed:
+            _installed = True
+            previous = sys.excepthook
+
+            def excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+                if isinstance(error, RuntimeError) and is_cuda_error(error):
+                    dump_all(error)
+                previous(kind, error, tb)
+
+            sys.excepthook = excepthook
+            atexit.register(_at_exit)
+
+
+def mark_dumped(error: BaseException) -> None:
+    """CUDA error ``error`` got its dumps where it surfaced (a graphed call): none again at exit."""
+    _dumped.add(id(error))
+
+
+def dump_all(error: RuntimeError) -> list[Path]:
+    """Write the dumps of every watched function's last calls for ``error``; name them on stderr."""
+    if id(error) in _dumped:
+        return []
+    _dumped.add(id(error))
+    written: list[Path] = []
+    for snapshots, dump in list(_watched.items()):
+        if snapshots.calls:
+            written += dump(error, snapshots)
+    if written:
+        print(
+            f"graphtree: a CUDA error surfaced outside the graphed calls ({str(error).splitlines()[0]}); the last "
+            f"calls of the functions graphed with debug= were dumped: {', '.join(map(str, written))} "
+            "(re-run each with `graphtree debug rerun DUMP`)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return written
+
+
+def _at_exit() -> None:
+    """A fault still pending at exit: one synchronize finds it."""
+    if not _watched or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        if is_cuda_error(e) and not _dumped:
+            dump_all(e)
