@@ -255,3 +255,19 @@ def test_json_carries_the_new_rows() -> None:
     text = json.dumps(doc)
     for label in ("driver supports CUDA", "nvcc (toolkit)", "cuDNN", "NCCL", "cuda-gdb"):
         assert label in text
+
+
+def test_a_process_that_keeps_no_bytecode_is_told_what_it_costs_and_the_fix(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from graphtree.debug.doctor import _probe_bytecode; print(_probe_bytecode()[0][1])"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp_path / "empty")}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert off.startswith("not cached (PYTHONDONTWRITEBYTECODE is set)") and "PYTHONPYCACHEPREFIX" in off, off
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "cache")
+    subprocess.run([sys.executable, "-c", "import torch"], env=env, check=True)  # writes the cache
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert on.strip() == "torch's is cached", on

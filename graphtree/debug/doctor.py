@@ -125,6 +125,32 @@ def _probe_torch() -> list[Row]:
     return [("torch", str(torch.__version__)), ("torch build", build)]
 
 
+def _probe_bytecode() -> list[Row]:
+    """Whether Python keeps torch's compiled bytecode. Without it every process compiles torch's
+    sources again: on the H100 host ``import torch`` took 4.5 s instead of 1.6 s and
+    ``torch._dynamo`` 6 s instead of 1.1 s (``PYTHONDONTWRITEBYTECODE=1``, common in container images)."""
+    import importlib.util
+
+    import torch
+
+    cached = os.path.exists(importlib.util.cache_from_source(torch.__file__))
+    if cached:
+        return [("Python bytecode", "torch's is cached")]
+    fix = "export PYTHONPYCACHEPREFIX=/tmp/pycache (a writable folder)"
+    if sys.dont_write_bytecode:
+        why = "PYTHONDONTWRITEBYTECODE is set"
+        fix = f"unset PYTHONDONTWRITEBYTECODE; {fix}"
+    else:
+        why = "torch's folder takes no .pyc files"
+    return [
+        (
+            "Python bytecode",
+            f"not cached ({why}): every process compiles torch's sources again (import torch 4.5 s instead "
+            f"of 1.6 s on an H100 host). Fix: {fix}",
+        )
+    ]
+
+
 def _probe_cuda_available() -> list[Row]:
     import torch
 
@@ -389,6 +415,7 @@ _PROBES: tuple[tuple[str, str], ...] = (
     ("_probe_graphtree", "graphtree"),
     ("_probe_python", "Python"),
     ("_probe_torch", "torch"),
+    ("_probe_bytecode", "Python bytecode"),
     ("_probe_cuda_available", "CUDA available"),
     ("_probe_driver", "driver"),
     ("_probe_runtime", "CUDA runtime"),
