@@ -239,3 +239,14 @@ def test_the_snapshots_of_a_dropped_graphed_function_are_not_kept_for_late_fault
     del g
     gc.collect()
     assert len(late._watched) == before
+
+
+def test_a_graphed_model_is_dumped_as_the_model_it_wraps(tmp_path):
+    import graphtree
+
+    net = torch.nn.Linear(2, 2)
+    for wrapped in (graphtree.graphed(net), dump_on_error(graphtree.graphed(net), dir=tmp_path)):
+        d = load_dump(write_dump(tmp_path / "d.gtdump", wrapped, (torch.ones(2),), {}))
+        assert "torch.nn.modules.linear.Linear" in d.target_note, d.target_note
+        again = d.resolve()
+        assert type(again) is torch.nn.Linear and torch.equal(again.weight, net.weight)  # re-run eagerly

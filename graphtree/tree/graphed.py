@@ -331,6 +331,7 @@ class GraphedModule(torch.nn.Module):
         for name in _SHARED:
             object.__setattr__(self, name, getattr(module, name))
         object.__setattr__(self, "_graphtree_module", module)
+        object.__setattr__(self, "__wrapped__", module)  # inspect.unwrap and signature see the original
         object.__setattr__(self, "_graphtree_call", call)
         object.__setattr__(self, "training", module.training)
 
