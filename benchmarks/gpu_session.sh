@@ -12,6 +12,12 @@
 #   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
 #             base commit: git archive BASE graphtree benchmarks | tar -x -C .before) and after it,
 #             in one run on the same machine
+#
+# Set-up on a fresh clone (both folders are git-ignored through .git/info/exclude):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl cupti-python==13.0.1 cloudpickle       # the device has no network
+#   mkdir -p .before && git archive b6016dc graphtree benchmarks | tar -x -C .before   # issue 24's base
+# and pass carry=[".whl", ".before"] to the device call.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
