@@ -26,12 +26,15 @@ class CaptureFailed(RuntimeError):
     """The function did something a CUDA graph cannot record; the message says what and where.
 
     ``pool_tainted``: the stream capture itself failed, and torch will not capture into that
-    memory pool again.
+    memory pool again. ``result``: the call's outputs, when the capture ran it whole and running
+    it again eagerly would repeat its side effects (``has_result``).
     """
 
-    def __init__(self, message: str, pool_tainted: bool = False) -> None:
+    def __init__(self, message: str, pool_tainted: bool = False, result: Any = None, has_result: bool = False) -> None:
         super().__init__(message)
         self.pool_tainted = pool_tainted
+        self.result = result
+        self.has_result = has_result
 
 
 class OpTracker(TorchFunctionMode):

@@ -389,7 +389,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if isinstance(x, _SKIP_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
         out.append(type(x))  # code, not state
         return
-    attributes = _attributes(x)
+    attributes = object_attributes(x)
     if attributes is None:
         raise _unreadable(top, f"an attribute of type {type(x).__name__} has no readable state")
     out.append(type(x))
@@ -398,7 +398,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
         _read_state(v, out, held, depth + 1, top, seen)
 
 
-def _attributes(x: Any) -> list[tuple[str, Any]] | None:
+def object_attributes(x: Any) -> list[tuple[str, Any]] | None:
     """``(name, value)`` of an object's instance attributes (``__dict__`` and ``__slots__``)."""
     found: list[tuple[str, Any]] = []
     d = getattr(x, "__dict__", None)

@@ -388,6 +388,9 @@ class TreeManager:
             gc.give_up(call.key, str(e))
             if e.pool_tainted:
                 self._retire_pool()
+            if e.has_result:  # the capture ran the call whole: running it again would repeat its side effects
+                count_eager(gc.name, str(e))
+                return e.result
             return gc.run_eager(call, str(e))
         except BaseException:
             # The function's own error (or an out-of-memory, Ctrl-C, an error of graphtree's): it

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
+from graphtree.tree import writes as _writes
 from graphtree.tree.inputs import PLAIN_TYPES, InputPlan
 from graphtree.tree.outputs import OutputPlan
 
@@ -84,6 +85,8 @@ class Node:
             tensors, tensors of object arguments): when all have died, the node is dead.
         externals: tensors the graph reads that were not passed in (globals, closures,
             attributes); when one dies or moves, the node is dead.
+        writes: plain values the call wrote into its object arguments, written again after each
+            replay (:mod:`graphtree.tree.writes`).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class Node:
         capture_seconds: float,
         input_refs: list[int],
         externals: Sequence[External],
+        writes: _writes.Writes = (),
     ) -> None:
         self.id = id
         self.parent = parent
@@ -128,6 +132,7 @@ class Node:
         self.capture_seconds = capture_seconds
         self.input_refs = input_refs
         self.externals = externals
+        self.writes = writes
         self.replays = 0
         # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
         # tensor read from outside, no ancestor output that had to be dead. Such a node is always
@@ -199,6 +204,8 @@ class Node:
             self.inputs.copy_in(leaves, n)
         self._launch()
         self.replays += 1
+        if self.writes:  # the Python side of the call: what it wrote into its object arguments
+            _writes.apply(leaves, self.writes)
         base = self._base
         if base is not None:
             return base.detach()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from graphtree import _events, _torch
+from graphtree.tree import writes as _writes
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
@@ -189,6 +190,7 @@ def record(
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
         args, kwargs = call.arguments(graph_leaves)
+        before = _writes.values(call.leaves)  # plain values inside object arguments (see writes.py)
         graph = new_graph()
         tracker = OpTracker()
         node_id = next_node_id()
@@ -258,6 +260,18 @@ def record(
         if problem:
             del out, owning, graph
             raise CaptureFailed(problem)
+        try:  # what the call wrote into its object arguments, to write again on each replay
+            written = _writes.changes(before, _writes.values(call.leaves), gc.name)
+        except _writes.Unrepeatable as e:
+            # Its Python ran, side effects and all: its outputs come from this graph, copied out
+            # of the pool (which then retires: no checkpoint knows this capture's blocks), and the
+            # signature runs eagerly from the next call on.
+            inputs.copy_in(call.leaves, call.n)
+            graph.replay()
+            leaves, spec = _torch.tree_flatten(out)
+            result = _torch.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+            del out, owning, graph, leaves
+            raise CaptureFailed(str(e), pool_tainted=True, result=result, has_result=True) from None
         kept = watch.kept(_storages(graph_leaves, out, statics))
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
@@ -296,6 +310,7 @@ def record(
                 if call.leaves[i].untyped_storage().data_ptr() not in held
             ],
             externals=externals,
+            writes=written,
         )
         _events.publish("record_end", name=gc.name, node=node.id, graph=graph)
         return node, outputs.finish(out_leaves, call.n)

@@ -269,3 +269,47 @@ def test_other_threads_draw_random_numbers_while_one_records(n_threads):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+class _Counter:
+    def __init__(self):
+        self.count = 0  # a Python int the call advances, as transformers' sliding-window cache does
+        self.seen = {"last": 0}
+
+
+def _advance(x, state):
+    state.count += 1
+    state.seen["last"] = state.count * 10
+    return x * state.count
+
+
+def test_python_values_a_call_writes_into_its_arguments_are_written_again_on_replay():
+    # A replay runs no Python: state.count stayed as it was, the next call's key matched the same
+    # recording again, and it returned x * 1 where eager gives x * 2 (silently wrong). transformers'
+    # StaticSlidingWindowLayer keeps its length in such an int (a kept StaticCache, reset per prompt).
+    g = graphtree.graphed(_advance, name="advance")
+    x = torch.ones(4, device=DEV)
+    for _ in range(3):  # the first round warms up, the second records, the third replays
+        state = _Counter()
+        for i in range(1, 6):
+            graphtree.mark_step()
+            out = g(x, state)
+            assert state.count == i and state.seen["last"] == 10 * i, (state.count, state.seen)
+            torch.testing.assert_close(out, x * i)
+    assert graphtree.stats().replays >= 5, graphtree.stats()
+
+
+def test_a_call_that_grows_its_arguments_runs_eagerly_with_the_reason():
+    def grow(x, state):
+        state.items.append(len(state.items))
+        return x + len(state.items)
+
+    g = graphtree.graphed(grow, name="grow")
+    x = torch.ones(4, device=DEV)
+    for _ in range(4):
+        state = types.SimpleNamespace(items=[])
+        graphtree.mark_step()
+        torch.testing.assert_close(g(x, state), x + 1)
+        assert state.items == [0]
+    reasons = " ".join(graphtree.stats().eager)
+    assert "resizes or rebuilds argument 1.items" in reasons, graphtree.stats()
