@@ -64,3 +64,12 @@ def test_what_a_replay_cannot_repeat_is_named(change, says):
 
 def test_a_call_of_tensors_and_plain_values_has_nothing_to_write():
     assert writes.values([torch.ones(2), 1, "s", None]) == {}
+
+
+def test_modules_of_code_among_the_attributes_are_not_walked():
+    import json
+
+    holder = Cache()
+    holder.codec = json  # a Python module kept on an object: code, not state
+    snap = writes.values([holder])
+    assert not any(step == ("a", "dumps") for path in snap for step in path[1:]), "json's insides were walked"

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,8 +79,8 @@ def _walk(x: Any, path: Path, out: dict[Path, Any], seen: set[int], max_items: i
             out[where] = v
         else:
             out[where] = (_NOT_PLAIN, id(v))
-            if not (isinstance(v, (torch.Tensor, torch.nn.Module)) or callable(v)):
-                _walk(v, where, out, seen, max_items)
+            if not (isinstance(v, (torch.Tensor, torch.nn.Module, types.ModuleType)) or callable(v)):
+                _walk(v, where, out, seen, max_items)  # (read_object keys no deeper than 6 levels)
 
 
 def _plain(v: Any) -> bool:

@@ -5,6 +5,7 @@ callables, other threads drawing random numbers. Each test fails on the code bef
 import gc
 import sys
 import threading
+import types
 import warnings
 import weakref
 
