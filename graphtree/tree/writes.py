@@ -36,7 +36,7 @@ __all__ = ["Unrepeatable", "apply", "changes", "values"]
 
 Path = tuple[Any, ...]  # leaf index, then ("a", name) / ("i", index) / ("k", key) / ("t", index) / ("len", None)
 Writes = tuple[tuple[Path, Any], ...]
-_NOT_PLAIN = object()  # marks a non-plain value in a snapshot, kept by identity: ``(_NOT_PLAIN, id)``
+_NOT_PLAIN = object()  # marks a non-plain value in a snapshot, compared by identity: ``(_NOT_PLAIN, value)``
 _MISSING = object()
 
 
@@ -78,7 +78,7 @@ def _walk(x: Any, path: Path, out: dict[Path, Any], seen: set[int], max_items: i
         if _plain(v):
             out[where] = v
         else:
-            out[where] = (_NOT_PLAIN, id(v))
+            out[where] = (_NOT_PLAIN, v)  # held (not its id, which a new object could reuse)
             if not (isinstance(v, (torch.Tensor, torch.nn.Module, types.ModuleType)) or callable(v)):
                 _walk(v, where, out, seen, max_items)  # (read_object keys no deeper than 6 levels)
 
@@ -96,10 +96,12 @@ def changes(before: dict[Path, Any], after: dict[Path, Any], name: str) -> Write
         old = before.get(path, _MISSING)
         if old is _MISSING:
             raise Unrepeatable(_reason(name, path, "adds"))
+        if _kept_by_identity(old) or _kept_by_identity(new):
+            if _kept_by_identity(old) and _kept_by_identity(new) and old[1] is new[1]:
+                continue
+            raise Unrepeatable(_reason(name, path, "rebinds"))
         if type(old) is type(new) and old == new:
             continue
-        if _kept_by_identity(old) or _kept_by_identity(new):
-            raise Unrepeatable(_reason(name, path, "rebinds"))
         if path[-1][0] in ("t", "len"):
             raise Unrepeatable(_reason(name, path, "resizes or rebuilds"))
         writes.append((path, new))
