@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call] [startup] [first] [readme] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call] [startup] [first] [readme] [probes] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -55,6 +55,9 @@ for stage in $stages; do
     first)  # a fresh process up to its first replay, stage by stage (benchmarks/first_call.py)
       TIMEFORMAT="%R s  the whole process"
       { time python3 benchmarks/first_call.py; } 2>&1 | tee "$OUT/first_call.txt"
+      ;;
+    probes)  # facts the next issues' designs rest on: CUPTI's graph node ids (issue 29)
+      timeout 120 python3 benchmarks/cupti_graph_ids.py 2>&1 | tee "$OUT/cupti_graph_ids.txt" | tail -30
       ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $FILES 2>&1 | tee "$OUT/some.log" | tail -30
