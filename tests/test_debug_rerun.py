@@ -170,3 +170,45 @@ def test_a_scripts_function_lambda_and_module_rerun_from_another_folder(tmp_path
     assert again.returncode == REPRODUCED, again.stdout + again.stderr[-2000:]
     file = "helpers.py" if kind == "imported" else "script.py"
     assert f"job/{file}:" in again.stdout and WHERE[kind] in again.stdout, again.stdout
+
+
+HF_SCRIPT = textwrap.dedent(
+    """
+    import torch, graphtree
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = graphtree.graphed(LlamaForCausalLM(config).eval(), debug="dumps")
+    ids = torch.randint(0, 128, (1, 8))
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=False)
+        try:
+            model(input_ids=ids + 1000, use_cache=False)  # token ids past the vocabulary
+        except IndexError as e:
+            print("RAISED", e)
+    """
+)
+
+
+def test_a_graphed_hugging_face_model_is_dumped_with_its_weights_and_reruns(tmp_path):
+    # issue 30: its dump could not be re-run ("an instance of LlamaForCausalLM: rebuild it")
+    pytest.importorskip("transformers")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "job" / "script.py").write_text(HF_SCRIPT)
+    ran = subprocess.run(
+        [sys.executable, "script.py"], check=False, cwd=tmp_path / "job", capture_output=True, text=True, timeout=300
+    )
+    assert "RAISED" in ran.stdout, ran.stderr[-2000:]
+    (dump,) = (tmp_path / "job" / "dumps").glob("*.gtdump")
+    again = subprocess.run(
+        [sys.executable, "-m", "graphtree", "debug", "rerun", str(dump)],
+        check=False,
+        cwd=tmp_path / "elsewhere",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == REPRODUCED, again.stdout + again.stderr[-2000:]
+    assert "modeling_llama.py" in again.stdout and "self.embed_tokens(input_ids)" in again.stdout, again.stdout
