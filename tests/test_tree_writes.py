@@ -73,3 +73,26 @@ def test_modules_of_code_among_the_attributes_are_not_walked():
     holder.codec = json  # a Python module kept on an object: code, not state
     snap = writes.values([holder])
     assert not any(step == ("a", "dumps") for path in snap for step in path[1:]), "json's insides were walked"
+
+
+class Stepper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.calls = 0  # Python state of a module: not part of its key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_module_that_changes_its_own_python_attribute_cannot_be_replayed():
+    model = Stepper()
+    before = writes.module_values([model, None])
+    model(torch.ones(2))
+    with pytest.raises(writes.Unrepeatable, match="changes the Python attribute `calls` of its module") as info:
+        writes.module_changes(before, writes.module_values([model, None]), "Stepper")
+    assert "(0 -> 1)" in str(info.value) and "keep such state in a buffer" in str(info.value)
+    unchanged = writes.module_values([model])
+    writes.module_changes(unchanged, writes.module_values([model]), "Stepper")  # nothing changed: no error
+    assert any(path[2] == ("a", "training") for path in unchanged)

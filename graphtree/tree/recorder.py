@@ -191,6 +191,8 @@ def record(
     try:
         args, kwargs = call.arguments(graph_leaves)
         before = _writes.values(call.leaves)  # plain values inside object arguments (see writes.py)
+        modules = [gc.module(), *(x for x in call.leaves if isinstance(x, torch.nn.Module))]
+        modules_before = _writes.module_values(modules)
         graph = new_graph()
         tracker = OpTracker()
         node_id = next_node_id()
@@ -262,6 +264,7 @@ def record(
             raise CaptureFailed(problem)
         try:  # what the call wrote into its object arguments, to write again on each replay
             written = _writes.changes(before, _writes.values(call.leaves), gc.name)
+            _writes.module_changes(modules_before, _writes.module_values(modules), gc.name)
         except _writes.Unrepeatable as e:
             # Its Python ran, side effects and all: its outputs come from this graph, copied out
             # of the pool (which then retires: no checkpoint knows this capture's blocks), and the

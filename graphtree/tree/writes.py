@@ -10,8 +10,9 @@ started from, and the recording's values after the call are the right ones to wr
 recorder notes them (:func:`changes`), the node writes them on each replay (:func:`apply`).
 
 What cannot be repeated that way — an attribute or item added, deleted or rebound to another
-kind of object, a tuple element changed — makes the recording fail with the path named, and the
-call runs eagerly (its reason in ``stats()``).
+kind of object, a tuple element changed, a plain attribute of a module changed (modules are keyed
+by identity and ``training``, not by their Python values) — makes the recording fail with the path
+named, and the call runs eagerly (its reason in ``stats()``).
 
 Example::
 
@@ -32,7 +33,7 @@ import torch
 
 from graphtree.tree.inputs import PLAIN_TYPES, object_attributes
 
-__all__ = ["Unrepeatable", "apply", "changes", "values"]
+__all__ = ["Unrepeatable", "apply", "changes", "module_changes", "module_values", "values"]
 
 Path = tuple[Any, ...]  # leaf index, then ("a", name) / ("i", index) / ("k", key) / ("t", index) / ("len", None)
 Writes = tuple[tuple[Path, Any], ...]
@@ -83,6 +84,21 @@ def _walk(x: Any, path: Path, out: dict[Path, Any], seen: set[int], max_items: i
                 _walk(v, where, out, seen, max_items)  # (read_object keys no deeper than 6 levels)
 
 
+def module_values(modules: Sequence[torch.nn.Module | None]) -> dict[Path, Any]:
+    """The plain values in the ``__dict__`` of every submodule of ``modules``, by
+    ``(-1 - module index, ("m", submodule name), ("a", attribute))``: a module's own Python
+    state, which its key does not hold (modules are keyed by identity and ``training``)."""
+    out: dict[Path, Any] = {}
+    for i, module in enumerate(modules):
+        if module is None:
+            continue
+        for sub_name, sub in module.named_modules(remove_duplicate=True):
+            for name, v in vars(sub).items():
+                if _plain(v):
+                    out[(-1 - i, ("m", sub_name), ("a", name))] = v
+    return out
+
+
 def _plain(v: Any) -> bool:
     """A value compared and written whole: a plain one, or a tuple of plain ones."""
     return type(v) in PLAIN_TYPES or (type(v) is tuple and all(type(e) in PLAIN_TYPES for e in v))
@@ -125,6 +141,21 @@ def apply(leaves: Sequence[Any], writes: Writes) -> None:
             setattr(obj, key, value)
         else:
             obj[key] = value
+
+
+def module_changes(before: dict[Path, Any], after: dict[Path, Any], name: str) -> None:
+    """Raise :class:`Unrepeatable` if the call changed a module's plain attribute: not in its key,
+    so a replay could start from any value, and no recorded value would be right to write."""
+    for path in before.keys() | after.keys():
+        old, new = before.get(path, _MISSING), after.get(path, _MISSING)
+        if type(old) is not type(new) or old != new:
+            sub, attr = path[1][1], path[2][1]
+            raise Unrepeatable(
+                f"`{name}` changes the Python attribute `{attr}` of its module{f' `{sub}`' if sub else ''} "
+                f"({old if old is not _MISSING else 'unset'} -> {new if new is not _MISSING else 'deleted'}): a "
+                "replay runs no Python and cannot repeat that; keep such state in a buffer (a tensor) or "
+                "outside the graphed call"
+            )
 
 
 def _reason(name: str, path: Path, what: str) -> str:

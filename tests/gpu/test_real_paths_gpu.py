@@ -314,3 +314,27 @@ def test_a_call_that_grows_its_arguments_runs_eagerly_with_the_reason():
         assert state.items == [0]
     reasons = " ".join(graphtree.stats().eager)
     assert "resizes or rebuilds argument 1.items" in reasons, graphtree.stats()
+
+
+class _Stepper(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = 0  # Python state of the module: not part of its key
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * self.calls  # the value is baked into a recording
+
+
+def test_a_module_that_changes_its_own_python_attribute_runs_eagerly_not_stale():
+    # A replay would leave `calls` as it was and return the recording's `* 2`: silently wrong.
+    model = _Stepper().to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 8, device=DEV)
+    with torch.no_grad():
+        for i in range(1, 6):
+            graphtree.mark_step()
+            torch.testing.assert_close(g(x), model.lin(x) * i)
+            assert model.calls == i
+    assert "changes the Python attribute `calls` of its module" in " ".join(graphtree.stats().eager), graphtree.stats()
