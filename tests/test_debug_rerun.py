@@ -140,26 +140,23 @@ WHERE = {
 }
 
 
-@pytest.mark.parametrize("kind", ["function", "lambda", "module", "imported"])
-def test_a_scripts_function_lambda_and_module_rerun_from_another_folder(tmp_path, kind):
-    # issue 30: a function of the script that was run (__main__), a lambda and an nn.Module of the
-    # script could not be re-run ("cannot be imported", "module '__main__' has no attribute"), and
-    # a module beside the script could not be imported from another folder (ModuleNotFoundError)
-    (tmp_path / "job").mkdir()
+def _fail_in_a_script_and_rerun_elsewhere(tmp_path, script, *argv, timeout=120):
+    """Run ``script`` as ``python script.py *argv`` in ``job/`` (it prints RAISED and leaves one dump
+    in ``job/dumps``, within ``timeout`` s), then ``graphtree debug rerun`` that dump from ``elsewhere/``."""
+    (tmp_path / "job").mkdir(exist_ok=True)
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "job" / "script.py").write_text(SCRIPT)
-    (tmp_path / "job" / "helpers.py").write_text("def halve(x, n):\n    return x // n  # helpers.py\n")
+    (tmp_path / "job" / "script.py").write_text(script)
     ran = subprocess.run(
-        [sys.executable, "script.py", kind],
+        [sys.executable, "script.py", *argv],
         check=False,
         cwd=tmp_path / "job",
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert "RAISED" in ran.stdout, ran.stderr[-2000:]
     (dump,) = (tmp_path / "job" / "dumps").glob("*.gtdump")
-    again = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "graphtree", "debug", "rerun", str(dump)],
         check=False,
         cwd=tmp_path / "elsewhere",
@@ -167,6 +164,16 @@ def test_a_scripts_function_lambda_and_module_rerun_from_another_folder(tmp_path
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("kind", ["function", "lambda", "module", "imported"])
+def test_a_scripts_function_lambda_and_module_rerun_from_another_folder(tmp_path, kind):
+    # issue 30: a function of the script that was run (__main__), a lambda and an nn.Module of the
+    # script could not be re-run ("cannot be imported", "module '__main__' has no attribute"), and
+    # a module beside the script could not be imported from another folder (ModuleNotFoundError)
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "helpers.py").write_text("def halve(x, n):\n    return x // n  # helpers.py\n")
+    again = _fail_in_a_script_and_rerun_elsewhere(tmp_path, SCRIPT, kind)
     assert again.returncode == REPRODUCED, again.stdout + again.stderr[-2000:]
     file = "helpers.py" if kind == "imported" else "script.py"
     assert f"job/{file}:" in again.stdout and WHERE[kind] in again.stdout, again.stdout
@@ -194,21 +201,6 @@ HF_SCRIPT = textwrap.dedent(
 def test_a_graphed_hugging_face_model_is_dumped_with_its_weights_and_reruns(tmp_path):
     # issue 30: its dump could not be re-run ("an instance of LlamaForCausalLM: rebuild it")
     pytest.importorskip("transformers")
-    (tmp_path / "job").mkdir()
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "job" / "script.py").write_text(HF_SCRIPT)
-    ran = subprocess.run(
-        [sys.executable, "script.py"], check=False, cwd=tmp_path / "job", capture_output=True, text=True, timeout=300
-    )
-    assert "RAISED" in ran.stdout, ran.stderr[-2000:]
-    (dump,) = (tmp_path / "job" / "dumps").glob("*.gtdump")
-    again = subprocess.run(
-        [sys.executable, "-m", "graphtree", "debug", "rerun", str(dump)],
-        check=False,
-        cwd=tmp_path / "elsewhere",
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = _fail_in_a_script_and_rerun_elsewhere(tmp_path, HF_SCRIPT, timeout=300)
     assert again.returncode == REPRODUCED, again.stdout + again.stderr[-2000:]
     assert "modeling_llama.py" in again.stdout and "self.embed_tokens(input_ids)" in again.stdout, again.stdout
