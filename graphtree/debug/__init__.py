@@ -8,27 +8,19 @@ Example::
     print(doctor().render())
 """
 
-from __future__ import annotations
-
-import os
 import types
-from collections.abc import Callable
-from typing import Any
 
 from graphtree import _events
-from graphtree.debug import late
 from graphtree.debug.doctor import DoctorReport, doctor
 from graphtree.debug.dump import (
-    DEFAULT_LIMIT_BYTES,
     Dump,
     DumpTooLarge,
     dump_failure,
     dump_on_error,
-    late_dumps,
     load_dump,
+    watched_snapshots,
     write_dump,
 )
-from graphtree.debug.snapshot import InputSnapshots
 from graphtree.tree.replay_error import GraphReplayError
 
 __all__ = [
@@ -42,14 +34,5 @@ __all__ = [
     "write_dump",
 ]
 
-
-def _snapshots_for(fn: Callable[..., Any], folder: str | os.PathLike[str], name: str) -> InputSnapshots:
-    """The input snapshots of a function graphed with ``debug=folder``, dumped there should a CUDA
-    fault surface outside its calls too (:mod:`graphtree.debug.late`)."""
-    snapshots = InputSnapshots(DEFAULT_LIMIT_BYTES, of=fn)
-    late.watch(snapshots, late_dumps(folder, fn, name, DEFAULT_LIMIT_BYTES))
-    return snapshots
-
-
 # What graphed(fn, debug=dir) calls: the tree reaches this tool through graphtree._events only.
-_events.provide("debug", types.SimpleNamespace(snapshots=_snapshots_for, dump_failure=dump_failure))
+_events.provide("debug", types.SimpleNamespace(snapshots=watched_snapshots, dump_failure=dump_failure))

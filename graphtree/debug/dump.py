@@ -149,11 +149,13 @@ def write_dump(
     kwargs: dict[str, Any],
     error: BaseException | None = None,
     limit_bytes: int = DEFAULT_LIMIT_BYTES,
+    recipe: Recipe | None = None,
 ) -> Path:
     """Write a dump of the call ``fn(*args, **kwargs)`` (that raised ``error``) to ``path``, atomically.
 
     The arguments are read as they are now (after the call). Raises :class:`DumpTooLarge` (and
-    writes nothing) when the arguments' tensors exceed ``limit_bytes``. Returns the path written.
+    writes nothing) when the arguments' tensors exceed ``limit_bytes``. ``recipe``: how to rebuild
+    ``fn``, when the caller has it already (default: :func:`recipe_of` now). Returns the path written.
     """
     size = _nbytes((args, kwargs))
     if size > limit_bytes:
@@ -164,7 +166,8 @@ def write_dump(
     layouts: list[dict[str, Any]] = []
     leaves, spec = _torch.tree_flatten((args, kwargs))
     host_args, host_kwargs = _torch.tree_unflatten([_to_host(x, layouts) for x in leaves], spec)
-    doc = _document(recipe_of(fn, limit_bytes), host_args, host_kwargs, layouts, _rng_states(), error, ORIGIN_RAISED)
+    recipe = recipe or recipe_of(fn, limit_bytes)
+    doc = _document(recipe, host_args, host_kwargs, layouts, _rng_states(), error, ORIGIN_RAISED)
     return _write_atomically(Path(path), doc)
 
 
@@ -173,18 +176,23 @@ def write_snapshot(
     fn: Callable[..., Any],
     snapshot: Snapshot,
     error: BaseException | None = None,
-    kept: Recipe | None = None,
+    recipe: Recipe | None = None,
 ) -> Path:
     """Write a dump of a call of ``fn`` from its :class:`~graphtree.debug.snapshot.Snapshot`
     (its inputs and random states as they were before it ran), atomically; returns the path.
-
-    ``kept``: how to rebuild ``fn`` as kept at its first call (:attr:`InputSnapshots.recipe`), used
-    when ``fn`` cannot be kept now (a model's weights unreadable after a sticky CUDA error)."""
-    recipe = recipe_of(fn)
-    if recipe.by_value is None and recipe.target is None and kept is not None and kept.by_value is not None:
-        recipe = dataclasses.replace(kept, note=f"{kept.note}, as of its first call (now: {recipe.note})")
+    ``recipe``: how to rebuild ``fn``, when the caller has it already (default: :func:`recipe_of` now)."""
+    recipe = recipe or recipe_of(fn)
     doc = _document(recipe, snapshot.args, snapshot.kwargs, snapshot.tensors, snapshot.rng, error, snapshot.origin)
     return _write_atomically(Path(path), doc)
+
+
+def _recipe_now_or_kept(fn: Callable[..., Any], limit_bytes: int, kept: Recipe | None) -> Recipe:
+    """How to rebuild ``fn`` as it is now, or as kept at its first call (:attr:`InputSnapshots.recipe`)
+    when it cannot be kept now (a model's weights unreadable after a sticky CUDA error)."""
+    recipe = recipe_of(fn, limit_bytes)
+    if recipe.by_value is None and recipe.target is None and kept is not None and kept.by_value is not None:
+        recipe = dataclasses.replace(kept, note=f"{kept.note}, as of its first call (now: {recipe.note})")
+    return recipe
 
 
 def _document(
@@ -277,9 +285,7 @@ def dump_on_error(
         raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
     folder = Path(dir)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    snaps = InputSnapshots(limit_bytes, of=fn) if snapshot else None
-    if snaps is not None:  # dumped also should a CUDA fault surface outside the calls
-        late_faults.watch(snaps, late_dumps(folder, fn, name, limit_bytes))
+    snaps = watched_snapshots(fn, folder, name, limit_bytes) if snapshot else None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -327,6 +333,8 @@ def dump_failure(
         late_faults.mark_dumped(error)
     base = f"{_safe(name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     written: list[Path] = []
+    kept = snapshots.recipe if snapshots is not None else None
+    recipe = functools.cache(lambda: _recipe_now_or_kept(fn, limit_bytes, kept))  # read once, if a dump is written
     snaps = snapshots.completed() if snapshots is not None else []
     if not cuda:  # only a CUDA fault is reported late
         snaps = [s for s in snaps if s.origin == ORIGIN_RAISED]
@@ -334,7 +342,7 @@ def dump_failure(
         path = Path(dir) / f"{base}{'' if snap.origin == ORIGIN_RAISED else '-before'}{SUFFIX}"
         what = f"the last call of `{name}`" if late and snap.origin == ORIGIN_RAISED else snap.origin
         try:
-            written.append(write_snapshot(path, fn, snap, error, snapshots.recipe if snapshots else None))
+            written.append(write_snapshot(path, fn, snap, error, recipe()))
             _note(error, f"graphtree: a dump of {what} (its inputs before it ran) was written to {path}")
         except Exception as dump_error:  # noqa: BLE001 - the user's error must reach them in any case
             _note(error, f"graphtree: no dump of {what} was written: {dump_error}")
@@ -344,7 +352,7 @@ def dump_failure(
         lost = snapshots.lost() if snapshots is not None else ""
         path = Path(dir) / f"{base}{SUFFIX}"
         try:
-            written.append(write_dump(path, fn, args, kwargs, error, limit_bytes))
+            written.append(write_dump(path, fn, args, kwargs, error, limit_bytes, recipe()))
             after = " (its inputs as the call left them)" if snapshots is not None else ""
             _note(error, f"graphtree: a dump of this call{after} was written to {path}")
         except Exception as dump_error:  # noqa: BLE001 - as above
@@ -359,11 +367,17 @@ def dump_failure(
     return written
 
 
-def late_dumps(
-    dir: str | os.PathLike[str], fn: Callable[..., Any], name: str, limit_bytes: int
-) -> Callable[[RuntimeError, InputSnapshots], list[Path]]:
-    """What :mod:`graphtree.debug.late` calls for ``fn`` when a CUDA error surfaces outside its calls."""
-    return lambda error, snapshots: dump_failure(dir, fn, name, (), {}, error, limit_bytes, snapshots, late=True)
+def watched_snapshots(
+    fn: Callable[..., Any], dir: str | os.PathLike[str], name: str, limit_bytes: int = DEFAULT_LIMIT_BYTES
+) -> InputSnapshots:
+    """The input snapshots of ``fn`` (:class:`InputSnapshots`, keeping ``fn`` itself at its first
+    call), whose dumps are written into ``dir`` also should a CUDA fault surface outside its calls
+    (:mod:`graphtree.debug.late`). What ``snapshot=True`` and ``graphed(fn, debug=dir)`` use."""
+    snapshots = InputSnapshots(limit_bytes, of=fn)
+    late_faults.watch(
+        snapshots, lambda error, snaps: dump_failure(dir, fn, name, (), {}, error, limit_bytes, snaps, late=True)
+    )
+    return snapshots
 
 
 def _safe(name: str) -> str:

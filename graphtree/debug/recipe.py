@@ -47,13 +47,13 @@ class Recipe:
 
         Raises ``ValueError`` saying why when it cannot be rebuilt here.
         """
-        if self.by_value is not None:
-            _extend_path(self.sys_path)
-            fn: Callable[..., Any] = pickle.loads(self.by_value)
-            return fn
-        if self.target is None:
+        if self.by_value is None and self.target is None:
             raise ValueError(f"this dump's callable cannot be rebuilt: {self.note}")
         _extend_path(self.sys_path)
+        if self.by_value is not None:
+            fn: Callable[..., Any] = pickle.loads(self.by_value)
+            return fn
+        assert self.target is not None
         module, _, qualname = self.target.partition(":")
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):
