@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+_NO_RESULT: Any = object()  # (a call's outputs may be None)
+
 
 class CaptureFailed(RuntimeError):
     """The function did something a CUDA graph cannot record; the message says what and where.
@@ -30,11 +32,14 @@ class CaptureFailed(RuntimeError):
     it again eagerly would repeat its side effects (``has_result``).
     """
 
-    def __init__(self, message: str, pool_tainted: bool = False, result: Any = None, has_result: bool = False) -> None:
+    def __init__(self, message: str, pool_tainted: bool = False, result: Any = _NO_RESULT) -> None:
         super().__init__(message)
         self.pool_tainted = pool_tainted
         self.result = result
-        self.has_result = has_result
+
+    @property
+    def has_result(self) -> bool:
+        return self.result is not _NO_RESULT
 
 
 class OpTracker(TorchFunctionMode):

@@ -274,7 +274,7 @@ def record(
             leaves, spec = _torch.tree_flatten(out)
             result = _torch.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
             del out, owning, graph, leaves
-            raise CaptureFailed(str(e), pool_tainted=True, result=result, has_result=True) from None
+            raise CaptureFailed(str(e), pool_tainted=True, result=result) from None
         kept = watch.kept(_storages(graph_leaves, out, statics))
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
