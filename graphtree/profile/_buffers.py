@@ -51,7 +51,6 @@ class ActivityBuffers:
             kinds += [cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET]
         self.kinds = [int(k) for k in kinds]  # the activity kinds this session traces
         self.enabled_kinds: list[int] = []
-        self.buffer_path = ""  # "libcupti" (raw buffers through ctypes) or "cupti-python"
         self._in_flight = 0
         self._flush_period_set = False
         self._fast: _FastParser | None = None
@@ -114,7 +113,6 @@ class ActivityBuffers:
                 else:
                     self._raw = self._drainer = parser
                     self._raw_backend = self._act = backend
-                    self.buffer_path = "libcupti"
                     data.buffer_path = f"libcupti ({getattr(backend, 'path', '?')})"
                     return
         cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
@@ -122,7 +120,6 @@ class ActivityBuffers:
         self._set_flush_period(self._act)
         self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
         self._drainer = self._fast
-        self.buffer_path = "cupti-python"
         data.buffer_path = "cupti-python"
 
     def _set_flush_period(self, act: Any) -> None:
