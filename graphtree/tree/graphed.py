@@ -287,23 +287,18 @@ def _call_outside_compile(gc: GraphedCallable, args: tuple[Any, ...], kwargs: di
 
 _outside_compile: Callable[[GraphedCallable, tuple[Any, ...], dict[str, Any]], Any] = _call_outside_compile
 """:func:`_call_outside_compile`, wrapped by ``torch.compiler.disable`` once ``torch._dynamo`` is
-imported (:func:`_prepare_for_compile`)."""
-
-
-def _prepare_for_compile() -> None:
-    """Have the compile break ready before torch.compile can trace a graphed call: at once if
-    ``torch._dynamo`` is loaded, else the moment the program imports it. The wrapper imports
-    ``torch._dynamo`` (1.1 s on the H100 host), which a program that never compiles must not pay."""
-    call_after_import("torch._dynamo", _wrap_for_compile)
+imported (:func:`_wrap_for_compile`)."""
 
 
 def _wrap_for_compile() -> None:
     global _outside_compile
-    if _outside_compile is _call_outside_compile:
-        _outside_compile = torch.compiler.disable(_call_outside_compile)
+    _outside_compile = torch.compiler.disable(_call_outside_compile)
 
 
-_prepare_for_compile()
+# The compile break is ready before torch.compile can trace a graphed call: at once if
+# torch._dynamo is loaded, else the moment the program imports it. The wrapper imports
+# torch._dynamo (1.1 s on the H100 host), which a program that never compiles must not pay.
+call_after_import("torch._dynamo", _wrap_for_compile)
 
 
 class GraphedModule(torch.nn.Module):
