@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import gc, sys, torch, graphtree
@@ -49,7 +51,7 @@ SCRIPT = textwrap.dedent(
         ("capture_end raises", 2),
         ("first replay raises", 2),
     ]
-    real_begin = recorder.begin_capture
+    real_begin = getattr(recorder, "begin_capture", None)
 
     def begin_then_raise(*a, **k):
         real_begin(*a, **k)
@@ -68,10 +70,19 @@ SCRIPT = textwrap.dedent(
         "copy in": (inputs.InputPlan, "copy_in", 3),
         "restore": (pool.Pool, "restore", 4),
     }
-    CASES = [(n, None, None, c) for n, c in GRAPH] + [(n, o, a, c) for n, (o, a, c) in POINTS.items()]
+    USER = [("the function raises while recording", 2), ("the function raises while warming up", 1)]
+    CASES = [(n, "user", None, c) for n, c in USER] + [(n, None, None, c) for n, c in GRAPH]
+    for n, (o, a, c) in POINTS.items():
+        if hasattr(o, a):
+            CASES.append((n, o, a, c))
+        else:  # a step another version of graphtree does not have: said, and counted as missing by the test
+            print("missing", n, flush=True)
 
     def fn(x, y):
-        return (x @ y).relu() + torch.rand_like(x) * 0  # a random op: the generator is captured too
+        out = (x @ y).relu() + torch.rand_like(x) * 0  # a random op: the generator is captured too
+        if "user" in ARMED:
+            raise Injected("the user's function")   # the user's own error, with the capture under way
+        return out
 
     def check_clean(label):
         a = torch.randn(1000, device="cuda")       # eager random numbers
@@ -88,7 +99,7 @@ SCRIPT = textwrap.dedent(
     want = (x @ y).relu()
     for label, obj, attr, on_call in CASES:
         graphtree.reset()
-        real = getattr(obj, attr) if obj is not None else None
+        real = getattr(obj, attr) if attr is not None else None
         g = graphtree.graphed(fn, name="victim")
         other = graphtree.graphed(lambda x: x - 1, name="other")   # a recording in the tree beside it
         raised = None
@@ -96,7 +107,9 @@ SCRIPT = textwrap.dedent(
             graphtree.mark_step()
             other(x)
             if call == on_call:
-                if obj is None:
+                if obj == "user":
+                    ARMED.add("user")
+                elif obj is None:
                     ARMED.add(label)
                 else:
                     setattr(obj, attr, begin_then_raise if label == "capture_begin then raises" else boom)
@@ -107,7 +120,7 @@ SCRIPT = textwrap.dedent(
                 raised = e
             finally:
                 ARMED.clear()
-                if obj is not None:
+                if attr is not None:
                     setattr(obj, attr, real)
         check_clean(label)
         for _ in range(4):                          # the function that failed works again
@@ -125,21 +138,26 @@ SCRIPT = textwrap.dedent(
 
 OOM_SCRIPT = textwrap.dedent(
     """
-    import gc, torch, graphtree
+    import gc, sys, torch, graphtree
     calls = {"n": 0}
+    AFTER_ANOTHER = sys.argv[1] == "after another"  # f's recording is then a child in the tree
 
     def f(x):
         calls["n"] += 1
         y = x * 2                                   # allocated in the pool while recording
-        if calls["n"] == 2:
-            torch.empty(1 << 50, dtype=torch.uint8, device=x.device)
+        if calls["n"] == 2:                         # more than the device has left, as a real OOM asks
+            torch.empty(torch.cuda.mem_get_info()[0] + (1 << 30), dtype=torch.uint8, device=x.device)
         return y + 1
 
     g = graphtree.graphed(f, name="f")
+    other = graphtree.graphed(lambda x: x - 1, name="other")
     x = torch.randn(1 << 20, device="cuda")
+    torch.empty(1 << 30, device="cuda")              # freed at once: cached memory the allocator may try to give back
     kept = []
     for _ in range(3):
         graphtree.mark_step()
+        if AFTER_ANOTHER:
+            other(x)
         try:
             g(x)
         except torch.OutOfMemoryError as e:
@@ -147,6 +165,8 @@ OOM_SCRIPT = textwrap.dedent(
     fresh = graphtree.graphed(lambda x: x.sin() * 2, name="fresh")
     for _ in range(6):
         graphtree.mark_step()
+        if AFTER_ANOTHER:
+            assert torch.equal(other(x), x - 1)
         assert torch.equal(fresh(x), x.sin() * 2)
         assert torch.equal(g(x), x * 2 + 1)
     s = graphtree.stats()
@@ -156,10 +176,10 @@ OOM_SCRIPT = textwrap.dedent(
 )
 
 
-def _run(script, timeout=600):
+def _run(script, *args, timeout=600):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
 
 
@@ -167,12 +187,14 @@ def test_a_fault_at_any_step_leaves_the_process_usable():
     p = _run(SCRIPT)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
-    assert sum(line.startswith("ok ") for line in p.stdout.splitlines()) == 13, out[-6000:]
+    assert "missing" not in p.stdout, out[-6000:]
+    assert sum(line.startswith("ok ") for line in p.stdout.splitlines()) == 15, out[-6000:]
     assert "clean exit" in out
 
 
-def test_out_of_memory_while_recording_leaves_a_fresh_function_and_the_exit_clean():
-    p = _run(OOM_SCRIPT)
+@pytest.mark.parametrize("where", ["alone", "after another"])
+def test_out_of_memory_while_recording_leaves_a_fresh_function_and_the_exit_clean(where):
+    p = _run(OOM_SCRIPT, where)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     assert "invalid device pointer" not in out and "stale tensors" not in out, out[-6000:]

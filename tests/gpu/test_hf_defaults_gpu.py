@@ -58,12 +58,12 @@ def test_generate_with_hugging_faces_defaults_equals_eager(kind):
     with torch.inference_mode():
         expected = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static", disable_compile=True)
     model.forward = graphtree.graphed(model.forward)
-    assert model.generation_config.disable_compile is True  # graphtree graphs the decode step: HF does not compile it
     with warnings.catch_warnings(record=True) as seen, torch.inference_mode():
         warnings.simplefilter("always")
         for _ in range(2):  # a fresh static cache each time, as generate() makes by default
             out = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static")
             assert torch.equal(out, expected), (out, expected)
+    assert model.generation_config.disable_compile is True  # graphtree graphs the decode step: HF does not compile it
     ours = [str(w.message) for w in seen if "graphtree" in str(w.message) or "Dynamo" in str(w.message)]
     assert not ours, ours
     s = graphtree.stats()

@@ -99,6 +99,7 @@ def test_compiled_code_calling_a_graphed_function_breaks_its_graph_there_quietly
 
 # 5. the recorder and what the user holds ----------------------------------------------------------
 STALE = []  # outputs kept from earlier steps: graphtree invalidated them
+LAST_OUTPUT = None  # one of them kept in a global of its own, where a recording's search finds it first
 W_GLOBAL = None
 
 
@@ -107,7 +108,7 @@ def _reads_a_global(x):
 
 
 def test_a_held_invalidated_output_does_not_break_the_next_recording():
-    global W_GLOBAL
+    global W_GLOBAL, LAST_OUTPUT
     W_GLOBAL = torch.randn(32, 32, device=DEV)
     g = graphtree.graphed(lambda x: x * 2, name="doubler")
     x = torch.randn(32, 32, device=DEV)
@@ -118,12 +119,14 @@ def test_a_held_invalidated_output_does_not_break_the_next_recording():
     g(x)
     with pytest.raises(RuntimeError, match="graphtree"):
         STALE[1].sum()  # it is invalidated, and the user still holds it in a global
+    LAST_OUTPUT = STALE[1]
     h = graphtree.graphed(_reads_a_global)  # its recording looks for W_GLOBAL among the globals
     for _ in range(3):
         graphtree.mark_step()
         torch.testing.assert_close(h(x), x @ W_GLOBAL)
     assert graphtree.stats().replays >= 1
     STALE.clear()
+    LAST_OUTPUT = None
 
 
 # 6. tensor kinds -----------------------------------------------------------------------------------
