@@ -21,9 +21,11 @@ import dataclasses
 import importlib
 import inspect
 import io
+import marshal
 import os
 import pickle
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +129,11 @@ def _pickle(fn: Any) -> bytes:
                 if isinstance(obj, torch.nn.Parameter):
                     return _parameter_on, (host, str(obj.device), obj.requires_grad)
                 return _tensor_on, (host, str(obj.device))
+            if isinstance(obj, types.CodeType):
+                # cloudpickle >= 3.1 names every code object it keeps "<dynamic-code>": a re-run's
+                # traceback would lose the script's file. marshal keeps code whole, file included
+                # (a dump re-runs on the Python that wrote it: code by value needs that anyway).
+                return marshal.loads, (marshal.dumps(obj),)
             return super().reducer_override(obj)
 
     buf = io.BytesIO()
