@@ -69,6 +69,7 @@ def _record(
         with segments:
             out = _f(x, trace)
         segments.end()
+        segments.graphs[-1].replay()  # the last segment was captured, not run: run it, as a recording does
     torch.cuda.current_stream().wait_stream(side)
     return segments, out
 
