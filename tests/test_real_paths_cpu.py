@@ -141,7 +141,7 @@ def test_a_collected_graphed_callable_is_pruned_at_the_next_step():
     tree = manager.TreeManager(device=0)
 
     def node(gid, children=()):
-        n = types.SimpleNamespace(key=(gid, ()), children={}, parent=None)
+        n = types.SimpleNamespace(key=(gid, ()), children={}, parent=None, first=None, branches=list)
         for c in children:
             n.children.setdefault(c.key, []).append(c)
             c.parent = n

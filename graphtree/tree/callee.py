@@ -33,6 +33,7 @@ class Callee(Protocol):
     fn: Callable[..., Any]
     warmup: int
     max_rerecords: int
+    max_break_values: int  # distinct values a host read may give (tree/breaks.py); 0: no breaks
     debug: str | os.PathLike[str] | None
     bucketing: Bucketing | None
     given_up: dict[Any, str]

@@ -130,9 +130,10 @@ class SyncWatch:
             print(sync.found)
     """
 
-    def __init__(self, tracker: OpTracker, fn_name: str) -> None:
+    def __init__(self, tracker: OpTracker, fn_name: str, allowed: Any = None) -> None:
         self.tracker = tracker
         self.fn_name = fn_name
+        self.allowed = allowed  # while ``allowed.active``, a synchronisation is let pass (a break)
         self.found = ""
         self._thread = threading.get_ident()
         self._others: list[Any] = []
@@ -152,7 +153,7 @@ class SyncWatch:
             return self._show(message, category, filename, lineno, file, line)
         text = str(message)
         if _SYNC_WARNING in text:
-            if self.found:
+            if self.found or (self.allowed is not None and self.allowed.active):
                 return
             op = f"`{self.tracker.last}`" if self.tracker.last else "an operation"
             self.found = (

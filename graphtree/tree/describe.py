@@ -12,11 +12,13 @@ def _label(node: Node) -> str:
     return (
         f"{signature(node)} [{node.id}] replays={node.replays} "
         f"outputs={node.outputs.nbytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
+        + "".join(f" | read {value!r} at {where}" for where, value in node.reads)
     )
 
 
 def _children(node: Node | Root) -> list[Node]:
-    return [k for kids in node.children.values() for k in kids]
+    # a call broken at host reads: the recordings of its other values beside it (tree/breaks.py)
+    return [x for kids in node.children.values() for k in kids for x in (k, *k.branches())]
 
 
 def render(managers: Iterable[TreeManager], format: str) -> str:

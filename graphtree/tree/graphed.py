@@ -17,6 +17,7 @@ from graphtree import _events
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
+from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.callee import user_code
 from graphtree.tree.inputs import (
     Bucketing,
@@ -50,11 +51,17 @@ def _check_options(
     max_rerecords: int,
     name: str | None,
     debug: str | os.PathLike[str] | None = None,
+    max_break_values: int = MAX_VALUES,
 ) -> None:
     """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
     if buckets is not None:
         Bucketing(buckets, bucket_dim)  # checks both
-    for option, value in (("bucket_dim", bucket_dim), ("warmup", warmup), ("max_rerecords", max_rerecords)):
+    for option, value in (
+        ("bucket_dim", bucket_dim),
+        ("warmup", warmup),
+        ("max_rerecords", max_rerecords),
+        ("max_break_values", max_break_values),
+    ):
         if type(value) is not int or value < 0:
             raise ValueError(f"{option} must be a non-negative int, got {value!r}")
     if name is not None and (not isinstance(name, str) or not name):
@@ -93,10 +100,11 @@ class GraphedCallable:
         max_rerecords: int = 8,
         name: str | None = None,
         debug: str | os.PathLike[str] | None = None,
+        max_break_values: int = MAX_VALUES,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values)
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         self.fn = fn
         self.id = next(_ids)
@@ -107,6 +115,7 @@ class GraphedCallable:
         self.bucketing = Bucketing(buckets, bucket_dim) if buckets is not None else None
         self.warmup = warmup
         self.max_rerecords = max_rerecords
+        self.max_break_values = max_break_values
         self.disabled_reason: str | None = None
         # Signatures never to graph, with the reason (a host sync, a mutated input, a failed
         # capture, the re-record limit, ...): other signatures of the function still are.
@@ -450,6 +459,7 @@ def graphed(
     max_rerecords: int = 8,
     name: str | None = None,
     debug: str | os.PathLike[str] | None = None,
+    max_break_values: int = MAX_VALUES,
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
@@ -462,9 +472,11 @@ def graphed(
     strides, devices and plain Python values).
 
     Args:
-        fn: the callable. It must not synchronize with the host (``.item()``, ``.cpu()``,
-            printing tensors) and must not mutate copied inputs; if it does, it runs eagerly
-            and ``stats()`` says why.
+        fn: the callable. It must not mutate copied inputs. A host read of a scalar
+            (``.item()``, ``bool(t)``, ``if t:``) splits its recording in two at that point, and
+            the value read chooses what is replayed after it (see ``max_break_values``); other host
+            synchronisations (``.cpu()``, ``.tolist()``, printing tensors, data-dependent shapes)
+            make it run eagerly, and ``stats()`` says why.
         buckets: pad dimension ``bucket_dim`` of the inputs up to the next of these sizes and
             cut the outputs back, so that many batch sizes share a few recordings. Rows of that
             dimension must be independent.
@@ -473,6 +485,9 @@ def graphed(
         max_rerecords: new recordings of one call site, after its first, before the function
             runs eagerly for good (in-place inputs or parameters that keep moving).
         name: a name for logs, ``stats()`` and error messages (default: the function's).
+        max_break_values: distinct values one host read may give (each gets recordings of its
+            own for what follows it) before the signature runs eagerly; 0 runs any call that
+            reads a value on the host eagerly.
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function by import path or by value, a model with its weights, random states,
             versions, traceback; see :func:`graphtree.debug.dump_on_error`) before the error
@@ -514,10 +529,11 @@ def graphed(
             max_rerecords=max_rerecords,
             name=name,
             debug=debug,
+            max_break_values=max_break_values,
         )
         return GraphedModule(f, call) if isinstance(f, torch.nn.Module) else call
 
     if fn is None:  # as a decorator with options: @graphed(buckets=[...])
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug)
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values)
         return make
     return make(fn)

@@ -31,6 +31,7 @@ import torch
 
 from graphtree import _native, _torch
 from graphtree.tree import recorder
+from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
@@ -64,8 +65,11 @@ def _drop_subtree(node: Node) -> None:
         n = stack.pop()
         for kids in n.children.values():
             stack.extend(kids)
+        stack.extend(n.branches())  # the recordings of its call's other values (tree/breaks.py)
         n.children = {}
         n.parent = None  # type: ignore[assignment]
+        if n.first is not None:
+            n.first.leaves.clear()
 
 
 # --- the calling thread's trees ---------------------------------------------------------------------
@@ -199,6 +203,8 @@ class TreeManager:
                             and native.addresses_unchanged(node.statics, node.static_packed)
                         ):
                             node = self._replayable(gc, kids, leaves)
+                    if node is not None and node.first is not None:  # it reads values on the host
+                        return self._replay_segments(gc, call, node)
                     if node is not None:  # the hot path: a recording that fits
                         # Before the launch: a replay that raises after it has still written the pool.
                         self.bookkeeping_live = False
@@ -219,6 +225,43 @@ class TreeManager:
             if self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup:
                 return self._warm_up(gc, call)
             return self._record(gc, call)
+
+    def _replay_segments(self, gc: Callee, call: Call, node: Node) -> Any:
+        """Replay a recording broken at host reads (:mod:`graphtree.tree.breaks`): its segments for
+        the values read, or, at a value never read there before, record the rest of the call."""
+        self.bookkeeping_live = False
+        try:
+            leaf, read = node.run_segments(call.leaves, call.n)
+            if leaf is not None:
+                out = leaf.hand_out(call.leaves, call.n)
+        except RuntimeError as e:
+            err = self._replay_error(gc, node, e)
+            if err is e:
+                raise
+            raise err from e
+        if leaf is None:
+            return self._record_value(gc, call, read)
+        self.path.append(leaf)
+        self.current = leaf
+        self.counters.replays += 1
+        return out
+
+    def _record_value(self, gc: Callee, call: Call, read: list[tuple[Segment, Any]]) -> Any:
+        """The last value of ``read`` has no segment after it: record the call on from there, or,
+        past the limit of values at that read, run it eagerly for good."""
+        seg, _value = read[-1]
+        reason = gc.given_up.get(call.key)
+        if reason is None and len(seg.next) >= gc.max_break_values:
+            assert seg.read is not None
+            reason = (
+                f"`{gc.name}` read more than {gc.max_break_values} different values at {seg.read.where}: "
+                f"each needs recordings of its own (raise graphed(..., max_break_values=) if they are few)"
+            )
+            gc.give_up(call.key, reason)
+        if reason is not None:
+            return gc.run_eager(call, reason)
+        self.counters.values += 1
+        return self._record(gc, call, prefix=read)
 
     def _replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> RuntimeError:
         """``e`` itself, or, for a CUDA error, one that names the recording, the graph replayed
@@ -323,7 +366,10 @@ class TreeManager:
                 if len(now) != len(node.statics) or any(a is not b for a, b in zip(now, node.statics)):
                     continue
                 node.epoch = epoch
-            if node.unconditional or node.can_replay(leaves, self.path, check, native):
+            if node.first is not None:  # a broken recording: every value's recording must fit
+                if all(n.can_replay(leaves, self.path, check, native) for n in node.first.leaves):
+                    return node
+            elif node.unconditional or node.can_replay(leaves, self.path, check, native):
                 return node
         return None
 
@@ -363,10 +409,10 @@ class TreeManager:
             self.warmed[key] = self.warmed.get(key, 0) + 1
         return done.out
 
-    def _record(self, gc: Callee, call: Call) -> Any:
+    def _record(self, gc: Callee, call: Call, prefix: list[tuple[Segment, Any]] | None = None) -> Any:
         self._sync_bookkeeping()
         key = (gc.id, call.key)
-        siblings = self._alive_siblings(key)
+        siblings = [] if prefix else self._alive_siblings(key)  # a new value's recording is no re-recording
         if len(siblings) > gc.max_rerecords:
             reason = (
                 f"re-record limit reached: recorded {len(siblings)} times at the same place "
@@ -383,6 +429,7 @@ class TreeManager:
                 pool=self.pool,
                 stream=self.stream,
                 device=self.device,
+                prefix=prefix,
             )
         except CaptureFailed as e:
             gc.give_up(call.key, str(e))
@@ -400,7 +447,8 @@ class TreeManager:
             raise
         if siblings:
             self.counters.rerecordings += 1
-        self.current.children.setdefault(key, []).append(node)
+        if not prefix:  # (a new value's recording is found through the first segment it shares)
+            self.current.children.setdefault(key, []).append(node)
         self.path.append(node)
         self.current = node
         self.counters.recordings += 1
@@ -427,8 +475,12 @@ class TreeManager:
         while stack:
             n = stack.pop()
             for kids in n.children.values():
-                out.extend(kids)
-                stack.extend(kids)
+                for kid in kids:
+                    out.append(kid)
+                    stack.append(kid)
+                    for other in kid.branches():
+                        out.append(other)
+                        stack.append(other)
         return out
 
     def reset(self) -> None:

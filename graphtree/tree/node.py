@@ -20,6 +20,7 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree import writes as _writes
+from graphtree.tree.breaks import Segment, value_key
 from graphtree.tree.inputs import PLAIN_TYPES, InputPlan
 from graphtree.tree.outputs import OutputPlan
 
@@ -87,6 +88,10 @@ class Node:
             attributes); when one dies or moves, the node is dead.
         writes: plain values the call wrote into its object arguments, written again after each
             replay (:mod:`graphtree.tree.writes`).
+        first: for a call that read values on the host, its first segment
+            (:mod:`graphtree.tree.breaks`), shared with the recordings of the call's other values;
+            ``graph`` is then its last segment's.
+        reads: for such a call, where each host read was and the value it gave (``describe()``).
     """
 
     def __init__(
@@ -110,6 +115,8 @@ class Node:
         input_refs: list[int],
         externals: Sequence[External],
         writes: _writes.Writes = (),
+        first: Segment | None = None,
+        reads: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.id = id
         self.parent = parent
@@ -133,12 +140,15 @@ class Node:
         self.input_refs = input_refs
         self.externals = externals
         self.writes = writes
+        self.first = first
+        self.reads = list(reads)
         self.replays = 0
         # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
         # tensor read from outside, no ancestor output that had to be dead. Such a node is always
         # replayable under its parent.
-        self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals)
-        self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals)
+        # A broken recording is replayable when every recording of its other values is too.
+        self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals or first)
+        self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals or first)
         self._device = torch.device("cuda", inputs.device)
         self._launch = _torch.graph_launcher(graph)
         self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
@@ -203,6 +213,37 @@ class Node:
         else:
             self.inputs.copy_in(leaves, n)
         self._launch()
+        return self.hand_out(leaves, n)
+
+    def run_segments(self, leaves: Sequence[Any], n: int) -> tuple[Node | None, list[tuple[Segment, Any]]]:
+        """A broken recording's replay up to its outputs: copy the inputs in, launch the first
+        segment and, after each host read, the segment recorded for the value read.
+
+        Returns the recording whose last segment ran (hand its outputs out with :meth:`hand_out`)
+        and the segments that read values with those values; ``None`` when the last value read
+        has no segment recorded after it (the segments that ran are then recorded on from there).
+        """
+        self.inputs.copy_in(leaves, n)
+        seg = self.first
+        assert seg is not None
+        read: list[tuple[Segment, Any]] = []
+        while True:
+            seg.launch()
+            if seg.read is None:
+                return seg.node, read
+            value = seg.read.value()
+            read.append((seg, value))
+            after = seg.next.get(value_key(value))
+            if after is None:
+                return None, read
+            seg = after
+
+    def branches(self) -> list[Node]:
+        """The recordings of a broken call's other values (those sharing its first segment)."""
+        return [n for n in self.first.leaves if n is not self] if self.first is not None else []
+
+    def hand_out(self, leaves: Sequence[Any], n: int) -> Any:
+        """After the launch: the call's writes into its object arguments, and its outputs (see :meth:`replay`)."""
         self.replays += 1
         if self.writes:  # the Python side of the call: what it wrote into its object arguments
             _writes.apply(leaves, self.writes)

@@ -22,6 +22,7 @@ import torch
 
 from graphtree import _events, _torch
 from graphtree.tree import writes as _writes
+from graphtree.tree.breaks import BranchMismatch, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
@@ -102,7 +103,8 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     watch = state_watch(call.leaves, copied_inputs(call))
     args, kwargs = call.arguments()
     tracker = OpTracker()
-    sync = SyncWatch(tracker, gc.name)
+    reads = WarmUpReads()  # host reads of a scalar: breaks of the recording, not a reason to give up
+    sync = SyncWatch(tracker, gc.name, allowed=reads if gc.max_break_values else None)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
@@ -113,6 +115,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
             torch.cuda.stream(stream),
             sync,
             tracker,
+            reads,
             watch,
         ):
             out = gc.fn(*args, **kwargs)
@@ -164,13 +167,16 @@ def record(
     pool: Pool,
     stream: torch.cuda.Stream,
     device: int,
+    prefix: list[tuple[Segment, Any]] | None = None,
 ) -> tuple[Node, Any]:
     """Capture one call of ``gc`` as a child of ``parent`` (the last node of ``path``).
 
     Returns the new node and this call's outputs (the capture runs nothing, so the graph is
     replayed once to compute them). Raises :class:`CaptureFailed` when the function does what a
     graph cannot hold; an exception of the function itself propagates unchanged, and nothing
-    of the failed capture stays behind.
+    of the failed capture stays behind. A host read of a scalar ends a segment of the recording
+    (:mod:`graphtree.tree.breaks`); with ``prefix`` (the segments a replay ran before it read a
+    value never recorded, and the values read), the new node extends that recording.
     """
     # Outputs of the path the caller holds are read in place and kept out of this graph's
     # memory; those that are dead must stay dead for the graph to be replayed.
@@ -193,7 +199,13 @@ def record(
         before = _writes.values(call.leaves)  # plain values inside object arguments (see writes.py)
         modules = [gc.module(), *(x for x in call.leaves if isinstance(x, torch.nn.Module))]
         modules_before = _writes.module_values(modules)
-        graph = new_graph()
+        breaks = Breaks(
+            begin=lambda g: begin_capture(g, pool.id, device, watch),
+            new_graph=new_graph,
+            first_replay=lambda: inputs.copy_in(call.leaves, call.n),
+            prefix=prefix,
+            placed=[t.data_ptr() for t in graph_leaves if isinstance(t, torch.Tensor) and t.is_cuda],
+        )
         tracker = OpTracker()
         node_id = next_node_id()
         _events.publish("record_begin", name=gc.name, node=node_id)
@@ -213,25 +225,29 @@ def record(
                 # capturing stream cannot be), through the graph, which then owns its reference on the
                 # pool (its destructor gives it back); a broken one's is given back below.
                 try:
-                    begin_capture(graph, pool.id, device, watch)
+                    breaks.begin()
                     began = True
                 except BaseException as e:  # noqa: BLE001 - explained below
                     end_error = e
                     began = torch.cuda.is_current_stream_capturing()  # it raised after the capture began
-                    ended = began and _torch.end_open_capture(graph, stream)
+                    ended = began and _torch.end_open_capture(breaks.graph, stream)
                 else:
                     try:
-                        with tracker, watch:
+                        with tracker, breaks, watch:
                             out = gc.fn(*args, **kwargs)
+                        if len(breaks.segments) < len(prefix or ()):
+                            raise BranchMismatch("running it again for a new value did not read the values it had read")
                     except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
                         user_error = e
                     try:
-                        graph.capture_end()
+                        if breaks.open:  # (not after a break that raised between two segments)
+                            breaks.end()
                     except BaseException as e:  # noqa: BLE001 - whatever ended the capture, it is explained below
                         end_error = e
-                        ended = _torch.end_open_capture(graph, stream)
+                        ended = _torch.end_open_capture(breaks.graph, stream)
         finally:
             current.wait_stream(stream)
+        graph = breaks.graph
         if end_error is not None:  # the stream capture broke: torch will not capture into this pool again
             err = user_error if isinstance(user_error, Exception) else end_error
             msg = explain_capture_error(err, tracker, gc.name)
@@ -241,20 +257,23 @@ def record(
             for x in (user_error, end_error):
                 if x is not None and x is not interrupt:
                     clear_traceback(x)
-            del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph
+            del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph, breaks
             _torch.end_failed_capture(device, pool.id, began and not ended)
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
                 raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
-        if isinstance(user_error, _torch.RandomOutsideCapture):
-            del args, kwargs, graph_leaves, owning, graph
+        if isinstance(user_error, (_torch.RandomOutsideCapture, BranchMismatch)):
+            del args, kwargs, graph_leaves, owning, graph, breaks
             raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
         if user_error is not None:
             # The capture itself ended well: the graph is dropped (its destructor gives back its
             # reference on the pool) and the function's error reaches the caller as it was raised.
-            del args, kwargs, graph_leaves, owning, graph
+            del args, kwargs, graph_leaves, owning, graph, breaks
             raise user_error
         capture_seconds = time.perf_counter() - t0
+        chain = breaks.finish()  # the segments, when the call read values on the host
+        reads = [(seg.read.where, v) for seg, v in zip(chain, breaks.values) if seg.read is not None]
+        del breaks
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph
             raise CaptureFailed(_mutation_reason(watch.written))
@@ -269,7 +288,8 @@ def record(
             # Its Python ran, side effects and all: its outputs come from this graph, copied out
             # of the pool (which then retires: no checkpoint knows this capture's blocks), and the
             # signature runs eagerly from the next call on.
-            inputs.copy_in(call.leaves, call.n)
+            if not chain:  # (the segments before the last ran at their reads)
+                inputs.copy_in(call.leaves, call.n)
             graph.replay()
             leaves, spec = _torch.tree_flatten(out)
             result = _torch.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
@@ -286,8 +306,10 @@ def record(
         # block the checkpoint shows allocated must belong to an output (restoring the checkpoint
         # later would leave it allocated with no owner). ``args``/``kwargs`` hold them too.
         del out, owning, graph_leaves, args, kwargs
-        # The capture ran nothing: replay once to compute this call's outputs.
-        inputs.copy_in(call.leaves, call.n)
+        # The capture ran nothing: replay once to compute this call's outputs (after a break,
+        # the segments before the last ran at their reads).
+        if not chain:
+            inputs.copy_in(call.leaves, call.n)
         graph.replay()
         out_leaves = outputs.adopt(out_leaves, call.leaves)
         depth = len(path)
@@ -314,7 +336,12 @@ def record(
             ],
             externals=externals,
             writes=written,
+            first=chain[0] if chain else None,
+            reads=reads,
         )
+        if chain:
+            chain[-1].node = node
+            chain[0].leaves.append(node)
         _events.publish("record_end", name=gc.name, node=node.id, graph=graph)
         return node, outputs.finish(out_leaves, call.n)
     finally:

@@ -19,6 +19,8 @@ class Stats:
     ``pool_bytes`` is the memory the trees' pools hold on the GPU. ``replaced`` counts dead
     recordings (everything they read in place had died, such as a cache of an earlier call)
     recorded again; ``rerecordings`` counts recordings made because live inputs moved.
+    ``values`` counts recordings made for a value a host read had not given before (a call that
+    reads ``.item()`` or ``if t:`` is recorded per value; included in ``recordings``).
 
     Example::
 
@@ -32,6 +34,7 @@ class Stats:
     warmups: int = 0
     rerecordings: int = 0
     replaced: int = 0
+    values: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     pool_bytes: int = 0
     trees: int = 0
@@ -45,7 +48,9 @@ class Stats:
         eager = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager.items())) or "none"
         s = (
             f"graphtree: {self.recordings} recordings ({self.rerecordings} re-recordings, "
-            f"{self.replaced} dead ones replaced), "
+            f"{self.replaced} dead ones replaced"
+            + (f", {self.values} for new values read on the host" if self.values else "")
+            + "), "
             f"{self.replays} replays, {self.warmups} warm-ups; eager runs: {eager}; "
             f"pool {self.pool_bytes / 2**20:.1f} MiB in {self.trees} tree(s)"
         )
@@ -55,7 +60,7 @@ class Stats:
 class Counters:
     """Mutable counters one tree (or the process, for calls with no tree) keeps."""
 
-    __slots__ = ("eager", "recordings", "replaced", "replays", "rerecordings", "warmups")
+    __slots__ = ("eager", "recordings", "replaced", "replays", "rerecordings", "values", "warmups")
 
     def __init__(self) -> None:
         self.recordings = 0
@@ -63,6 +68,7 @@ class Counters:
         self.warmups = 0
         self.rerecordings = 0
         self.replaced = 0  # dead recordings replaced (everything they read in place had died)
+        self.values = 0  # recordings for a new value at a host read (tree/breaks.py)
         self.eager: Counter[str] = Counter()
 
     def add_to(self, s: Stats) -> None:
@@ -71,6 +77,7 @@ class Counters:
         s.warmups += self.warmups
         s.rerecordings += self.rerecordings
         s.replaced += self.replaced
+        s.values += self.values
         for k, v in self.eager.items():
             s.eager[k] = s.eager.get(k, 0) + v
 

@@ -1,0 +1,151 @@
+"""Breakable recordings (issue 26): a host read of a scalar ends a segment of the recording and its
+value keys what is replayed after it. Each test compares every call with eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphtree
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    graphtree.reset()
+    yield
+    graphtree.reset()
+
+
+def _branchy(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    if y.sum().item() > 0:  # a host read that decides what runs next
+        return (y + 1).relu()
+    return (y - 1).abs() * 3
+
+
+def test_a_value_read_on_the_host_picks_the_branch_on_every_call_and_both_replay():
+    f = graphtree.graphed(_branchy)
+    x = torch.randn(4096, device=DEV)
+    signs = [1, 1, 1, -1, -1, 1, -1, 1, -1, -1]
+    for sign in signs:
+        graphtree.mark_step()
+        x.copy_(torch.rand(4096, device=DEV) * sign)
+        torch.testing.assert_close(f(x), _branchy(x))
+    s = graphtree.stats()
+    assert not s.eager, s
+    assert s.values == 1, s  # the second value got its own recording of what follows the read
+    assert s.replays >= len(signs) - 3, s  # warm-up, first recording, the new value's recording
+    text = graphtree.describe()
+    assert "read True at" in text and "read False at" in text, text
+
+
+def test_a_mixture_of_experts_with_data_dependent_routing_equals_eager():
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4)).to(DEV)
+    gate = torch.nn.Linear(64, 4).to(DEV)
+
+    def moe(x: torch.Tensor) -> torch.Tensor:
+        choice = gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(experts):
+            picked = choice == e
+            if picked.any():  # run an expert only when a token chose it (a host read)
+                out = out + picked.unsqueeze(-1) * expert(x)
+        return out
+
+    f = graphtree.graphed(moe)
+    with torch.inference_mode():
+        for i in range(24):
+            graphtree.mark_step()
+            x = torch.randn(3, 64, device=DEV) * (1 + i % 3)
+            torch.testing.assert_close(f(x), moe(x))
+    s = graphtree.stats()
+    assert not s.eager, s
+    assert s.replays >= 8, s
+
+
+def test_random_numbers_before_a_break_are_fresh_on_every_replay():
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.rand_like(x)
+        if (y > 0).all():
+            return y * 2
+        return y
+
+    f = graphtree.graphed(noisy)
+    x = torch.ones(1024, device=DEV)
+    outs = []
+    for _ in range(5):
+        graphtree.mark_step()
+        outs.append(f(x).clone())
+    assert graphtree.stats().replays >= 2
+    assert all(((o >= 2) & (o < 4)).all() for o in outs)  # (1 + U[0, 1)) * 2: the branch taken
+    assert not torch.equal(outs[-1], outs[-2]), "a replay repeated the recording's random numbers"
+
+
+def test_a_value_with_too_many_distinct_results_runs_eagerly_with_the_reason(caplog):
+    def logs_a_loss(x: torch.Tensor) -> torch.Tensor:
+        loss = (x * x).mean()
+        logs_a_loss.seen.append(round(loss.item(), 6))  # a float: new on every call
+        return x - loss
+
+    logs_a_loss.seen = []
+    f = graphtree.graphed(logs_a_loss, max_break_values=3)
+    for i in range(10):
+        graphtree.mark_step()
+        x = torch.full((256,), float(i + 1), device=DEV)
+        torch.testing.assert_close(f(x), x - (i + 1) ** 2)
+    s = graphtree.stats()
+    assert any("different values at" in r and "max_break_values" in r for r in s.eager), s
+    assert s.values >= 2, s
+
+
+def test_max_break_values_zero_runs_a_host_read_eagerly_as_before():
+    f = graphtree.graphed(_branchy, max_break_values=0)
+    x = torch.rand(1024, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        torch.testing.assert_close(f(x), _branchy(x))
+    s = graphtree.stats()
+    assert s.replays == 0 and any("synchronizes with the host" in r for r in s.eager), s
+
+
+def test_outputs_of_a_broken_call_are_held_and_invalidated_like_any_other():
+    f = graphtree.graphed(_branchy)
+    x = torch.rand(512, device=DEV)
+    kept = []
+    for _ in range(4):
+        graphtree.mark_step()
+        kept.append(f(x))
+    torch.testing.assert_close(kept[-1], _branchy(x))
+    with pytest.raises(RuntimeError, match="graphtree"):
+        kept[0].sum()
+    y = f(x)  # held across calls of the same step (no mark_step): a new step starts by itself
+    torch.testing.assert_close(y, _branchy(x))
+
+
+def test_a_llama_called_without_a_cache_is_graphed_across_its_host_reads():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+    step = graphtree.graphed(model)
+    with torch.inference_mode():
+        for length in (8, 8, 8, 12, 12, 12, 8, 12):
+            graphtree.mark_step()
+            ids = torch.randint(1, 256, (2, length), device=DEV)
+            want = model(ids, use_cache=False).logits
+            got = step(ids, use_cache=False).logits
+            torch.testing.assert_close(got, want)
+    s = graphtree.stats()
+    assert not s.eager, s
+    assert s.replays >= 4, s
