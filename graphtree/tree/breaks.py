@@ -180,23 +180,27 @@ class Breaks(TorchDispatchMode):
 
 
 class WarmUpReads(TorchDispatchMode):
-    """In a warm-up: notes that a host read of a CUDA scalar is under way (``active``), so that the
-    sync watch lets it pass (it will be a break), and counts them."""
+    """In a warm-up: counts host reads of a CUDA scalar whose synchronisation the sync watch has not
+    seen yet (``pending``), so that it lets each pass: they will be breaks.
+
+    (torch hands a warning of its sync debug mode to Python when the outermost call returns, after
+    this mode's handler: hence a count, not a flag.)"""
 
     def __init__(self) -> None:
         super().__init__()
-        self.active = False
-        self.count = 0
+        self.pending = 0
+
+    def allow(self) -> bool:
+        """Whether the synchronisation warned about now is one of these reads (and count it off)."""
+        if self.pending:
+            self.pending -= 1
+            return True
+        return False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
         if func is ITEM and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
-            self.active = True
-            self.count += 1
-            try:
-                return func(*args, **kwargs)
-            finally:
-                self.active = False
+            self.pending += 1
         return func(*args, **kwargs)

@@ -133,7 +133,7 @@ class SyncWatch:
     def __init__(self, tracker: OpTracker, fn_name: str, allowed: Any = None) -> None:
         self.tracker = tracker
         self.fn_name = fn_name
-        self.allowed = allowed  # while ``allowed.active``, a synchronisation is let pass (a break)
+        self.allowed = allowed  # ``allowed.allow()``: this synchronisation may pass (a break)
         self.found = ""
         self._thread = threading.get_ident()
         self._others: list[Any] = []
@@ -153,7 +153,7 @@ class SyncWatch:
             return self._show(message, category, filename, lineno, file, line)
         text = str(message)
         if _SYNC_WARNING in text:
-            if self.found or (self.allowed is not None and self.allowed.active):
+            if self.found or (self.allowed is not None and self.allowed.allow()):
                 return
             op = f"`{self.tracker.last}`" if self.tracker.last else "an operation"
             self.found = (
