@@ -38,7 +38,10 @@ from graphtree import _torch
 from graphtree.tree.capture import is_internal
 
 ITEM = torch.ops.aten._local_scalar_dense.default
-"""The one operation a recording breaks at: every host read of a CUDA scalar goes through it."""
+READS = frozenset({ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default})
+"""The operations a recording breaks at: every host read of a CUDA scalar goes through one of them
+(``bool(t)`` reaches a dispatch mode as ``is_nonzero`` under ``inference_mode``, else as
+``_local_scalar_dense``)."""
 
 MAX_VALUES = 8
 """Distinct values one break may take before the call's signature runs eagerly
@@ -46,7 +49,11 @@ MAX_VALUES = 8
 
 
 def value_key(value: Any) -> Any:
-    """The key of a read's value: its type and value (``True`` and ``1`` differ; NaN equals NaN)."""
+    """The key of a read's value: its type and value (``True`` and ``1`` differ; NaN equals NaN).
+
+    The value itself, not what the code does with it: ``if t.item() > 0:`` keys on the float,
+    which may differ on every call (up to ``max_break_values``); ``if t > 0:`` keys on a bool.
+    """
     if isinstance(value, float) and value != value:
         return (float, "nan")
     return (type(value), value)
@@ -63,7 +70,8 @@ def _where() -> str:
 class Read:
     """Where a break's host read finds its value on replay: the same bytes the recording read."""
 
-    def __init__(self, t: torch.Tensor, where: str) -> None:
+    def __init__(self, op: Any, t: torch.Tensor, where: str) -> None:
+        self.op = op  # one of READS
         st = t.untyped_storage()
         self.meta = _torch.meta_of(t)
         self.ptr = st.data_ptr()
@@ -73,7 +81,7 @@ class Read:
 
     def value(self) -> Any:
         """Read the value now (waits for the work launched before it on the current stream)."""
-        return ITEM(_torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes)))
+        return self.op(_torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes)))
 
 
 class Segment:
@@ -114,8 +122,10 @@ class Breaks(TorchDispatchMode):
         first_replay: Callable[[], None],
         prefix: list[tuple[Segment, Any]] | None = None,
         placed: list[int] | None = None,
+        enabled: bool = True,
     ) -> None:
         super().__init__()
+        self.enabled = enabled  # False (max_break_values=0): a host read fails the capture as before
         self._begin, self._new_graph, self._first_replay = begin, new_graph, first_replay
         self.prefix = prefix or []
         self.graph = new_graph()
@@ -136,7 +146,12 @@ class Breaks(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is not ITEM or not (isinstance(args[0], torch.Tensor) and args[0].is_cuda) or not self.open:
+        if (
+            func not in READS
+            or not self.enabled
+            or not self.open
+            or not (isinstance(args[0], torch.Tensor) and args[0].is_cuda)
+        ):
             out = func(*args, **kwargs)
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -159,7 +174,7 @@ class Breaks(TorchDispatchMode):
                 self._first_replay()
             self.graph.replay()  # what the read needs: the capture ran nothing
             value = func(*args, **kwargs)
-            seg = Segment(self.graph, Read(t, _where()), tuple(self.trace))
+            seg = Segment(self.graph, Read(func, t, _where()), tuple(self.trace))
             self.graph = self._new_graph()
         self.segments.append(seg)
         self.values.append(value)
@@ -201,6 +216,6 @@ class WarmUpReads(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is ITEM and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        if func in READS and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
             self.pending += 1
         return func(*args, **kwargs)

@@ -205,6 +205,7 @@ def record(
             first_replay=lambda: inputs.copy_in(call.leaves, call.n),
             prefix=prefix,
             placed=[t.data_ptr() for t in graph_leaves if isinstance(t, torch.Tensor) and t.is_cuda],
+            enabled=gc.max_break_values > 0,
         )
         tracker = OpTracker()
         node_id = next_node_id()

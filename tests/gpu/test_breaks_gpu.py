@@ -20,7 +20,7 @@ def _fresh():
 
 def _branchy(x: torch.Tensor) -> torch.Tensor:
     y = x * 2
-    if y.sum().item() > 0:  # a host read that decides what runs next
+    if y.sum() > 0:  # a host read (a bool) that decides what runs next
         return (y + 1).relu()
     return (y - 1).abs() * 3
 
