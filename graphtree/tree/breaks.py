@@ -44,8 +44,9 @@ READS = frozenset({ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.item.
 ``_local_scalar_dense``)."""
 
 MAX_VALUES = 8
-"""Distinct values one break may take before the call's signature runs eagerly
-(``graphed(..., max_break_values=)``): a float loss read for logging has a new value on every call."""
+"""Distinct values one break may take before the call's signature runs eagerly, when breaks are on
+(``graphed(..., max_break_values=MAX_VALUES)``): a float loss read for logging has a new value on
+every call. Off by default (0) until the whole GPU suite has run with them on: see DESIGN.md."""
 
 
 def value_key(value: Any) -> Any:

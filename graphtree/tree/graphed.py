@@ -17,7 +17,6 @@ from graphtree import _events
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
-from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.callee import user_code
 from graphtree.tree.inputs import (
     Bucketing,
@@ -51,7 +50,7 @@ def _check_options(
     max_rerecords: int,
     name: str | None,
     debug: str | os.PathLike[str] | None = None,
-    max_break_values: int = MAX_VALUES,
+    max_break_values: int = 0,
 ) -> None:
     """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
     if buckets is not None:
@@ -100,7 +99,7 @@ class GraphedCallable:
         max_rerecords: int = 8,
         name: str | None = None,
         debug: str | os.PathLike[str] | None = None,
-        max_break_values: int = MAX_VALUES,
+        max_break_values: int = 0,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
@@ -459,7 +458,7 @@ def graphed(
     max_rerecords: int = 8,
     name: str | None = None,
     debug: str | os.PathLike[str] | None = None,
-    max_break_values: int = MAX_VALUES,
+    max_break_values: int = 0,
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
@@ -473,10 +472,10 @@ def graphed(
 
     Args:
         fn: the callable. It must not mutate copied inputs. A host read of a scalar
-            (``.item()``, ``bool(t)``, ``if t:``) splits its recording in two at that point, and
-            the value read chooses what is replayed after it (see ``max_break_values``); other host
-            synchronisations (``.cpu()``, ``.tolist()``, printing tensors, data-dependent shapes)
-            make it run eagerly, and ``stats()`` says why.
+            (``.item()``, ``bool(t)``, ``if t:``) runs it eagerly, or, with ``max_break_values``,
+            splits its recording in two at that point, the value read choosing what is replayed
+            after it; other host synchronisations (``.cpu()``, ``.tolist()``, printing tensors,
+            data-dependent shapes) make it run eagerly, and ``stats()`` says why.
         buckets: pad dimension ``bucket_dim`` of the inputs up to the next of these sizes and
             cut the outputs back, so that many batch sizes share a few recordings. Rows of that
             dimension must be independent.
@@ -485,9 +484,10 @@ def graphed(
         max_rerecords: new recordings of one call site, after its first, before the function
             runs eagerly for good (in-place inputs or parameters that keep moving).
         name: a name for logs, ``stats()`` and error messages (default: the function's).
-        max_break_values: distinct values one host read may give (each gets recordings of its
-            own for what follows it) before the signature runs eagerly; 0 runs any call that
-            reads a value on the host eagerly.
+        max_break_values: breakable recordings (``graphtree.tree.breaks``): distinct values one
+            host read may give (each gets recordings of its own for what follows it) before the
+            signature runs eagerly, e.g. 8. The default, 0, runs a call that reads a value on the
+            host eagerly (breaks are new: on by default once verified on more real models).
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function by import path or by value, a model with its weights, random states,
             versions, traceback; see :func:`graphtree.debug.dump_on_error`) before the error

@@ -9,6 +9,7 @@ import torch
 import graphtree
 
 DEV = "cuda"
+ON = 8  # max_break_values: breaks are off by default for now (graphtree.graphed's docstring)
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +27,7 @@ def _branchy(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_value_read_on_the_host_picks_the_branch_on_every_call_and_both_replay():
-    f = graphtree.graphed(_branchy)
+    f = graphtree.graphed(_branchy, max_break_values=ON)
     x = torch.randn(4096, device=DEV)
     signs = [1, 1, 1, -1, -1, 1, -1, 1, -1, -1]
     for sign in signs:
@@ -55,7 +56,7 @@ def test_a_mixture_of_experts_with_data_dependent_routing_equals_eager():
                 out = out + picked.unsqueeze(-1) * expert(x)
         return out
 
-    f = graphtree.graphed(moe)
+    f = graphtree.graphed(moe, max_break_values=ON)
     with torch.inference_mode():
         for i in range(24):
             graphtree.mark_step()
@@ -73,7 +74,7 @@ def test_random_numbers_before_a_break_are_fresh_on_every_replay():
             return y * 2
         return y
 
-    f = graphtree.graphed(noisy)
+    f = graphtree.graphed(noisy, max_break_values=ON)
     x = torch.ones(1024, device=DEV)
     outs = []
     for _ in range(5):
@@ -112,7 +113,7 @@ def test_max_break_values_zero_runs_a_host_read_eagerly_as_before():
 
 
 def test_outputs_of_a_broken_call_are_held_and_invalidated_like_any_other():
-    f = graphtree.graphed(_branchy)
+    f = graphtree.graphed(_branchy, max_break_values=ON)
     x = torch.rand(512, device=DEV)
     kept = []
     for _ in range(4):
@@ -138,7 +139,7 @@ def test_a_llama_called_without_a_cache_is_graphed_across_its_host_reads():
         max_position_embeddings=128,
     )
     model = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
-    step = graphtree.graphed(model)
+    step = graphtree.graphed(model, max_break_values=ON)
     with torch.inference_mode():
         for length in (8, 8, 8, 12, 12, 12, 8, 12):
             graphtree.mark_step()
