@@ -24,6 +24,7 @@ from graphtree import (
     debug,  # dumps, re-runs and doctor; also what graphed(fn, debug=dir) calls
     profile,  # a module you can call: graphtree.profile() (CUPTI loads on start)
 )
+from graphtree.tree.breaks import eager
 from graphtree.tree.describe import describe
 from graphtree.tree.graphed import GraphedCallable, GraphedModule, graphed, mark_static
 from graphtree.tree.manager import mark_step, reset, stats
@@ -48,6 +49,7 @@ __all__ = [
     "__version__",
     "debug",
     "describe",
+    "eager",
     "graphed",
     "mark_static",
     "mark_step",

@@ -11,11 +11,12 @@ are looked up lazily, at first use, never at import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -313,7 +314,16 @@ def capture_empty(
             graph.capture_end()
 
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+
+@contextlib.contextmanager
+def no_dispatch_modes() -> Iterator[None]:
+    """The operations inside bypass every active ``TorchDispatchMode`` (an eager part of a broken
+    recording runs as plain eager code, unseen by the recorder's watches)."""
+    with _disable_current_modes():
+        yield
+
 
 _strided = torch.strided
 _UNSAFE_TAG = getattr(torch.Tag, "cudagraph_unsafe", None)

@@ -27,9 +27,11 @@ Example (what a replay does, in :meth:`graphtree.tree.node.Node.run_segments`)::
 
 from __future__ import annotations
 
+import functools
+import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -80,18 +82,88 @@ class Read:
         self.device = t.device
         self.where = where
 
+    @staticmethod
+    def key(value: Any) -> Any:
+        """What the segment after it is keyed on."""
+        return value_key(value)
+
     def value(self) -> Any:
         """Read the value now (waits for the work launched before it on the current stream)."""
         return self.op(_torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes)))
 
 
+class EagerPart:
+    """A call of a :func:`eager` function between two segments: run again on every replay.
+
+    Its tensor arguments are read where the recording found them (the segment before has just
+    written those written by the graph); its other arguments are the recording's. The tensors it
+    returns are copied into those it returned while recording (``landing``), which the segments
+    after it read; what else it returns keys the segment after it, as a read's value does.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        self.fn = fn
+        self.where = f"the graphtree.eager function `{getattr(fn, '__qualname__', fn)}` ({_where()})"
+        leaves, self._spec = _torch.tree_flatten((args, kwargs))
+        # a tensor argument: (meta, storage address, bytes) to view it again; anything else as it was
+        self._args = [_View(t) if isinstance(t, torch.Tensor) and t.is_cuda else t for t in leaves]
+        outs, _ = _torch.tree_flatten(out)
+        self.landing = [t for t in outs if isinstance(t, torch.Tensor)]
+        self.last = out  # what the last run returned, its tensors the landing ones
+        for t in self.landing:
+            if not t.is_cuda:
+                raise BreakFailed(f"{self.where} returned a {t.device} tensor: return CUDA tensors, or plain values")
+
+    @staticmethod
+    def key(value: Any) -> Any:
+        """What the segment after it is keyed on: :meth:`value` returns it already."""
+        return value
+
+    def value(self) -> Any:
+        """Run the function now; copy its tensors into the recorded ones; the key of the rest."""
+        leaves = [a.tensor() if isinstance(a, _View) else a for a in self._args]
+        args, kwargs = _torch.tree_unflatten(leaves, self._spec)
+        return self.land(self.fn(*args, **kwargs))
+
+    def land(self, out: Any) -> Any:
+        """Copy ``out``'s tensors into :attr:`landing`; what the next segment is keyed on."""
+        outs, spec = _torch.tree_flatten(out)
+        tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self.landing) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(tensors, self.landing)
+        ):
+            raise RuntimeError(
+                f"graphtree: {self.where} returned tensors of other shapes or dtypes than while it was "
+                f"recorded ({[(tuple(t.shape), t.dtype) for t in tensors]}): what the graph after it reads "
+                f"cannot change; return tensors of fixed shapes (or pass their shapes as arguments)"
+            )
+        for dst, src in zip(self.landing, tensors):
+            if dst is not src:
+                dst.copy_(src)
+        landed = iter(self.landing)
+        self.last = _torch.tree_unflatten([next(landed) if isinstance(v, torch.Tensor) else v for v in outs], spec)
+        return (str(spec), *(value_key(v) for v in outs if not isinstance(v, torch.Tensor)))
+
+
+class _View:
+    """A CUDA tensor an eager part was given, to view again at the same memory on each replay."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        self.meta, self.ptr, self.nbytes, self.device = _torch.meta_of(t), st.data_ptr(), st.nbytes(), t.device
+
+    def tensor(self) -> torch.Tensor:
+        return _torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes))
+
+
 class Segment:
     """One graph of a broken recording, and the segments recorded after each value of its read.
 
-    ``read`` is ``None`` for a call's last segment, whose ``node`` is the recording it completes.
+    ``read`` (a host read or an eager part) is ``None`` for a call's last segment, whose ``node``
+    is the recording it completes.
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, read: Read | None, trace: tuple[int, ...]) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, read: Read | EagerPart | None, trace: tuple[int, ...]) -> None:
         self.graph = graph
         self.launch = _torch.graph_launcher(graph)
         self.read = read
@@ -101,8 +173,9 @@ class Segment:
         self.leaves: list[Any] = []  # on a first segment: the Node of every chain that starts with it
 
 
-class BranchMismatch(RuntimeError):
-    """A re-run for a new value did not allocate as the recording it extends did."""
+class BreakFailed(RuntimeError):
+    """A break that cannot be recorded: a re-run for a new value did not allocate (or read) as the
+    recording it extends did, or an eager part returned what a graph cannot take."""
 
 
 class Breaks(TorchDispatchMode):
@@ -143,6 +216,46 @@ class Breaks(TorchDispatchMode):
         self.open = False
         self.graph.capture_end()
 
+    def __enter__(self) -> Breaks:
+        self._outer = getattr(_here, "breaks", None)
+        _here.breaks = self
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        _here.breaks = self._outer
+        super().__exit__(*exc)
+
+    def eager_part(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A :func:`eager` function called while recording: it ends the segment like a host read,
+        runs as plain eager code, and its result keys the segment after it."""
+        self.end()
+        j = len(self.segments)
+        if j < len(self.prefix):  # this part ran already, in the replay that met a new value
+            seg, key = self.prefix[j]
+            part = seg.read
+            if not isinstance(part, EagerPart) or part.fn is not fn or tuple(self.trace) != seg.trace:
+                raise BreakFailed(
+                    f"running it again for a new value did not reach {getattr(fn, '__qualname__', fn)} as "
+                    f"the recording it extends did (segment {j + 1})"
+                )
+            self.graph = self._new_graph()  # the capture just ended is not needed: drop it
+            out = part.last  # what it returned in the replay (not run twice), its tensors the landing ones
+        else:
+            with _torch.no_dispatch_modes():  # plain eager work, unseen by the recorder's watches
+                if j == 0:
+                    self._first_replay()
+                self.graph.replay()
+                out = fn(*args, **kwargs)
+            part = EagerPart(fn, args, kwargs, out)
+            seg = Segment(self.graph, part, tuple(self.trace))
+            self.graph = self._new_graph()
+            key = part.land(out)  # (its tensors are the landing ones already)
+        self.segments.append(seg)
+        self.values.append(key)
+        self.trace = []
+        self.begin()
+        return out
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -163,11 +276,13 @@ class Breaks(TorchDispatchMode):
         j = len(self.segments)
         if j < len(self.prefix):  # this segment ran already, in the replay that met a new value
             seg, value = self.prefix[j]
-            assert seg.read is not None
-            if tuple(self.trace) != seg.trace or t.untyped_storage().data_ptr() != seg.read.ptr:
-                raise BranchMismatch(
-                    f"running it again for a new value at {seg.read.where} did not allocate as the "
-                    f"recording it extends did (segment {j + 1})"
+            read = seg.read
+            same = isinstance(read, Read) and read.ptr == t.untyped_storage().data_ptr()
+            if not same or tuple(self.trace) != seg.trace:
+                where = read.where if read is not None else "the end of the call"
+                raise BreakFailed(
+                    f"running it again for a new value did not reach {where} as the recording it "
+                    f"extends did, at the same addresses (segment {j + 1})"
                 )
             self.graph = self._new_graph()  # the capture just ended is not needed: drop it
         else:
@@ -191,7 +306,8 @@ class Breaks(TorchDispatchMode):
         last = Segment(self.graph, None, tuple(self.trace))
         chain = [*self.segments, last]
         for seg, value, after in zip(chain, self.values, chain[1:]):
-            seg.next.setdefault(value_key(value), after)
+            assert seg.read is not None
+            seg.next.setdefault(seg.read.key(value), after)
         return chain
 
 
@@ -202,21 +318,87 @@ class WarmUpReads(TorchDispatchMode):
     (torch hands a warning of its sync debug mode to Python when the outermost call returns, after
     this mode's handler: hence a count, not a flag.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, count_reads: bool = True) -> None:
         super().__init__()
+        self.count_reads = count_reads  # False: breaks at host reads are off; eager parts still pass
         self.pending = 0
+        self.inside = 0  # calls of graphtree.eager functions under way: their syncs are theirs
 
     def allow(self) -> bool:
-        """Whether the synchronisation warned about now is one of these reads (and count it off)."""
+        """Whether the synchronisation warned about now is one of these reads or inside an eager
+        part (a read is counted off)."""
+        if self.inside:
+            return True
         if self.pending:
             self.pending -= 1
             return True
         return False
 
+    def __enter__(self) -> WarmUpReads:
+        self._outer = getattr(_here, "warm_up", None)
+        _here.warm_up = self
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        _here.warm_up = self._outer
+        super().__exit__(*exc)
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in READS and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        if self.count_reads and func in READS and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
             self.pending += 1
         return func(*args, **kwargs)
+
+
+_here = threading.local()  # .breaks: the recording under way in this thread, if any
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(fn: _F) -> _F:
+    """Mark ``fn`` to run eagerly on every replay of the graphed function that calls it.
+
+    For what a graph must not freeze: logging, a host-side effect, an operation that cannot be
+    captured. While recording, a call of ``fn`` ends the graph segment; ``fn`` runs as plain eager
+    code; the next segment begins after it. Every replay runs ``fn`` again between the same two
+    segments, on its tensor arguments where the recording found them (so it sees each replay's
+    fresh values). Outside a recording it is an ordinary call.
+
+    Constraints: ``fn`` may read any tensor and write into the tensors it is given. The CUDA
+    tensors it returns must keep their shapes and dtypes from call to call: each replay copies them
+    into the ones it returned while recording, which the graph after it reads. What else it
+    returns (a bool, an int) chooses the recording that follows, as a host read does. A decorator,
+    not a ``with`` block: a replay runs no Python but this function.
+
+    Example::
+
+        @graphtree.eager
+        def log(loss):
+            print(f"loss {loss.item():.4f}")
+
+        @graphtree.graphed
+        def step(x, w):
+            loss = ((x @ w) ** 2).mean()
+            log(loss)                 # runs on every replay, with that replay's loss
+            return loss
+    """
+    if not callable(fn):
+        raise TypeError(f"graphtree.eager needs a function, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        breaks = getattr(_here, "breaks", None)
+        if breaks is None or not breaks.open:  # eager code already (a warm-up, an eager run, no tree)
+            warming = getattr(_here, "warm_up", None)
+            if warming is None:
+                return fn(*args, **kwargs)
+            warming.inside += 1  # its host syncs are its own: the warm-up's watch lets them pass
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                warming.inside -= 1
+        return breaks.eager_part(fn, args, kwargs)
+
+    run.__graphtree_eager__ = True  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]

@@ -12,7 +12,7 @@ def _label(node: Node) -> str:
     return (
         f"{signature(node)} [{node.id}] replays={node.replays} "
         f"outputs={node.outputs.nbytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
-        + "".join(f" | read {value!r} at {where}" for where, value in node.reads)
+        + "".join(f" | {brk}" for brk in node.reads)
     )
 
 

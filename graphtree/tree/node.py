@@ -20,7 +20,7 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree import writes as _writes
-from graphtree.tree.breaks import Segment, value_key
+from graphtree.tree.breaks import Segment
 from graphtree.tree.inputs import PLAIN_TYPES, InputPlan
 from graphtree.tree.outputs import OutputPlan
 
@@ -91,7 +91,7 @@ class Node:
         first: for a call that read values on the host, its first segment
             (:mod:`graphtree.tree.breaks`), shared with the recordings of the call's other values;
             ``graph`` is then its last segment's.
-        reads: for such a call, where each host read was and the value it gave (``describe()``).
+        reads: for such a call, each break as ``describe()`` shows it ("read True at file:line").
     """
 
     def __init__(
@@ -116,7 +116,7 @@ class Node:
         externals: Sequence[External],
         writes: _writes.Writes = (),
         first: Segment | None = None,
-        reads: Sequence[tuple[str, Any]] = (),
+        reads: Sequence[str] = (),
     ) -> None:
         self.id = id
         self.parent = parent
@@ -233,7 +233,7 @@ class Node:
                 return seg.node, read
             value = seg.read.value()
             read.append((seg, value))
-            after = seg.next.get(value_key(value))
+            after = seg.next.get(seg.read.key(value))
             if after is None:
                 return None, read
             seg = after

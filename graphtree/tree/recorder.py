@@ -22,7 +22,7 @@ import torch
 
 from graphtree import _events, _torch
 from graphtree.tree import writes as _writes
-from graphtree.tree.breaks import BranchMismatch, Breaks, Segment, WarmUpReads
+from graphtree.tree.breaks import BreakFailed, Breaks, Read, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
@@ -103,8 +103,9 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     watch = state_watch(call.leaves, copied_inputs(call))
     args, kwargs = call.arguments()
     tracker = OpTracker()
-    reads = WarmUpReads()  # host reads of a scalar: breaks of the recording, not a reason to give up
-    sync = SyncWatch(tracker, gc.name, allowed=reads if gc.max_break_values else None)
+    # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
+    reads = WarmUpReads(count_reads=gc.max_break_values > 0)
+    sync = SyncWatch(tracker, gc.name, allowed=reads)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
@@ -237,7 +238,7 @@ def record(
                         with tracker, breaks, watch:
                             out = gc.fn(*args, **kwargs)
                         if len(breaks.segments) < len(prefix or ()):
-                            raise BranchMismatch("running it again for a new value did not read the values it had read")
+                            raise BreakFailed("running it again for a new value did not read the values it had read")
                     except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
                         user_error = e
                     try:
@@ -263,7 +264,7 @@ def record(
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
                 raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
-        if isinstance(user_error, (_torch.RandomOutsideCapture, BranchMismatch)):
+        if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed)):
             del args, kwargs, graph_leaves, owning, graph, breaks
             raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
         if user_error is not None:
@@ -273,7 +274,11 @@ def record(
             raise user_error
         capture_seconds = time.perf_counter() - t0
         chain = breaks.finish()  # the segments, when the call read values on the host
-        reads = [(seg.read.where, v) for seg, v in zip(chain, breaks.values) if seg.read is not None]
+        reads = [
+            f"read {v!r} at {seg.read.where}" if isinstance(seg.read, Read) else f"ran {seg.read.where}"
+            for seg, v in zip(chain, breaks.values)
+            if seg.read is not None
+        ]
         del breaks
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph

@@ -150,3 +150,43 @@ def test_a_llama_called_without_a_cache_is_graphed_across_its_host_reads():
     s = graphtree.stats()
     assert not s.eager, s
     assert s.replays >= 4, s
+
+
+def test_a_marked_logging_part_sees_each_replays_fresh_values():
+    seen = []
+
+    @graphtree.eager
+    def log(loss: torch.Tensor) -> None:
+        seen.append(loss.item())  # a host read, on every replay
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = (x * x).mean()
+        log(loss)
+        return x - loss
+
+    f = graphtree.graphed(step)  # breaks at reads are off: a marked part breaks the recording anyway
+    for i in range(6):
+        graphtree.mark_step()
+        x = torch.full((256,), float(i + 1), device=DEV)
+        torch.testing.assert_close(f(x), x - (i + 1) ** 2)
+    assert seen == [float((i + 1) ** 2) for i in range(6)], seen
+    s = graphtree.stats()
+    assert not s.eager and s.replays >= 3, s
+    assert "ran the graphtree.eager function" in graphtree.describe()
+
+
+def test_a_marked_part_that_returns_a_tensor_hands_it_to_the_graph_after_it():
+    @graphtree.eager
+    def through_the_host(y: torch.Tensor) -> torch.Tensor:
+        return (y.cpu() * 2).to(y.device)  # a copy to the host: cannot be captured
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return through_the_host(x + 1) * 3
+
+    f = graphtree.graphed(g)
+    for _ in range(6):
+        graphtree.mark_step()
+        x = torch.randn(128, device=DEV)
+        torch.testing.assert_close(f(x), (x + 1) * 6)
+    s = graphtree.stats()
+    assert not s.eager and s.replays >= 3, s

@@ -1,0 +1,50 @@
+"""Breakable recordings on the CPU (issue 26): the parts that need no GPU. The mechanism itself is
+tested on a GPU in tests/gpu/test_breaks_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphtree
+from graphtree.tree.breaks import READS, value_key
+
+
+def test_eager_is_public_and_an_ordinary_call_outside_a_recording():
+    assert "eager" in graphtree.__all__
+
+    @graphtree.eager
+    def log(x: torch.Tensor) -> float:
+        """Logs."""
+        log.calls += 1
+        return float(x.sum())
+
+    log.calls = 0
+    assert log(torch.ones(3)) == 3.0 and log.calls == 1
+    assert log.__doc__ == "Logs." and log.__name__ == "log"
+    f = graphtree.graphed(lambda x: x * 2 + log(x))  # on the CPU: eager, the part is a plain call
+    assert torch.equal(f(torch.ones(2)), torch.full((2,), 4.0)) and log.calls == 2
+
+
+def test_eager_refuses_what_is_not_callable():
+    with pytest.raises(TypeError, match=r"graphtree\.eager needs a function"):
+        graphtree.eager(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8"])
+def test_max_break_values_is_checked(bad):
+    with pytest.raises(ValueError, match="max_break_values must be a non-negative int"):
+        graphtree.graphed(lambda x: x, max_break_values=bad)
+
+
+def test_a_reads_key_tells_types_apart_and_nan_from_itself():
+    assert value_key(True) != value_key(1) and value_key(1) != value_key(1.0)
+    assert value_key(float("nan")) == value_key(float("nan"))
+    assert torch.ops.aten._local_scalar_dense.default in READS and torch.ops.aten.is_nonzero.default in READS
+
+
+def test_stats_say_recordings_for_new_values_only_when_there_are_some():
+    s = graphtree.stats()
+    assert "for new values" not in str(s)
+    s.values = 2
+    assert "2 for new values read on the host" in str(s)
