@@ -2,13 +2,14 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [files] [per_call] [startup] [first] [readme] [probes] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [own] [files] [per_call] [startup] [first] [readme] [probes] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
 #   new_before  the same tests run on the code before the change (.before/): they should fail
-#   suite     the whole GPU suite in ONE process, in sequence (a poisoned process shows here)
-#   files     the GPU suite file by file, each in its own process
+#   suite     the whole GPU suite in ONE process, in sequence (a poisoned process shows here), but for
+#             the tests marked own_process (all they check runs in subprocesses): `own` runs those
+#   files     the GPU suite file by file, each in its own process ($FILES: some files only)
 #   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
 #             base commit: git archive BASE graphtree benchmarks | tar -x -C .before) and after it,
 #             in one run on the same machine
@@ -72,11 +73,15 @@ for stage in $stages; do
         python3 -m pytest -q -p no:cacheprovider --tb=line -rf ../tests/gpu/test_real_paths_gpu.py \
         ../tests/gpu/test_hf_defaults_gpu.py ../tests/gpu/test_fault_injection_gpu.py 2>&1 | tee "$OUT/new_before.log" | tail -40)
       ;;
-    suite)
-      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
+    suite)  # tests marked own_process run all they check in subprocesses: no state of this process to
+            # poison or be poisoned by; they run in `files` (and `own`), which keeps this under a call
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
       ;;
-    files)
-      for f in tests/gpu/test_*.py; do
+    own)
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 | tee "$OUT/own.log" | tail -15
+      ;;
+    files)  # $FILES: some of them (a call of 10 minutes does not hold them all)
+      for f in ${FILES:-tests/gpu/test_*.py}; do
         printf '%s: ' "$f" | tee -a "$OUT/files.log"
         timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -1 | tee -a "$OUT/files.log"
       done

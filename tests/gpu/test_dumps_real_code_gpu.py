@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
+
 LATE_FAULT = textwrap.dedent(
     """
     import sys, torch, graphtree

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
+
 SCRIPT = textwrap.dedent(
     """
     import gc, sys, torch, graphtree

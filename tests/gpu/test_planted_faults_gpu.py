@@ -23,6 +23,8 @@ PRODUCER = """
 import sys, time, torch, graphtree
 from graphtree.debug import dump_on_error
 import _faults
+
+pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
 kind, mode, folder = sys.argv[1:4]
 fn = _faults.lookup if kind == "assert" else _faults.scribble
 data = torch.randn(64, device="cuda")
