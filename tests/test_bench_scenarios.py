@@ -154,10 +154,15 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
     validate_json(to_json(rows, meta))  # includes: every scenario x contender has a row
 
     # the failing compile contender is reported in every scenario it applies to, with type and first line
-    bad = [r for r in rows if r.contender == "compile-cudagraphs" and r.scenario not in ("generate", "share")]
+    bad = [r for r in rows if r.contender == "compile-cudagraphs" and r.scenario not in ("generate", "share", "breaks")]
     assert bad and all(not r.ok for r in bad)
     assert {r.error for r in bad} == {"RuntimeError: backend failed"}
-    assert {r.scenario for r in bad} == set(scenarios.SCENARIOS) - {"generate", "share"}
+    assert {r.scenario for r in bad} == set(scenarios.SCENARIOS) - {"generate", "share", "breaks"}
+    # breaks: eager, graphtree with breaks off and on, each checked against eager on every call
+    brk = [r for r in rows if r.scenario == "breaks" and r.case.startswith(("MLP", "mixture"))]
+    assert {r.contender for r in brk} == {"eager", "graphtree, breaks off", "graphtree"}
+    assert all(r.ok and r.value and r.equal_to_eager for r in brk), brk
+    assert any("not applicable" in r.note for r in rows if r.scenario == "breaks" and r.contender == "handwritten")
     # share: graphtree.share is the graphtree row, the other ways are contenders of their own
     share = {(r.contender, r.metric): r for r in rows if r.scenario == "share"}
     assert share[("graphtree", "copied_per_step")].value == 0

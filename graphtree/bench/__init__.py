@@ -1,7 +1,7 @@
 """``graphtree bench``: graphtree against eager, hand-written CUDA graphs and torch.compile.
 
-One process, one GPU, under 8 minutes: five scenarios (per-call overhead, decode, memory,
-capture time, branching), each running every contender interleaved, with warm-up and medians
+One process, one GPU, under 8 minutes: eight scenarios (per-call overhead, decode, memory,
+capture time, branching, generate, share, breaks), each running every contender interleaved, with warm-up and medians
 over repeats, and checking every contender's output against eager's. Writes ``bench.json``
 (schema in ``benchmarks/README.md``), ``table.txt`` and ``bench.png`` into a results folder and
 prints the table. A contender that fails is reported with its error and the run goes on.
@@ -10,7 +10,7 @@ Options:
 
 - ``--out DIR`` -- results folder (default ``results/bench-<date>-<gpu>``; printed).
 - ``--quick`` -- small sizes and few repeats: a smoke run of about a minute or two.
-- ``--scenarios overhead,decode,memory,capture,branching`` -- run only these.
+- ``--scenarios overhead,decode,memory,capture,branching,generate,share,breaks`` -- run only these.
 - ``--contenders eager,handwritten,...`` -- run only these contenders.
 - ``--budget SECONDS`` -- the time budget the scenarios share (default 420, quick 240).
 - ``--from-json FILE`` -- no GPU needed: validate a results file, print its table, re-plot it.
@@ -39,7 +39,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-_SCENARIOS = ("overhead", "decode", "memory", "capture", "branching", "generate", "share")
+_SCENARIOS = ("overhead", "decode", "memory", "capture", "branching", "generate", "share", "breaks")
 _CONTENDERS = ("eager", "handwritten", "compile-reduce-overhead", "compile-cudagraphs", "graphtree")
 
 NO_GPU_MESSAGE = (

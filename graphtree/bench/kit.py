@@ -33,7 +33,7 @@ from graphtree.bench.contenders import (
 from graphtree.bench.harness import Budget, Progress, Result, Timings, failed, format_value, run_contender
 from graphtree.demo.gpt import GPTConfig
 
-SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate", "share")
+SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate", "share", "breaks")
 """Scenario names, in the order they run."""
 
 BUDGET_WEIGHTS: dict[str, float] = {
@@ -44,6 +44,7 @@ BUDGET_WEIGHTS: dict[str, float] = {
     "branching": 1.0,
     "generate": 2.0,
     "share": 1.0,
+    "breaks": 1.5,
 }
 """Relative share of the time budget per scenario (unused time rolls over to later ones)."""
 

@@ -54,6 +54,12 @@ def _run_share(ctx: Ctx) -> list[Result]:
     return run_share(ctx)
 
 
+def _run_breaks(ctx: Ctx) -> list[Result]:
+    from graphtree.bench.breaks import run_breaks  # imports transformers only when its Llama case runs
+
+    return run_breaks(ctx)
+
+
 def _run_generate(ctx: Ctx) -> list[Result]:
     from graphtree.bench.generate import run_generate  # imports transformers only when it runs
 
@@ -72,6 +78,7 @@ RUNNERS: dict[str, Callable[[Ctx], list[Result]]] = {
     "branching": run_branching,
     "generate": _run_generate,
     "share": _run_share,
+    "breaks": _run_breaks,
 }
 
 
