@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphtree import _torch
+from graphtree.tree.callee import user_code
 from graphtree.tree.capture import is_internal
 
 ITEM = torch.ops.aten._local_scalar_dense.default
@@ -108,11 +109,13 @@ class EagerPart:
         # a tensor argument: (meta, storage address, bytes) to view it again; anything else as it was
         self._args = [_View(t) if isinstance(t, torch.Tensor) and t.is_cuda else t for t in leaves]
         outs, _ = _torch.tree_flatten(out)
-        self.landing = [t for t in outs if isinstance(t, torch.Tensor)]
-        self.last = out  # what the last run returned, its tensors the landing ones
-        for t in self.landing:
-            if not t.is_cuda:
+        for t in outs:
+            if isinstance(t, torch.Tensor) and not t.is_cuda:
                 raise BreakFailed(f"{self.where} returned a {t.device} tensor: return CUDA tensors, or plain values")
+        # Copies, made outside the pool: a returned argument (or a view of one) is pool memory that
+        # must not stay allocated past the recording.
+        self.landing = [t.detach().clone() for t in outs if isinstance(t, torch.Tensor)]
+        self.last: Any = None  # what the last run returned, its tensors the landing ones (see land)
 
     @staticmethod
     def key(value: Any) -> Any:
@@ -123,7 +126,12 @@ class EagerPart:
         """Run the function now; copy its tensors into the recorded ones; the key of the rest."""
         leaves = [a.tensor() if isinstance(a, _View) else a for a in self._args]
         args, kwargs = _torch.tree_unflatten(leaves, self._spec)
-        return self.land(self.fn(*args, **kwargs))
+        was, user_code.active = user_code.active, True  # a graphed function it calls runs inline
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            user_code.active = was
+        return self.land(out)
 
     def land(self, out: Any) -> Any:
         """Copy ``out``'s tensors into :attr:`landing`; what the next segment is keyed on."""
@@ -171,6 +179,15 @@ class Segment:
         self.next: dict[Any, Segment] = {}
         self.node: Any = None  # the Node a last segment completes
         self.leaves: list[Any] = []  # on a first segment: the Node of every chain that starts with it
+
+    def unlink(self) -> None:
+        """Drop the links of this segment and all after it (nodes and segments refer to each other:
+        unlinked, reference counting frees their graphs without waiting for the collector)."""
+        stack = [self]
+        while stack:
+            seg = stack.pop()
+            stack.extend(seg.next.values())
+            seg.next, seg.node, seg.leaves = {}, None, []
 
 
 class BreakFailed(RuntimeError):
@@ -246,10 +263,11 @@ class Breaks(TorchDispatchMode):
                     self._first_replay()
                 self.graph.replay()
                 out = fn(*args, **kwargs)
-            part = EagerPart(fn, args, kwargs, out)
+                part = EagerPart(fn, args, kwargs, out)
+                key = part.land(out)
+            out = part.last  # the landing tensors in its structure: what the graph after it reads
             seg = Segment(self.graph, part, tuple(self.trace))
             self.graph = self._new_graph()
-            key = part.land(out)  # (its tensors are the landing ones already)
         self.segments.append(seg)
         self.values.append(key)
         self.trace = []

@@ -69,7 +69,7 @@ def _drop_subtree(node: Node) -> None:
         n.children = {}
         n.parent = None  # type: ignore[assignment]
         if n.first is not None:
-            n.first.leaves.clear()
+            n.first.unlink()
 
 
 # --- the calling thread's trees ---------------------------------------------------------------------
@@ -334,7 +334,9 @@ class TreeManager:
                 for node in parent.children.pop(key):
                     _drop_subtree(node)
             for kids in parent.children.values():
-                stack.extend(kids)
+                for kid in kids:
+                    stack.append(kid)
+                    stack.extend(kid.branches())  # a broken call's other values have children too
         self.warmed = {k: v for k, v in self.warmed.items() if k[0] not in dead}
         if self.last_replayed is not None and self.last_replayed.key[0] in dead:
             self.last_replayed = None
