@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from graphtree.tree.churn import Churn
     from graphtree.tree.inputs import Bucketing, Call
 
 
@@ -37,6 +38,7 @@ class Callee(Protocol):
     debug: str | os.PathLike[str] | None
     bucketing: Bucketing | None
     given_up: dict[Any, str]
+    churn: Churn  # its run of warm-ups: new signatures run eagerly while they keep changing
 
     def give_up(self, key: Any, reason: str) -> None: ...
     def run_eager(self, call: Call, reason: str) -> Any: ...

@@ -18,6 +18,7 @@ from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
 from graphtree.tree.callee import user_code
+from graphtree.tree.churn import Churn
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -119,6 +120,7 @@ class GraphedCallable:
         # Signatures never to graph, with the reason (a host sync, a mutated input, a failed
         # capture, the re-record limit, ...): other signatures of the function still are.
         self.given_up: dict[Any, str] = {}
+        self.churn = Churn()  # signatures that keep changing run eagerly, without warm-ups (tree/churn.py)
         self._kept_state: dict[Any, int] = {}
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)

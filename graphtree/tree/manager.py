@@ -223,6 +223,8 @@ class TreeManager:
             if reason is not None:
                 return gc.run_eager(call, reason)
             if self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup:
+                if gc.churn.skip(call.key):  # signatures keep changing: eager, without the checks
+                    return gc.run_eager(call, gc.churn.reason(gc.name))
                 return self._warm_up(gc, call)
             return self._record(gc, call)
 
@@ -401,6 +403,7 @@ class TreeManager:
         self.warming = True
         done = recorder.warm_up(gc, call, self.stream, self.device)
         self.counters.warmups += 1
+        gc.churn.warmed_up()
         key = (gc.id, call.key)
         if done.give_up:
             gc.give_up(call.key, done.give_up)
@@ -447,6 +450,7 @@ class TreeManager:
             # the pool alive, which no checkpoint knows: recordings go on in a fresh pool.
             self._retire_pool(quiet=True)
             raise
+        gc.churn.recorded()
         if siblings:
             self.counters.rerecordings += 1
         if not prefix:  # (a new value's recording is found through the first segment it shares)

@@ -1,0 +1,44 @@
+"""A graphed callable whose signatures keep changing costs what eager costs (issue 27): after a run
+of warm-ups without a recording, new signatures run plain eager, with the reason; shapes that
+settle are recorded and replayed again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphtree
+from graphtree.tree.churn import LIMIT
+
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("host_read", [False, True])
+def test_a_new_batch_size_on_every_call_runs_eagerly_then_settles(host_read):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(DEV).eval()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = net(x)
+        if host_read and y.sum().item() > 1e9:  # a host sync inside: the signature gives up
+            y = y + 1
+        return y
+
+    g = graphtree.graphed(f)
+    with torch.inference_mode():
+        for n in range(1, 41):  # a new batch size every call
+            graphtree.mark_step()
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(g(x), f(x))
+        s = graphtree.stats()
+        assert s.warmups == LIMIT, s  # then no more warm-ups: plain eager
+        assert any("new signature on almost every call" in r for r in s.eager), s
+        x = torch.randn(7, 64, device=DEV)  # shapes settle on one met before
+        for _ in range(4):
+            graphtree.mark_step()
+            torch.testing.assert_close(g(x), f(x))
+    s = graphtree.stats()
+    if host_read:
+        assert s.replays == 0, s  # it cannot be graphed: eager, as before
+    else:
+        assert s.recordings == 1 and s.replays >= 1, s
