@@ -190,3 +190,38 @@ def test_a_marked_part_that_returns_a_tensor_hands_it_to_the_graph_after_it():
         torch.testing.assert_close(f(x), (x + 1) * 6)
     s = graphtree.stats()
     assert not s.eager and s.replays >= 3, s
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generate_with_breaks_on_graphs_the_prefill_too_and_equals_eager(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+        )
+    else:
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=128,
+            )
+        )
+    model = model.to(DEV).eval()
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 256, (1, 6), device=DEV)
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static", disable_compile=True)
+        model.forward = graphtree.graphed(model.forward, max_break_values=ON)
+        for _ in range(3):  # HF's defaults otherwise: a fresh static cache each time
+            got = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+            assert torch.equal(got, want), (got, want)
+    s = graphtree.stats()
+    synced = [r for r in s.eager if "synchronizes with the host" in r]
+    assert not synced, s  # the prefill's host reads are breaks now, not a reason to run it eagerly
+    assert s.replays >= 12, s
