@@ -216,10 +216,11 @@ def test_generate_with_breaks_on_graphs_the_prefill_too_and_equals_eager(kind):
     model.generation_config.pad_token_id = 0
     ids = torch.randint(1, 256, (1, 6), device=DEV)
     with torch.inference_mode():
-        want = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static", disable_compile=True)
+        static = {"max_new_tokens": 12, "do_sample": False, "cache_implementation": "static"}
+        want = model.generate(ids, **static, disable_compile=True)
         model.forward = graphtree.graphed(model.forward, max_break_values=ON)
         for _ in range(3):  # HF's defaults otherwise: a fresh static cache each time
-            got = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+            got = model.generate(ids, **static)
             assert torch.equal(got, want), (got, want)
     s = graphtree.stats()
     synced = [r for r in s.eager if "synchronizes with the host" in r]
