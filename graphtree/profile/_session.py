@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from graphtree.profile import _cbids
-from graphtree.profile._attribution import capture_stack, format_frame
+from graphtree.profile._attribution import capture_stack, format_frame, is_user_file
 from graphtree.profile._buffers import ActivityBuffers, step
 from graphtree.profile._errors import INSTALL_HINT, ProfilerBusyError, ProfilerUnavailableError
 from graphtree.profile._model import ProfileData, ProfileOptions
@@ -234,6 +234,7 @@ class Session:
                     raise ProfilerUnavailableError(f"CUPTI could not be set up for profiling: {e}") from e
                 raise
             self._watch_graphtree()
+            self._name_earlier_recordings()
             self.sink.session_start(self._now())
             _ACTIVE = self
             self._atexit = self._stop_at_exit
@@ -364,6 +365,33 @@ class Session:
             sink.set_label(threading.get_ident(), None)
 
         self._unsubscribe_events = [_events.subscribe("record_begin", begin), _events.subscribe("record_end", end)]
+
+    def _name_earlier_recordings(self) -> None:
+        """Attribute the nodes of graphtree's recordings made before this profile to the Python
+        stacks that made them (``graphtree/tree/sites.py``): CUPTI names a replayed kernel by its
+        executable graph's id (high 32 bits of the node id) and its index in the graph (low 32).
+        Recordings made while profiling are named by CUPTI's own callbacks, as any capture."""
+        if "graphtree.tree.manager" not in sys.modules:
+            return  # no recording in this process
+        from graphtree.tree import manager
+
+        cupti, sink, stacks = self.cupti, self.sink, self.data.stacks
+        thread = -1  # no thread of the process: no launch is open on it
+        for tree in manager.managers():
+            for node in tree.nodes():
+                sink.set_label(thread, f"graphtree:{node.name}/{node.id}")
+                for graph, sites in node.graph_sites:
+                    if not sites:
+                        continue
+                    try:
+                        exec_id = int(cupti.get_graph_exec_id(graph.raw_cuda_graph_exec()))
+                    except Exception:  # a graph not instantiated (or gone): named by its replay, as before
+                        continue
+                    for first, end, frames in sites:  # (the user's frames, as for any launch)
+                        sid = stacks.intern(tuple(f for f in frames if is_user_file(f[0])))
+                        for index in range(first, end):
+                            sink.node_created(exec_id, (exec_id << 32) | index, 0, thread, lambda sid=sid: sid)
+                sink.set_label(thread, None)
 
     # ----------------------------------------------------------------------------- callbacks
     def _now(self) -> int:

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphtree import _torch
 from graphtree.tree.callee import user_code
 from graphtree.tree.capture import is_internal
+from graphtree.tree.sites import CaptureSites, Site
 
 ITEM = torch.ops.aten._local_scalar_dense.default
 READS = frozenset({ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default})
@@ -171,8 +172,15 @@ class Segment:
     is the recording it completes.
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, read: Read | EagerPart | None, trace: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        read: Read | EagerPart | None,
+        trace: tuple[int, ...],
+        sites: list[Site] | None = None,
+    ) -> None:
         self.graph = graph
+        self.sites = sites or []  # which Python stack made which of its nodes (tree/sites.py)
         self.launch = _torch.graph_launcher(graph)
         self.read = read
         self.trace = trace  # addresses its operations returned, in order: the determinism check
@@ -220,6 +228,7 @@ class Breaks(TorchDispatchMode):
         self._begin, self._new_graph, self._first_replay = begin, new_graph, first_replay
         self.prefix = prefix or []
         self.graph = new_graph()
+        self.sites = CaptureSites()  # the nodes each operation adds, for profiles started later
         self.open = False  # a capture into self.graph is under way
         self.trace: list[int] = list(placed or ())
         self.segments: list[Segment] = []  # ended segments, in order (the prefix's own objects first)
@@ -256,6 +265,7 @@ class Breaks(TorchDispatchMode):
                     f"the recording it extends did (segment {j + 1})"
                 )
             self.graph = self._new_graph()  # the capture just ended is not needed: drop it
+            self.sites.take()
             out = part.last  # what it returned in the replay (not run twice), its tensors the landing ones
         else:
             with _torch.no_dispatch_modes():  # plain eager work, unseen by the recorder's watches
@@ -266,7 +276,7 @@ class Breaks(TorchDispatchMode):
                 part = EagerPart(fn, args, kwargs, out)
                 key = part.land(out)
             out = part.last  # the landing tensors in its structure: what the graph after it reads
-            seg = Segment(self.graph, part, tuple(self.trace))
+            seg = Segment(self.graph, part, tuple(self.trace), self.sites.take())
             self.graph = self._new_graph()
         self.segments.append(seg)
         self.values.append(key)
@@ -288,6 +298,8 @@ class Breaks(TorchDispatchMode):
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     self.trace.append(t.data_ptr())
+            if self.sites.on and self.open:
+                self.sites.after_op(torch.cuda.current_stream().cuda_stream)
             return out
         t = args[0]
         self.end()
@@ -303,12 +315,13 @@ class Breaks(TorchDispatchMode):
                     f"extends did, at the same addresses (segment {j + 1})"
                 )
             self.graph = self._new_graph()  # the capture just ended is not needed: drop it
+            self.sites.take()
         else:
             if j == 0:
                 self._first_replay()
             self.graph.replay()  # what the read needs: the capture ran nothing
             value = func(*args, **kwargs)
-            seg = Segment(self.graph, Read(func, t, _where()), tuple(self.trace))
+            seg = Segment(self.graph, Read(func, t, _where()), tuple(self.trace), self.sites.take())
             self.graph = self._new_graph()
         self.segments.append(seg)
         self.values.append(value)
@@ -321,7 +334,7 @@ class Breaks(TorchDispatchMode):
         Empty when the call read nothing (an ordinary recording)."""
         if not self.segments:
             return []
-        last = Segment(self.graph, None, tuple(self.trace))
+        last = Segment(self.graph, None, tuple(self.trace), self.sites.take())
         chain = [*self.segments, last]
         for seg, value, after in zip(chain, self.values, chain[1:]):
             assert seg.read is not None

@@ -23,6 +23,7 @@ from graphtree.tree import writes as _writes
 from graphtree.tree.breaks import Segment
 from graphtree.tree.inputs import PLAIN_TYPES, InputPlan
 from graphtree.tree.outputs import OutputPlan
+from graphtree.tree.sites import Site
 
 _ids = itertools.count(1)
 
@@ -92,6 +93,8 @@ class Node:
             (:mod:`graphtree.tree.breaks`), shared with the recordings of the call's other values;
             ``graph`` is then its last segment's.
         reads: for such a call, each break as ``describe()`` shows it ("read True at file:line").
+        graph_sites: each graph a replay launches, with the Python stacks that made its nodes
+            (:mod:`graphtree.tree.sites`: how a profile started later names its kernels).
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class Node:
         writes: _writes.Writes = (),
         first: Segment | None = None,
         reads: Sequence[str] = (),
+        graph_sites: Sequence[tuple[torch.cuda.CUDAGraph, list[Site]]] = (),
     ) -> None:
         self.id = id
         self.parent = parent
@@ -142,6 +146,7 @@ class Node:
         self.writes = writes
         self.first = first
         self.reads = list(reads)
+        self.graph_sites = list(graph_sites)
         self.replays = 0
         # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
         # tensor read from outside, no ancestor output that had to be dead. Such a node is always

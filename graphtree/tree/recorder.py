@@ -274,6 +274,8 @@ def record(
             raise user_error
         capture_seconds = time.perf_counter() - t0
         chain = breaks.finish()  # the segments, when the call read values on the host
+        # which Python stack made which node of each graph it launches (tree/sites.py)
+        graph_sites = [(seg.graph, seg.sites) for seg in chain] if chain else [(graph, breaks.sites.take())]
         reads = [
             f"read {v!r} at {seg.read.where}" if isinstance(seg.read, Read) else f"ran {seg.read.where}"
             for seg, v in zip(chain, breaks.values)
@@ -344,6 +346,7 @@ def record(
             writes=written,
             first=chain[0] if chain else None,
             reads=reads,
+            graph_sites=graph_sites,
         )
         if chain:
             chain[-1].node = node

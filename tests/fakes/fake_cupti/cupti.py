@@ -425,7 +425,9 @@ class _Subscriber:
 
 class FakeNode:
     def __init__(self, sim: Sim, kind: str, name: str, duration: int, node_type: int, graph: FakeGraph) -> None:
-        self.id = next(sim._node_ids)
+        # as CUPTI reports them on an H100 (driver 580, benchmarks/cupti_graph_ids.py): a node's id is
+        # its graph's id in the high 32 bits and its index in the graph (creation order) in the low
+        self.id = (graph.id << 32) | len(graph.nodes)
         self.handle = sim._handle(self)
         self.kind = kind
         self.name = name
@@ -444,10 +446,10 @@ class FakeGraph:
 
 class FakeExec:
     def __init__(self, sim: Sim, original: FakeGraph) -> None:
-        self.id = next(sim._exec_ids)
+        self.graph = FakeGraph(sim)  # the instantiated copy, with cloned nodes
+        self.id = self.graph.id  # an exec graph's id is its graph's (graph and exec ids share one counter)
         self.handle = sim._handle(self)
         self.original = original
-        self.graph = FakeGraph(sim)  # the instantiated copy, with cloned nodes
         self.clones: list[tuple[FakeNode, FakeNode]] = []
 
 
@@ -504,9 +506,7 @@ class Sim:
         self._buffer_address = 0
         self._corr = itertools.count(1)
         self._sub_handles = itertools.count(0xA000)
-        self._node_ids = itertools.count(100)
         self._graph_ids = itertools.count(1)
-        self._exec_ids = itertools.count(1)
         self._handles: dict[int, Any] = {}
         self._handle_counter = itertools.count(0x7F0000001000, 0x100)
 
