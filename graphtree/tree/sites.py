@@ -13,7 +13,8 @@ turns these into the node ids of each recording's executable graph when it start
 Costs two driver calls per operation and, for operations that add nodes, a walk of the Python
 stack, while recording only (replays pay nothing). Without ``cuda.bindings`` nothing is kept and
 profiles name such kernels by their replay, as before; any error of the bindings turns the
-bookkeeping off for the rest of the process, never the recording.
+bookkeeping off for the rest of the process, never the recording. ``GRAPHTREE_NO_SITES=1`` turns it
+off (``benchmarks/recording_cost.py`` measures it with and without).
 
 Example::
 
@@ -24,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -37,6 +39,9 @@ _driver: Any = None  # cuda.bindings.driver once loaded; False when unavailable 
 def _bindings() -> Any:
     global _driver
     if _driver is None:
+        if os.environ.get("GRAPHTREE_NO_SITES"):  # to measure what the bookkeeping costs
+            _driver = False
+            return _driver
         try:
             from cuda.bindings import driver
 
