@@ -203,9 +203,9 @@ class TreeManager:
                             and native.addresses_unchanged(node.statics, node.static_packed)
                         ):
                             node = self._replayable(gc, kids, leaves)
-                    if node is not None and node.first is not None:  # it reads values on the host
-                        return self._replay_segments(gc, call, node)
                     if node is not None:  # the hot path: a recording that fits
+                        if node.first is not None:  # it reads values on the host (tree/breaks.py)
+                            return self._replay_segments(gc, call, node)
                         # Before the launch: a replay that raises after it has still written the pool.
                         self.bookkeeping_live = False
                         try:  # costs nothing unless it raises (Python 3.11+)
