@@ -16,12 +16,17 @@ allocator handing out the same addresses for the same requests from the same sta
 not assumed: each segment keeps the addresses its operations returned (:attr:`Segment.trace`), and a
 re-run that differs fails the recording (eager, with the reason).
 
+Breaks at reads are on with ``graphed(fn, max_break_values=N)``. A function marked with
+:func:`eager` breaks a recording wherever it is called, breaks on or off: it runs between two
+segments on every replay (:class:`EagerPart`), and what it returns besides tensors keys the
+segment after it, as a read's value does.
+
 Example (what a replay does, in :meth:`graphtree.tree.node.Node.run_segments`)::
 
     seg = node.first
     seg.launch()
     while seg.read is not None:
-        seg = seg.next[value_key(seg.read.value())]
+        seg = seg.next[seg.read.key(seg.read.value())]
         seg.launch()
 """
 
