@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [own] [files] [per_call] [startup] [first] [readme] [probes] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -59,6 +59,12 @@ for stage in $stages; do
       ;;
     probes)  # facts the next issues' designs rest on: CUPTI's graph node ids (issue 29)
       timeout 120 python3 benchmarks/cupti_graph_ids.py 2>&1 | tee "$OUT/cupti_graph_ids.txt" | tail -30
+      ;;
+    measure)  # the measurements written on the CPU for issues 26, 27 and 29, each under a time limit
+      timeout 150 python3 benchmarks/probe_breaks_models.py 2>&1 | tee "$OUT/probe_breaks_models.txt" | tail -20
+      timeout 120 python3 benchmarks/break_cost.py --json "$OUT/break_cost.json" 2>&1 | tee "$OUT/break_cost.txt" | tail -6
+      timeout 150 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.txt" | tail -8
+      timeout 150 python3 benchmarks/recording_cost.py --runs 3 2>&1 | tee "$OUT/recording_cost.txt" | tail -3
       ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $FILES 2>&1 | tee "$OUT/some.log" | tail -30
