@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphtree
-from graphtree.tree.breaks import READS, value_key
+from graphtree.tree.breaks import READS, is_read, value_key
 
 
 def test_eager_is_public_and_an_ordinary_call_outside_a_recording():
@@ -48,3 +48,15 @@ def test_stats_say_recordings_for_new_values_only_when_there_are_some():
     assert "for new values" not in str(s)
     s.values = 2
     assert "2 for new values read on the host" in str(s)
+
+
+def test_a_copy_to_the_host_is_keyed_by_its_contents():
+    a, b = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])
+    assert value_key(a) == value_key(a.clone()) and value_key(a) != value_key(b)
+    assert value_key(a) != value_key(a.float()) and value_key(a) != value_key(a.view(3, 1))
+
+
+def test_reads_are_of_cuda_tensors_only():
+    x = torch.ones(3)  # (the CUDA cases run in tests/gpu/test_breaks_gpu.py)
+    assert not is_read(torch.ops.aten._local_scalar_dense.default, (x,), {})
+    assert not is_read(torch.ops.aten._to_copy.default, (x,), {"device": torch.device("cpu")})

@@ -48,9 +48,33 @@ from graphtree.tree.sites import CaptureSites, Site
 
 ITEM = torch.ops.aten._local_scalar_dense.default
 READS = frozenset({ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default})
-"""The operations a recording breaks at: every host read of a CUDA scalar goes through one of them
-(``bool(t)`` reaches a dispatch mode as ``is_nonzero`` under ``inference_mode``, else as
-``_local_scalar_dense``)."""
+"""The operations of a host read of a CUDA scalar: every one goes through one of them (``bool(t)``
+reaches a dispatch mode as ``is_nonzero`` under ``inference_mode``, else as ``_local_scalar_dense``)."""
+
+_aten = torch.ops.aten
+TO_HOST = frozenset({_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device, _aten.to.other, _aten.to.dtype})
+"""Operations that may copy a CUDA tensor to the host (``.cpu()``, ``.tolist()``, ``.to("cpu")``)."""
+
+MAX_READ_ELEMENTS = 256
+"""A copy to the host of at most this many elements is a read (its contents key what follows);
+a larger one cannot be keyed and makes the signature eager, as before."""
+
+
+def is_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func(*args, **kwargs)`` reads a CUDA tensor on the host: a scalar, or a copy of a
+    small tensor to the CPU."""
+    x = args[0] if args else None
+    if not (isinstance(x, torch.Tensor) and x.is_cuda):
+        return False
+    if func in READS:
+        return True
+    if func not in TO_HOST or x.numel() > MAX_READ_ELEMENTS:
+        return False
+    target = kwargs.get("device")
+    if target is None and len(args) > 1:
+        target = args[1].device if isinstance(args[1], torch.Tensor) else args[1]
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
 
 MAX_VALUES = 8
 """Distinct values one break may take before the call's signature runs eagerly, when breaks are on
@@ -59,13 +83,16 @@ every call. Off by default (0) until the whole GPU suite has run with them on: s
 
 
 def value_key(value: Any) -> Any:
-    """The key of a read's value: its type and value (``True`` and ``1`` differ; NaN equals NaN).
+    """The key of a read's value: its type and value (``True`` and ``1`` differ; NaN equals NaN; a
+    tensor copied to the host by its dtype, shape and contents).
 
     The value itself, not what the code does with it: ``if t.item() > 0:`` keys on the float,
     which may differ on every call (up to ``max_break_values``); ``if t > 0:`` keys on a bool.
     """
     if isinstance(value, float) and value != value:
         return (float, "nan")
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.dtype, tuple(value.shape), tuple(value_key(v) for v in value.flatten().tolist()))
     return (type(value), value)
 
 
@@ -80,8 +107,10 @@ def _where() -> str:
 class Read:
     """Where a break's host read finds its value on replay: the same bytes the recording read."""
 
-    def __init__(self, op: Any, t: torch.Tensor, where: str) -> None:
-        self.op = op  # one of READS
+    def __init__(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> None:
+        self.op = op  # one of READS or TO_HOST (see is_read)
+        t = args[0]
+        self.rest, self.kwargs = args[1:], kwargs  # (a target device, a dtype: plain values, or a CPU tensor)
         st = t.untyped_storage()
         self.meta = _torch.meta_of(t)
         self.ptr = st.data_ptr()
@@ -96,7 +125,8 @@ class Read:
 
     def value(self) -> Any:
         """Read the value now (waits for the work launched before it on the current stream)."""
-        return self.op(_torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes)))
+        t = _torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes))
+        return self.op(t, *self.rest, **self.kwargs)
 
 
 class EagerPart:
@@ -293,12 +323,7 @@ class Breaks(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if (
-            func not in READS
-            or not self.enabled
-            or not self.open
-            or not (isinstance(args[0], torch.Tensor) and args[0].is_cuda)
-        ):
+        if not self.enabled or not self.open or not is_read(func, args, kwargs):
             out = func(*args, **kwargs)
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -326,7 +351,7 @@ class Breaks(TorchDispatchMode):
                 self._first_replay()
             self.graph.replay()  # what the read needs: the capture ran nothing
             value = func(*args, **kwargs)
-            seg = Segment(self.graph, Read(func, t, _where()), tuple(self.trace), self.sites.take())
+            seg = Segment(self.graph, Read(func, args, kwargs, _where()), tuple(self.trace), self.sites.take())
             self.graph = self._new_graph()
         self.segments.append(seg)
         self.values.append(value)
@@ -383,7 +408,7 @@ class WarmUpReads(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.count_reads and func in READS and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        if self.count_reads and is_read(func, args, kwargs):
             self.pending += 1
         return func(*args, **kwargs)
 

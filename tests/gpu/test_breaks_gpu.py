@@ -226,3 +226,17 @@ def test_generate_with_breaks_on_graphs_the_prefill_too_and_equals_eager(kind):
     synced = [r for r in s.eager if "synchronizes with the host" in r]
     assert not synced, s  # the prefill's host reads are breaks now, not a reason to run it eagerly
     assert s.replays >= 12, s
+
+
+def test_a_small_copy_to_the_host_is_a_read_too():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        counts = (x > 0).sum(0).tolist()  # four ints copied to the host
+        return x * counts[0] + counts[1]
+
+    g = graphtree.graphed(f, max_break_values=ON)
+    xs = [torch.randn(16, 4, device=DEV) for _ in range(2)]
+    for i in range(8):
+        graphtree.mark_step()
+        torch.testing.assert_close(g(xs[i % 2]), f(xs[i % 2]))
+    s = graphtree.stats()
+    assert not s.eager and s.replays >= 4, s
