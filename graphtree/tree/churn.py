@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-LIMIT = 8
-"""Warm-ups in a row without a recording before new signatures run plain eager."""
+LIMIT = 16
+"""Warm-ups in a row without a recording before new signatures run plain eager. (A left-padded
+Mistral batch meets a new signature at each of a ``generate()``'s decode steps, and records them at
+the next ``generate()``: below its length, the rule would turn that into eager runs.)"""
 
 KEEP = 1024
 """Signatures remembered per callable (the oldest is forgotten first)."""
