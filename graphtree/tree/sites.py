@@ -51,15 +51,20 @@ def _bindings() -> Any:
     return _driver
 
 
+_interned: dict[Any, Any] = {}  # frames and stacks seen, shared: recordings of one model repeat them
+
+
 def _stack(skip: int) -> tuple[Frame, ...]:
     frames: list[Frame] = []
     f: Any = sys._getframe(skip)
     while f is not None and len(frames) < _MAX_FRAMES:
         code = f.f_code
-        frames.append((code.co_filename, f.f_lineno or 0, code.co_name))
+        frame = (code.co_filename, f.f_lineno or 0, code.co_name)
+        frames.append(_interned.setdefault(frame, frame))
         f = f.f_back
     frames.reverse()
-    return tuple(frames)
+    stack = tuple(frames)
+    return _interned.setdefault(stack, stack)  # type: ignore[no-any-return]
 
 
 class CaptureSites:
