@@ -426,7 +426,9 @@ def eager(fn: _F) -> _F:
     segments, on its tensor arguments where the recording found them (so it sees each replay's
     fresh values). Outside a recording it is an ordinary call.
 
-    Constraints: ``fn`` may read any tensor and write into the tensors it is given. The CUDA
+    Constraints: ``fn`` may read any tensor and write into the tensors it is given; a CUDA tensor
+    it is given that the call did not make or receive (a global, say) must stay alive at its
+    address, as for a graph's own reads. The CUDA
     tensors it returns must keep their shapes and dtypes from call to call: each replay copies them
     into the ones it returned while recording, which the graph after it reads. What else it
     returns (a bool, an int) chooses the recording that follows, as a host read does. A decorator,
