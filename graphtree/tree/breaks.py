@@ -123,6 +123,10 @@ class Read:
         """What the segment after it is keyed on."""
         return value_key(value)
 
+    def describe(self, value: Any) -> str:
+        """The break as ``describe()`` shows it."""
+        return f"read {value!r} at {self.where}"
+
     def value(self) -> Any:
         """Read the value now (waits for the work launched before it on the current stream)."""
         t = _torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes))
@@ -157,6 +161,10 @@ class EagerPart:
     def key(value: Any) -> Any:
         """What the segment after it is keyed on: :meth:`value` returns it already."""
         return value
+
+    def describe(self, value: Any) -> str:
+        """The break as ``describe()`` shows it."""
+        return f"ran {self.where}"
 
     def value(self) -> Any:
         """Run the function now; copy its tensors into the recorded ones; the key of the rest."""
@@ -286,38 +294,54 @@ class Breaks(TorchDispatchMode):
         _here.breaks = self._outer
         super().__exit__(*exc)
 
-    def eager_part(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A :func:`eager` function called while recording: it ends the segment like a host read,
-        runs as plain eager code, and its result keys the segment after it."""
+    def _break(
+        self, same: Callable[[Read | EagerPart | None], bool], run: Callable[[], tuple[Read | EagerPart, Any]]
+    ) -> tuple[Segment, Any]:
+        """End the segment under capture at a break and begin the next; the segment and the value
+        its break gave. ``run`` performs the break (the capture having run nothing, what it needs
+        is replayed first) and returns it with its value; when the break re-runs one the prefix
+        went through, the prefix's segment and value stand instead, if ``same`` says the break is
+        that one and the segment allocated as before."""
         self.end()
         j = len(self.segments)
-        if j < len(self.prefix):  # this part ran already, in the replay that met a new value
-            seg, key = self.prefix[j]
-            part = seg.read
-            if not isinstance(part, EagerPart) or part.fn is not fn or tuple(self.trace) != seg.trace:
+        if j < len(self.prefix):  # this segment ran already, in the replay that met a new value
+            seg, value = self.prefix[j]
+            if not same(seg.read) or tuple(self.trace) != seg.trace:
+                where = seg.read.where if seg.read is not None else "the end of the call"
                 raise BreakFailed(
-                    f"running it again for a new value did not reach {getattr(fn, '__qualname__', fn)} as "
-                    f"the recording it extends did (segment {j + 1})"
+                    f"running it again for a new value did not reach {where} as the recording it "
+                    f"extends did, at the same addresses (segment {j + 1})"
                 )
             self.graph = self._new_graph()  # the capture just ended is not needed: drop it
             self.sites.take()
-            out = part.last  # what it returned in the replay (not run twice), its tensors the landing ones
         else:
             with _torch.no_dispatch_modes():  # plain eager work, unseen by the recorder's watches
                 if j == 0:
                     self._first_replay()
                 self.graph.replay()
-                out = fn(*args, **kwargs)
-                part = EagerPart(fn, args, kwargs, out)
-                key = part.land(out)
-            out = part.last  # the landing tensors in its structure: what the graph after it reads
-            seg = Segment(self.graph, part, tuple(self.trace), self.sites.take())
+                brk, value = run()
+            seg = Segment(self.graph, brk, tuple(self.trace), self.sites.take())
             self.graph = self._new_graph()
         self.segments.append(seg)
-        self.values.append(key)
+        self.values.append(value)
         self.trace = []
         self.begin()
-        return out
+        return seg, value
+
+    def eager_part(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A :func:`eager` function called while recording: it ends the segment like a host read,
+        runs as plain eager code, and its result keys the segment after it."""
+
+        def run() -> tuple[EagerPart, Any]:
+            out = fn(*args, **kwargs)
+            part = EagerPart(fn, args, kwargs, out)
+            return part, part.land(out)
+
+        seg, _key = self._break(lambda brk: isinstance(brk, EagerPart) and brk.fn is fn, run)
+        assert isinstance(seg.read, EagerPart)
+        # the landing tensors in its structure (what the graph after it reads): in a re-run for a
+        # new value, what it returned in the replay, which is not run twice
+        return seg.read.last
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -331,32 +355,12 @@ class Breaks(TorchDispatchMode):
             if self.sites.on and self.open:
                 self.sites.after_op(torch.cuda.current_stream().cuda_stream)
             return out
-        t = args[0]
-        self.end()
-        j = len(self.segments)
-        if j < len(self.prefix):  # this segment ran already, in the replay that met a new value
-            seg, value = self.prefix[j]
-            read = seg.read
-            same = isinstance(read, Read) and read.ptr == t.untyped_storage().data_ptr()
-            if not same or tuple(self.trace) != seg.trace:
-                where = read.where if read is not None else "the end of the call"
-                raise BreakFailed(
-                    f"running it again for a new value did not reach {where} as the recording it "
-                    f"extends did, at the same addresses (segment {j + 1})"
-                )
-            self.graph = self._new_graph()  # the capture just ended is not needed: drop it
-            self.sites.take()
-        else:
-            if j == 0:
-                self._first_replay()
-            self.graph.replay()  # what the read needs: the capture ran nothing
-            value = func(*args, **kwargs)
-            seg = Segment(self.graph, Read(func, args, kwargs, _where()), tuple(self.trace), self.sites.take())
-            self.graph = self._new_graph()
-        self.segments.append(seg)
-        self.values.append(value)
-        self.trace = []
-        self.begin()
+        ptr = args[0].untyped_storage().data_ptr()
+        where = _where()  # the user's line, taken where the stack is the read's
+        _seg, value = self._break(
+            lambda brk: isinstance(brk, Read) and brk.ptr == ptr,
+            lambda: (Read(func, args, kwargs, where), func(*args, **kwargs)),
+        )
         return value
 
     def finish(self) -> list[Segment]:

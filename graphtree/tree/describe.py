@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from graphtree.tree.manager import TreeManager, managers
-from graphtree.tree.node import Node, Root, signature
+from graphtree.tree.node import Node, Root, below, signature
 
 
 def _label(node: Node) -> str:
@@ -14,11 +14,6 @@ def _label(node: Node) -> str:
         f"outputs={node.outputs.nbytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
         + "".join(f" | {brk}" for brk in node.reads)
     )
-
-
-def _children(node: Node | Root) -> list[Node]:
-    # a call broken at host reads: the recordings of its other values beside it (tree/breaks.py)
-    return [x for kids in node.children.values() for k in kids for x in (k, *k.branches())]
 
 
 def render(managers: Iterable[TreeManager], format: str) -> str:
@@ -31,7 +26,7 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
             stack: list[tuple[str, Node | Root]] = [(root, m.root)]
             while stack:
                 parent_id, node = stack.pop()
-                for k in _children(node):
+                for k in below(node):
                     kid = f"t{i}_{k.id}"
                     lines.append(f'  {kid} [label="{_label(k)}"];')
                     lines.append(f"  {parent_id} -> {kid};")
@@ -46,7 +41,7 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
         out.append(f"tree cuda:{m.device} (thread {m.thread}): pool {pool:.1f} MiB, step {m.generation}")
 
         def walk(node: Node | Root, prefix: str) -> None:
-            kids = _children(node)
+            kids = below(node)
             for j, k in enumerate(kids):
                 last = j == len(kids) - 1
                 out.append(prefix + ("└─ " if last else "├─ ") + _label(k))

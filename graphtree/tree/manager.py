@@ -25,7 +25,7 @@ import gc as _collector
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -35,7 +35,7 @@ from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
-from graphtree.tree.node import Node, Root, signature
+from graphtree.tree.node import Node, Root, below, signature
 from graphtree.tree.pool import Pool
 from graphtree.tree.replay_error import explain, is_cuda_error
 from graphtree.tree.stats import Counters, Stats, log, log_fallback
@@ -60,12 +60,10 @@ def forget(gc_id: int) -> None:
 def _drop_subtree(node: Node) -> None:
     """Unlink a dropped recording and all below it, so that reference counting frees their graphs
     (a node and its children refer to each other) without waiting for the collector."""
-    stack = [node]
+    stack = [node, *node.branches()]  # (and the recordings of its call's other values: tree/breaks.py)
     while stack:
         n = stack.pop()
-        for kids in n.children.values():
-            stack.extend(kids)
-        stack.extend(n.branches())  # the recordings of its call's other values (tree/breaks.py)
+        stack.extend(below(n))
         n.children = {}
         n.parent = None  # type: ignore[assignment]
         if n.first is not None:
@@ -211,10 +209,7 @@ class TreeManager:
                         try:  # costs nothing unless it raises (Python 3.11+)
                             out = node.replay(leaves, call.n)
                         except RuntimeError as e:
-                            err = self._replay_error(gc, node, e)
-                            if err is e:
-                                raise
-                            raise err from e
+                            self._raise_replay_error(gc, node, e)
                         self.path.append(node)
                         self.current = node
                         self.counters.replays += 1
@@ -237,10 +232,7 @@ class TreeManager:
             if leaf is not None:
                 out = leaf.hand_out(call.leaves, call.n)
         except RuntimeError as e:
-            err = self._replay_error(gc, node, e)
-            if err is e:
-                raise
-            raise err from e
+            self._raise_replay_error(gc, node, e)
         if leaf is None:
             return self._record_value(gc, call, read)
         self.path.append(leaf)
@@ -265,13 +257,13 @@ class TreeManager:
         self.counters.values += 1
         return self._record(gc, call, prefix=read)
 
-    def _replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> RuntimeError:
-        """``e`` itself, or, for a CUDA error, one that names the recording, the graph replayed
-        before it, and how to find the kernel (:mod:`graphtree.tree.replay_error`)."""
+    def _raise_replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> NoReturn:
+        """Raise ``e`` as it came, or, for a CUDA error, one (from ``e``) that names the recording,
+        the graph replayed before it, and how to find the kernel (:mod:`graphtree.tree.replay_error`)."""
         if not is_cuda_error(e):
-            return e
+            raise e
         debug = None if gc.debug is None else str(gc.debug)
-        return explain(e, recording=signature(node), previous=self.last_signature(), debug_dir=debug)
+        raise explain(e, recording=signature(node), previous=self.last_signature(), debug_dir=debug) from e
 
     def last_signature(self) -> str | None:
         """The signature of the recording this tree ran last (in this step or the one before)."""
@@ -335,10 +327,7 @@ class TreeManager:
             for key in [k for k in parent.children if k[0] in dead]:
                 for node in parent.children.pop(key):
                     _drop_subtree(node)
-            for kids in parent.children.values():
-                for kid in kids:
-                    stack.append(kid)
-                    stack.extend(kid.branches())  # a broken call's other values have children too
+            stack.extend(below(parent))
         self.warmed = {k: v for k, v in self.warmed.items() if k[0] not in dead}
         if self.last_replayed is not None and self.last_replayed.key[0] in dead:
             self.last_replayed = None
@@ -479,14 +468,9 @@ class TreeManager:
         out: list[Node] = []
         stack: list[Node | Root] = [self.root]
         while stack:
-            n = stack.pop()
-            for kids in n.children.values():
-                for kid in kids:
-                    out.append(kid)
-                    stack.append(kid)
-                    for other in kid.branches():
-                        out.append(other)
-                        stack.append(other)
+            kids = below(stack.pop())
+            out.extend(kids)
+            stack.extend(kids)
         return out
 
     def reset(self) -> None:

@@ -343,6 +343,13 @@ class Node:
             pass
 
 
+def below(parent: Node | Root) -> list[Node]:
+    """The recordings right below ``parent``: its children, and beside each recording of a call
+    broken at host reads, the recordings of the call's other values (found through the first
+    segment they share, not among the children: :mod:`graphtree.tree.breaks`)."""
+    return [x for kids in parent.children.values() for k in kids for x in (k, *k.branches())]
+
+
 def signature(node: Node) -> str:
     """A recording as people read it: its function and the call's signature, e.g. ``step(float32[4, 8], 2)``
     (for messages, ``describe()`` and the replay-error explanation)."""

@@ -22,7 +22,7 @@ import torch
 
 from graphtree import _events, _torch
 from graphtree.tree import writes as _writes
-from graphtree.tree.breaks import BreakFailed, Breaks, Read, Segment, WarmUpReads
+from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
@@ -276,11 +276,7 @@ def record(
         chain = breaks.finish()  # the segments, when the call read values on the host
         # which Python stack made which node of each graph it launches (tree/sites.py)
         graph_sites = [(seg.graph, seg.sites) for seg in chain] if chain else [(graph, breaks.sites.take())]
-        reads = [
-            f"read {v!r} at {seg.read.where}" if isinstance(seg.read, Read) else f"ran {seg.read.where}"
-            for seg, v in zip(chain, breaks.values)
-            if seg.read is not None
-        ]
+        reads = [seg.read.describe(v) for seg, v in zip(chain, breaks.values) if seg.read is not None]
         del breaks
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph
