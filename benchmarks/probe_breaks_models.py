@@ -66,18 +66,9 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - report and go on
         print("Faster R-CNN:", type(e).__name__, e)
     try:
-        import transformers
+        from graphtree.bench.breaks import llama as bench_llama  # the breaks scenario's Llama
 
-        cfg = transformers.LlamaConfig(
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        )
-        llama = transformers.LlamaForCausalLM(cfg).cuda().eval()
+        llama = bench_llama(seed=0)
         ids = [(torch.randint(1, 1024, (2, n), device="cuda"),) for n in (16, 24)]
         probe("Llama, no cache", llama, ids, {"use_cache": False})
     except Exception as e:  # noqa: BLE001

@@ -54,7 +54,9 @@ def _moe(d: int, experts: int, seed: int) -> Callable[[torch.Tensor], torch.Tens
     return fn
 
 
-def _llama(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def llama(seed: int) -> torch.nn.Module:
+    """The case's Llama (4 layers, d_model 256, vocab 1024, random weights), in eval mode on the
+    benchmark's device; ``benchmarks/probe_breaks_models.py`` probes the same one."""
     import transformers  # only when this case runs
 
     torch.manual_seed(seed)
@@ -67,7 +69,11 @@ def _llama(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    model = transformers.LlamaForCausalLM(cfg).to(kit.DEVICE).eval()
+    return transformers.LlamaForCausalLM(cfg).to(kit.DEVICE).eval()
+
+
+def _llama(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    model = llama(seed)
     return lambda ids: model(ids, use_cache=False).logits
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_hf import tiny_model
 
 import graphtree
 
@@ -127,18 +128,8 @@ def test_outputs_of_a_broken_call_are_held_and_invalidated_like_any_other():
 
 
 def test_a_llama_called_without_a_cache_is_graphed_across_its_host_reads():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    model = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+    pytest.importorskip("transformers")
+    model = tiny_model("llama")
     step = graphtree.graphed(model, max_break_values=ON)
     with torch.inference_mode():
         for length in (8, 8, 8, 12, 12, 12, 8, 12):
@@ -194,26 +185,8 @@ def test_a_marked_part_that_returns_a_tensor_hands_it_to_the_graph_after_it():
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_generate_with_breaks_on_graphs_the_prefill_too_and_equals_eager(kind):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
-        )
-    else:
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=128,
-            )
-        )
-    model = model.to(DEV).eval()
-    model.generation_config.pad_token_id = 0
+    pytest.importorskip("transformers")
+    model = tiny_model(kind)
     ids = torch.randint(1, 256, (1, 6), device=DEV)
     with torch.inference_mode():
         static = {"max_new_tokens": 12, "do_sample": False, "cache_implementation": "static"}

@@ -6,37 +6,14 @@ import warnings
 
 import pytest
 import torch
+from _tiny_hf import tiny_model
 
 import graphtree
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # (tiny_model imports it)
 
 DEV = "cuda"
 NEW = 12
-
-
-def _model(kind):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:  # Llama, and Mistral (the same shape, with sliding-window attention)
-        sizes = {
-            "vocab_size": 256,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 128,
-        }
-        if kind == "llama":
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
-        else:
-            model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes))
-    model.generation_config.pad_token_id = 0
-    model.generation_config.do_sample = False
-    return model.to(DEV).eval()
 
 
 def _inputs(kind):
@@ -53,7 +30,7 @@ def _inputs(kind):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
 def test_generate_with_hugging_faces_defaults_equals_eager(kind):
-    model = _model(kind)
+    model = tiny_model(kind)
     inputs = _inputs(kind)
     with torch.inference_mode():
         expected = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static", disable_compile=True)
@@ -77,7 +54,7 @@ def test_generate_with_hugging_faces_defaults_equals_eager(kind):
 
 
 def test_generate_asked_to_compile_anyway_still_equals_eager():
-    model = _model("llama")
+    model = tiny_model("llama")
     inputs = _inputs("llama")
     with torch.inference_mode():
         expected = model.generate(**inputs, max_new_tokens=NEW, cache_implementation="static", disable_compile=True)
