@@ -473,11 +473,12 @@ def graphed(
     strides, devices and plain Python values).
 
     Args:
-        fn: the callable. It must not mutate copied inputs. A host read of a scalar
-            (``.item()``, ``bool(t)``, ``if t:``) runs it eagerly, or, with ``max_break_values``,
-            splits its recording in two at that point, the value read choosing what is replayed
-            after it; other host synchronisations (``.cpu()``, ``.tolist()``, printing tensors,
-            data-dependent shapes) make it run eagerly, and ``stats()`` says why.
+        fn: the callable. It must not mutate copied inputs. A host read of a scalar or of a
+            small tensor (``.item()``, ``bool(t)``, ``if t:``, ``.tolist()`` of up to 256
+            elements) runs it eagerly, or, with ``max_break_values``, splits its recording in two
+            at that point, the value read choosing what is replayed after it; other host
+            synchronisations (larger copies, printing tensors, data-dependent shapes) make it run
+            eagerly, and ``stats()`` says why.
         buckets: pad dimension ``bucket_dim`` of the inputs up to the next of these sizes and
             cut the outputs back, so that many batch sizes share a few recordings. Rows of that
             dimension must be independent.
