@@ -14,6 +14,8 @@ import pytest
 
 from graphtree.debug import load_dump
 
+pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
+
 HERE = Path(__file__).resolve().parent
 BAD = {"assert": 1000, "write": 4_000_000_000}
 KERNEL = {"assert": "index", "write": "_write_past_end"}
@@ -24,7 +26,6 @@ import sys, time, torch, graphtree
 from graphtree.debug import dump_on_error
 import _faults
 
-pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
 kind, mode, folder = sys.argv[1:4]
 fn = _faults.lookup if kind == "assert" else _faults.scribble
 data = torch.randn(64, device="cuda")
