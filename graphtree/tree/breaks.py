@@ -325,7 +325,10 @@ class Breaks(TorchDispatchMode):
         self.segments.append(seg)
         self.values.append(value)
         self.trace = []
-        self.begin()
+        # unseen by the recorder's watches: beginning a capture allocates the state of the graph's
+        # generator (an eager part's break is met with every watch active; a read's inside them)
+        with _torch.no_dispatch_modes():
+            self.begin()
         return seg, value
 
     def eager_part(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
