@@ -21,7 +21,8 @@ from graphtree.demo.gpt import GPTConfig, TinyGPT, greedy_decode
 from graphtree.tree import manager
 model = TinyGPT(GPTConfig(max_seq=64), batch=1, device="cuda")
 step = graphtree.graphed(model.decode_step)
-greedy_decode(step, model, torch.zeros(1, 1, dtype=torch.long, device="cuda"), 3, before_step=graphtree.mark_step)
+with torch.inference_mode():  # (with autograd on, the step runs eagerly: nothing is recorded)
+    greedy_decode(step, model, torch.zeros(1, 1, dtype=torch.long, device="cuda"), 3, before_step=graphtree.mark_step)
 nodes = [n for m in manager.managers() for n in m.nodes()]
 sites = sum(len(s) for n in nodes for _, s in n.graph_sites)
 print("CAPTURE", max(n.capture_seconds for n in nodes), sites)
