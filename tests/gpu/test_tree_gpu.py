@@ -384,7 +384,7 @@ def test_sync_in_capture_names_the_op_and_line_and_leaks_nothing(caplog):
             y = y + 1
         return y
 
-    g = graphtree.graphed(f, name="syncer")
+    g = graphtree.graphed(f, name="syncer", max_break_values=0)  # a read is a sync, not a break
     h = graphtree.graphed(lambda x: x - 1, name="fine")
     x = torch.randn(1000, device=DEV)
     for _ in range(3):
@@ -434,7 +434,7 @@ def test_a_capture_that_fails_after_warm_up_leaves_the_tree_usable():
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_reserved()
-    gs = graphtree.graphed(sneaky, name="sneaky")
+    gs = graphtree.graphed(sneaky, name="sneaky", max_break_values=0)  # the read fails the capture
     gr = graphtree.graphed(lambda x: x + torch.rand_like(x), name="noisy")
     x = torch.randn(4096, device=DEV)
     for _ in range(3):
