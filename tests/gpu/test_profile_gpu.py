@@ -42,6 +42,7 @@ def _have_cuda() -> bool:
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.own_process,  # every scenario runs in a process of its own (gpu_session.sh: `own`, `files`)
     pytest.mark.skipif(not _have_cuda(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("cupti") is None, reason="needs cupti-python (graphtree[profile])"),
 ]
