@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -82,6 +82,15 @@ for stage in $stages; do
     suite)  # tests marked own_process run all they check in subprocesses: no state of this process to
             # poison or be poisoned by; they run in `files` (and `own`), which keeps this under a call
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
+      ;;
+    suite_breaks_on)  # the one-process suite with breaks on by default (max_break_values=8), in a copy:
+                      # what making them the default would do, before it is made
+      rm -rf /tmp/breaks-on && mkdir -p /tmp/breaks-on && cp -r graphtree tests pyproject.toml /tmp/breaks-on/
+      sed -i 's/max_break_values: int = 0,/max_break_values: int = 8,/' /tmp/breaks-on/graphtree/tree/graphed.py
+      grep -c 'max_break_values: int = 8' /tmp/breaks-on/graphtree/tree/graphed.py | sed 's/^/defaults switched: /'
+      (cd /tmp/breaks-on && PYTHONPATH=/tmp/breaks-on:$PYTHONPATH timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} \
+        python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 \
+        | tee "$OUT/suite_breaks_on.log" | tail -30)
       ;;
     own)
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 | tee "$OUT/own.log" | tail -15
