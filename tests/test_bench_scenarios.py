@@ -174,7 +174,8 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
     assert share[("eager", "producer_time_per_step")].note == "not a way to share"
     # generate() applies to eager, graphtree and reduce-overhead; without transformers it says so
     gen = {r.contender: r for r in rows if r.scenario == "generate"}
-    assert set(gen) == set(cfg.contenders) and all(r.ok and r.value is None for r in gen.values())
+    assert set(gen) == {*cfg.contenders, "hf-default"} and all(r.ok and r.value is None for r in gen.values())
+    assert "transformers is not installed" in gen["hf-default"].note  # HF's own way is always a contender
     assert "not applicable" in gen["handwritten"].note
     assert "transformers is not installed" in gen["graphtree"].note
     # ... and the others went on, with outputs equal to eager's

@@ -6,14 +6,17 @@ with ``cache_implementation="static"``. Contenders replace ``model.forward``:
 
 - ``eager``: the model as it is;
 - ``graphtree``: ``model.forward = graphtree.graphed(model.forward)``;
-- ``compile-reduce-overhead``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``.
+- ``compile-reduce-overhead``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``;
+- ``hf-default``: what ``generate()`` does by itself (no ``disable_compile``): with a static cache it
+  compiles the decode steps with ``torch.compile`` as its ``CompileConfig`` says, and runs the
+  prefill uncompiled. What a user of Hugging Face runs otherwise; always in the scenario.
 
 Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticCache`` per call,
 so graphtree records the decode step again each call, at a new address) and ``one cache`` (one
 ``StaticCache`` passed as ``past_key_values`` and reset between calls: every decode step replays).
 Reported: time per generated token (a whole ``generate()`` call / tokens), the first call's time
-(warm-up and recording), and for graphtree the share of decode steps that replayed. Tokens are
-compared with eager's.
+(warm-up and recording), for graphtree the share of decode steps that replayed, and graphtree's
+time per token over HF's default's (``vs_hf_default``). Tokens are compared with eager's.
 
 Example::
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 
 SCENARIO = "generate"
 REDUCE_OVERHEAD = "compile-reduce-overhead"
+HF_DEFAULT = "hf-default"
 APPLICABLE = (EAGER, GRAPHTREE, REDUCE_OVERHEAD)
 
 
@@ -63,7 +67,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
     """Time per generated token of ``generate()`` for each applicable contender, both cases."""
     cfg = ctx.cfg
     results: list[Result] = []
-    names = [n for n in cfg.contenders if n in APPLICABLE]
+    names = [*(n for n in cfg.contenders if n in APPLICABLE), HF_DEFAULT]  # HF's own way: always
     for n in cfg.contenders:
         if n not in APPLICABLE:
             results.append(Result(SCENARIO, "all", n, "time_per_token", None, "s", note="not applicable to generate()"))
@@ -91,7 +95,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
     tokens = 16 if quick else 64
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
     original = model.forward
-    forwards: dict[str, Callable[..., Any]] = {EAGER: original}
+    forwards: dict[str, Callable[..., Any]] = {EAGER: original, HF_DEFAULT: original}
     for name in names:
         if name == GRAPHTREE:
             forwards[name] = graphtree.graphed(original, name="LlamaForCausalLM.forward")
@@ -112,8 +116,10 @@ def run_generate(ctx: Ctx) -> list[Result]:
             model.forward = forwards[name]
             if "past_key_values" in kw:
                 kw["past_key_values"].reset()
+            # HF's default compiles by itself: everyone else passes disable_compile=True
+            call_kw = {k: v for k, v in kw.items() if k != "disable_compile"} if name == HF_DEFAULT else kw
             try:
-                return model.generate(ids, **kw)
+                return model.generate(ids, **call_kw)
             finally:
                 model.forward = original
 
@@ -123,7 +129,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
         before = graphtree.stats()
         for name in names:
             try:
-                if name in COMPILED:  # only compiling is slow enough to skip; a spent budget fails this row only
+                if name in COMPILED or name == HF_DEFAULT:  # compiling is slow: a spent budget fails this row only
                     ctx.budget.check(f"{name} in generate/{case}")
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -182,6 +188,18 @@ def run_generate(ctx: Ctx) -> list[Result]:
                     first[name],
                     "s",
                     note="the first generate(): warm-up, recording or compiling included",
+                )
+            )
+        if GRAPHTREE in medians and HF_DEFAULT in medians:
+            results.append(
+                Result(
+                    SCENARIO,
+                    case,
+                    GRAPHTREE,
+                    "vs_hf_default",
+                    medians[GRAPHTREE] / medians[HF_DEFAULT],
+                    "x",
+                    note="graphtree's time per token over HF's default generate()'s (below 1: faster)",
                 )
             )
         ctx.log(f"generate: {case}: per token: " + " | ".join(f"{n} {v * 1e3:.3f} ms" for n, v in medians.items()))
