@@ -9,6 +9,7 @@ compared against eager, a document that validates. Real numbers need the GPU tes
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 
 import pytest
@@ -136,7 +137,8 @@ def _tiny(**over):
     return cfg
 
 
-def test_all_scenarios_cover_every_contender_and_validate(fake_gpu):
+def test_all_scenarios_cover_every_contender_and_validate(fake_gpu, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # the generate rows below: as without it
     cfg = _tiny()
     rows = scenarios.run_scenarios(list(scenarios.SCENARIOS), cfg, Progress(quiet=True))
     meta = {
