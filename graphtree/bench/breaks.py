@@ -69,7 +69,8 @@ def llama(seed: int) -> torch.nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    return transformers.LlamaForCausalLM(cfg).to(kit.DEVICE).eval()
+    model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)  # (typed as a module: HF's `to` wrapper confuses mypy)
+    return model.to(kit.DEVICE).eval()
 
 
 def _llama(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -60,7 +60,8 @@ def tiny_llama(hidden: int, layers: int, vocab: int, max_positions: int) -> Any:
         max_position_embeddings=max_positions,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to("cuda").eval()
+    model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)  # (typed as a module: HF's `to` wrapper confuses mypy)
+    return model.to("cuda").eval()
 
 
 def run_generate(ctx: Ctx) -> list[Result]:
