@@ -24,6 +24,7 @@ from graphtree import _native, _torch
 PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 """Types of arguments keyed by value (a recording per value)."""
 _PLAIN = PLAIN_TYPES
+_PLAIN_SET = frozenset(PLAIN_TYPES)  # (a set lookup: the hot loops' membership test)
 _Tensor = torch.Tensor
 
 
@@ -346,6 +347,8 @@ def read_object(obj: Any, held: HeldTensors) -> tuple[Any, ...]:
 
 
 def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
+    # (A plain value inside a container is appended where it is met, without a call of its own:
+    # most of what a cache holds; the limit on values is checked after each container.)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
@@ -359,7 +362,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
         if d >= 0:  # a CPU tensor is keyed, never read in place
             held.add(x, d, x.requires_grad)
         return
-    if type(x) in _PLAIN:
+    if type(x) in _PLAIN_SET:
         out.append(x)
         return
     if id(x) in seen:  # a cycle (obj.parent.child is obj): noted once, not walked again
@@ -368,34 +371,45 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if depth >= _MAX_DEPTH:
         raise _unreadable(top, f"its attributes nest deeper than {_MAX_DEPTH} levels")
     seen.add(id(x))
+    depth += 1
     if isinstance(x, (list, tuple)):
         out.append((type(x), len(x)))
         for v in x:
-            _read_state(v, out, held, depth + 1, top, seen)
-        return
-    if isinstance(x, dict):
+            if type(v) in _PLAIN_SET:
+                out.append(v)
+            else:
+                _read_state(v, out, held, depth, top, seen)
+    elif isinstance(x, dict):
         out.append((dict, len(x)))
         for k, v in x.items():
-            if type(k) not in _PLAIN:
+            if type(k) not in _PLAIN_SET:
                 raise _unreadable(top, f"a dict in it has a key of type {type(k).__name__}")
             out.append(k)
-            _read_state(v, out, held, depth + 1, top, seen)
-        return
-    if isinstance(x, torch.nn.Module):
+            if type(v) in _PLAIN_SET:
+                out.append(v)
+            else:
+                _read_state(v, out, held, depth, top, seen)
+    elif isinstance(x, torch.nn.Module):
         state = module_state(x)
         held.add_module(state)
         out.append((type(x), id(x), x.training, len(state.tensors)))
         return
-    if isinstance(x, _SKIP_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
+    elif isinstance(x, _SKIP_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
         out.append(type(x))  # code, not state
         return
-    attributes = object_attributes(x)
-    if attributes is None:
-        raise _unreadable(top, f"an attribute of type {type(x).__name__} has no readable state")
-    out.append(type(x))
-    for name, v in attributes:
-        out.append(name)
-        _read_state(v, out, held, depth + 1, top, seen)
+    else:
+        attributes = object_attributes(x)
+        if attributes is None:
+            raise _unreadable(top, f"an attribute of type {type(x).__name__} has no readable state")
+        out.append(type(x))
+        for name, v in attributes:
+            out.append(name)
+            if type(v) in _PLAIN_SET:
+                out.append(v)
+            else:
+                _read_state(v, out, held, depth, top, seen)
+    if len(out) > _MAX_ITEMS:
+        raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
 
 
 def object_attributes(x: Any) -> list[tuple[str, Any]] | None:
