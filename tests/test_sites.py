@@ -52,6 +52,22 @@ def test_each_operation_gets_the_nodes_it_added_and_its_stack(monkeypatch):
     assert cs.take() == []  # a new graph starts from node 0
 
 
+def _two_ops(cs: sites.CaptureSites) -> None:
+    cs.after_op(7)
+    cs.after_op(7)
+
+
+def test_each_operation_is_named_by_its_own_line_again_and_again(monkeypatch):
+    """Frames are cached by (code, instruction): the line of each call, not of the first one met."""
+    monkeypatch.setattr(sites, "_driver", _fake_driver([1, 2, 3, 4]))
+    cs = sites.CaptureSites()
+    for _ in range(2):
+        _two_ops(cs)
+    first = _two_ops.__code__.co_firstlineno
+    lines = [stack[-1][1] for _, _, stack in cs.take()]
+    assert lines == [first + 1, first + 2, first + 1, first + 2], lines
+
+
 def test_a_failing_binding_turns_the_bookkeeping_off_not_the_recording(monkeypatch):
     monkeypatch.setattr(sites, "_driver", _fake_driver([1, 2, 3], fail_at=2))
     cs = sites.CaptureSites()

@@ -51,16 +51,24 @@ def _bindings() -> Any:
     return _driver
 
 
-_interned: dict[Any, Any] = {}  # frames and stacks seen, shared: recordings of one model repeat them
+_interned: dict[Any, Any] = {}  # stacks seen, shared: recordings of one model repeat them
+_frames: dict[tuple[Any, int], Frame] = {}  # (code, instruction) -> its frame: f_lineno scans the line table
+_MAX_CACHED = 200_000  # (code made at run time, exec'd or generated, would grow them without end)
 
 
 def _stack(skip: int) -> tuple[Frame, ...]:
+    if len(_frames) > _MAX_CACHED or len(_interned) > _MAX_CACHED:
+        _frames.clear()
+        _interned.clear()
     frames: list[Frame] = []
     f: Any = sys._getframe(skip)
     while f is not None and len(frames) < _MAX_FRAMES:
         code = f.f_code
-        frame = (code.co_filename, f.f_lineno or 0, code.co_name)
-        frames.append(_interned.setdefault(frame, frame))
+        where = (code, f.f_lasti)
+        frame = _frames.get(where)
+        if frame is None:
+            frame = _frames[where] = (code.co_filename, f.f_lineno or 0, code.co_name)
+        frames.append(frame)
         f = f.f_back
     frames.reverse()
     stack = tuple(frames)
