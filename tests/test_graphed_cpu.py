@@ -296,6 +296,30 @@ def test_object_arguments_are_keyed_by_type_and_plain_state():
     assert key(cyclic) == key(cyclic) and "seen" in str(key(cyclic))
 
 
+def test_slots_named_by_one_string_or_private_are_keyed_too():
+    """A lone string is one slot (iterated, it was read letter by letter: its value was never
+    keyed), and a private ``__slot`` lives under its mangled name (it was skipped)."""
+    from graphtree.tree.inputs import HeldTensors, read_object
+
+    class One:
+        __slots__ = "step"
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+    class Private:
+        __slots__ = ("__scale",)
+
+        def __init__(self, scale: float) -> None:
+            self.__scale = scale
+
+    def key(obj):
+        return read_object(obj, HeldTensors())
+
+    assert key(One(1)) == key(One(1)) and key(One(1)) != key(One(2))
+    assert key(Private(0.5)) == key(Private(0.5)) and key(Private(0.5)) != key(Private(2.0))
+
+
 def test_describe_names_every_kind_of_signature_part():
     from graphtree.tree.node import signature
 

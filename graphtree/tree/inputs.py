@@ -346,21 +346,25 @@ def read_object(obj: Any, held: HeldTensors) -> tuple[Any, ...]:
     return (type(obj), tuple(out))
 
 
+def _read_tensor(x: torch.Tensor, out: list[Any], held: HeldTensors, top: type) -> None:
+    kind = tensor_kind(x)
+    if kind is not None:
+        raise _unreadable(top, f"it holds {kind}")
+    if len(held.tensors) >= _MAX_TENSORS:
+        raise _unreadable(top, f"it holds more than {_MAX_TENSORS} tensors")
+    d = x.get_device()
+    out.append((x.shape, x.dtype, x.stride(), d))
+    if d >= 0:  # a CPU tensor is keyed, never read in place
+        held.add(x, d, x.requires_grad)
+
+
 def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
     # (A plain value inside a container is appended where it is met, without a call of its own:
     # most of what a cache holds; the limit on values is checked after each container.)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
-        kind = tensor_kind(x)
-        if kind is not None:
-            raise _unreadable(top, f"it holds {kind}")
-        if len(held.tensors) >= _MAX_TENSORS:
-            raise _unreadable(top, f"it holds more than {_MAX_TENSORS} tensors")
-        d = x.get_device()
-        out.append((x.shape, x.dtype, x.stride(), d))
-        if d >= 0:  # a CPU tensor is keyed, never read in place
-            held.add(x, d, x.requires_grad)
+        _read_tensor(x, out, held, top)
         return
     if type(x) in _PLAIN_SET:
         out.append(x)
@@ -377,6 +381,8 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
         for v in x:
             if type(v) in _PLAIN_SET:
                 out.append(v)
+            elif type(v) is _Tensor:
+                _read_tensor(v, out, held, top)
             else:
                 _read_state(v, out, held, depth, top, seen)
     elif isinstance(x, dict):
@@ -387,6 +393,8 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
             out.append(k)
             if type(v) in _PLAIN_SET:
                 out.append(v)
+            elif type(v) is _Tensor:
+                _read_tensor(v, out, held, top)
             else:
                 _read_state(v, out, held, depth, top, seen)
     elif isinstance(x, torch.nn.Module):
@@ -406,6 +414,8 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
             out.append(name)
             if type(v) in _PLAIN_SET:
                 out.append(v)
+            elif type(v) is _Tensor:
+                _read_tensor(v, out, held, top)
             else:
                 _read_state(v, out, held, depth, top, seen)
     if len(out) > _MAX_ITEMS:
@@ -418,13 +428,39 @@ def object_attributes(x: Any) -> list[tuple[str, Any]] | None:
     d = getattr(x, "__dict__", None)
     if isinstance(d, dict):
         found.extend(d.items())
-    for cls in type(x).__mro__:
-        for name in cls.__dict__.get("__slots__", ()):
-            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
-                found.append((name, getattr(x, name)))
+    for name in _slot_names(type(x)):
+        v = getattr(x, name, _UNSET)
+        if v is not _UNSET:
+            found.append((name, v))
     if d is None and not found:
         return None
     return found
+
+
+_UNSET = object()
+
+
+_slots_of: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(t: type) -> tuple[str, ...]:
+    """The attribute names of ``t``'s ``__slots__`` along its MRO, once per type (a lone string is
+    one slot; a private ``__name`` is looked up mangled, as Python stores it)."""
+    names = _slots_of.get(t)
+    if names is None:
+        found: list[str] = []
+        for cls in t.__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name in ("__dict__", "__weakref__"):
+                    continue
+                if name.startswith("__") and not name.endswith("__"):
+                    name = f"_{cls.__name__.lstrip('_')}{name}"
+                found.append(name)
+        if len(_slots_of) > 4096:  # (types made at run time)
+            _slots_of.clear()
+        names = _slots_of[t] = tuple(found)
+    return names
 
 
 def _unreadable(t: type, why: str) -> Unsupported:
