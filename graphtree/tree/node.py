@@ -21,8 +21,9 @@ import torch
 from graphtree import _torch
 from graphtree.tree import writes as _writes
 from graphtree.tree.breaks import Segment
-from graphtree.tree.inputs import PLAIN_TYPES, InputPlan
+from graphtree.tree.inputs import PLAIN_TYPES
 from graphtree.tree.outputs import OutputPlan
+from graphtree.tree.placement import InputPlan
 from graphtree.tree.sites import Site
 
 _ids = itertools.count(1)

@@ -25,9 +25,10 @@ from graphtree.tree import writes as _writes
 from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
-from graphtree.tree.inputs import Call, copied_inputs, param_epoch, place_inputs, state_watch, tensor_kind
+from graphtree.tree.inputs import Call, param_epoch, tensor_kind
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.outputs import OutputPlan
+from graphtree.tree.placement import copied_inputs, place_inputs, state_watch
 from graphtree.tree.pool import Pool
 
 # Warm-ups and captures run one at a time across threads: they clear cuBLAS's workspaces, which

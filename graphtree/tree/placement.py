@@ -1,0 +1,169 @@
+"""Where a recording's tensor inputs live: placed in the pool for a capture, copied in on replay.
+
+A copied input gets a placeholder in the tree's pool, which the graph reads; each replay copies
+the caller's tensor into it (:class:`InputPlan`, one ``cudaMemcpyAsync`` on the fast path). An input
+read in place (a parameter, a tensor marked with :func:`graphtree.mark_static`, one inside an object
+argument, an output of the recording before it that the caller still holds) is not copied: the
+graph reads it where it is, and a replay checks it is still there.
+
+Example::
+
+    plan, graph_leaves, owning = place_inputs(call, held_ptrs, device, pad_dim)
+    plan.copy_in(call.leaves, call.n)     # before each replay
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from graphtree import _torch
+from graphtree.tree.inputs import Call
+
+_Tensor = torch.Tensor
+
+
+def is_marked_static(t: torch.Tensor) -> bool:
+    """Whether the caller asked for ``t`` to be used in place (see :func:`graphtree.mark_static`)."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_graphtree_static", False)
+
+
+class RawCopy(NamedTuple):
+    """The replay fast path for one contiguous copied input: ``copy(dst, leaves[leaf].data_ptr(), nbytes, device)``
+    (a ``cudaMemcpyAsync``, see :func:`graphtree._torch.raw_copier`)."""
+
+    leaf: int
+    dst: int
+    nbytes: int
+    device: int
+    copy: Callable[[int, int, int, int], None]
+
+
+class InputPlan:
+    """How a recording's tensor inputs reach its graph; built once, applied on every replay.
+
+    ``raw`` is set when the whole copy-in is one ``cudaMemcpyAsync`` (one contiguous, unpadded
+    copied input); :meth:`copy_in` does any plan.
+    """
+
+    def __init__(
+        self,
+        *,
+        inplace_idx: list[int],
+        inplace_ptrs: list[int],
+        copy_idx: list[int],
+        placeholders: list[torch.Tensor],
+        padded: tuple[int, ...],
+        pad_dim: int,
+        bucket: int,
+        device: int,
+        relaid: tuple[int, ...] = (),
+    ) -> None:
+        self.inplace_idx = inplace_idx
+        self.inplace_ptrs = inplace_ptrs  # aligned with the leaves; 0 elsewhere
+        self.copy_idx = copy_idx
+        self.placeholders = placeholders  # non-owning views into the pool
+        self.padded = padded
+        self.pad_dim = pad_dim
+        self.bucket = bucket
+        self.device = device
+        self.relaid = relaid  # copied inputs whose placeholder is dense where the input is not (expanded)
+        self.raw = self._raw_copy()
+
+    def _raw_copy(self) -> RawCopy | None:
+        if len(self.copy_idx) != 1 or self.padded or self.relaid:
+            return None
+        ph = self.placeholders[0]
+        # The key fixes shape, dtype and strides: a contiguous placeholder means a contiguous input.
+        copy = _torch.raw_copier() if ph.is_contiguous() and ph.numel() else None
+        if copy is None:
+            return None
+        return RawCopy(self.copy_idx[0], ph.data_ptr(), ph.numel() * ph.element_size(), self.device, copy)
+
+    def copy_in(self, leaves: Sequence[Any], n: int) -> None:
+        """Copy the copied inputs into their placeholders (padding rows past ``n`` are zeroed)."""
+        if not self.copy_idx:
+            return
+        if not self.padded or n == self.bucket:
+            if len(self.copy_idx) == 1:
+                self.placeholders[0].copy_(leaves[self.copy_idx[0]])
+            else:
+                _torch.foreach_copy(self.placeholders, [leaves[i] for i in self.copy_idx])
+            return
+        dsts, srcs = [], []
+        for ph, i in zip(self.placeholders, self.copy_idx):
+            if i in self.padded:
+                ph.narrow(self.pad_dim, n, self.bucket - n).zero_()
+                ph = ph.narrow(self.pad_dim, 0, n)
+            dsts.append(ph)
+            srcs.append(leaves[i])
+        _torch.foreach_copy(dsts, srcs)
+
+
+def place_inputs(
+    call: Call, held: set[int], device: int, pad_dim: int
+) -> tuple[InputPlan, list[Any], list[torch.Tensor]]:
+    """Decide how each tensor input of ``call`` reaches the graph about to be captured.
+
+    Static-marked tensors, parameters, tensors held by object arguments and inputs whose
+    storage address is in ``held`` (outputs of the current path) are read in place; the others
+    get a placeholder, allocated here from the current allocation context (the tree's pool).
+    Returns the plan, the leaves the capture runs on (placeholders in place of copied inputs)
+    and the placeholders themselves, which the caller keeps alive until the capture is over.
+    """
+    leaves = call.leaves
+    dev = torch.device("cuda", device)
+    inplace_idx: list[int] = []
+    inplace_ptrs = [0] * len(leaves)
+    copy_idx: list[int] = []
+    views: list[torch.Tensor] = []
+    owning: list[torch.Tensor] = []
+    relaid: list[int] = []  # copied inputs whose placeholder is laid out unlike the input
+    graph_leaves = list(leaves)
+    for i, x in enumerate(leaves):
+        if not isinstance(x, _Tensor):
+            continue
+        in_place = i >= call.n_args or is_marked_static(x) or x.untyped_storage().data_ptr() in held
+        if in_place and i not in call.padded:
+            inplace_idx.append(i)
+            inplace_ptrs[i] = x.data_ptr()
+            continue
+        shape, dtype, stride = call.key[i]
+        if any(st == 0 and n > 1 for n, st in zip(shape, stride)):
+            # An expanded input (stride 0): a placeholder of the same strides could not be copied
+            # into (its elements share memory); a dense one holds the same values.
+            ph = torch.empty(shape, dtype=dtype, device=dev)
+            relaid.append(i)
+        else:
+            ph = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+        owning.append(ph)
+        graph_leaves[i] = ph
+        copy_idx.append(i)
+        storage = ph.untyped_storage()
+        views.append(_torch.tensor_on(_torch.meta_of(ph), _torch.storage_at(storage.data_ptr(), dev, storage.nbytes())))
+    plan = InputPlan(
+        inplace_idx=inplace_idx,
+        inplace_ptrs=inplace_ptrs,
+        copy_idx=copy_idx,
+        placeholders=views,
+        padded=call.padded,
+        pad_dim=pad_dim,
+        bucket=call.bucket,
+        device=device,
+        relaid=tuple(relaid),
+    )
+    return plan, graph_leaves, owning
+
+
+def copied_inputs(call: Call) -> list[int]:
+    """Indices of the leaves a recording of ``call`` would copy (the writes to watch for)."""
+    return [i for i, x in enumerate(call.leaves[: call.n_args]) if isinstance(x, _Tensor) and not is_marked_static(x)]
+
+
+def state_watch(leaves: Sequence[Any], idx: Sequence[int], track_reads: bool = False) -> _torch.StateWatch:
+    """A dispatch mode that notes writes to ``leaves[i]`` (i in idx), tensors made and (optionally)
+    every CUDA storage read (see :class:`graphtree._torch.StateWatch`)."""
+    watched = {leaves[i].untyped_storage().data_ptr(): i for i in idx if leaves[i].numel()}
+    return _torch.StateWatch(watched, track_reads)
