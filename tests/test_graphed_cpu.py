@@ -320,6 +320,49 @@ def test_slots_named_by_one_string_or_private_are_keyed_too():
     assert key(Private(0.5)) == key(Private(0.5)) and key(Private(0.5)) != key(Private(2.0))
 
 
+def test_functions_among_the_arguments_are_keyed_by_what_they_run():
+    """A function, method, partial or builtin passed to a graphed call keys its recording: before,
+    ``f(x, torch.relu)`` and ``f(x, torch.tanh)`` had one key (the type), and the second replayed
+    the first's graph."""
+    import functools
+
+    from graphtree.tree.inputs import HeldTensors, read_object
+
+    def key(obj):
+        return read_object(obj, HeldTensors())
+
+    assert key(torch.relu) != key(torch.tanh) and key(torch.relu) == key(torch.relu)
+
+    def scaled(k):
+        return lambda x: x * k
+
+    assert key(scaled(2)) == key(scaled(2))  # the same code and closure: one recording
+    assert key(scaled(2)) != key(scaled(3))  # the closure's value decides what it computes
+    assert key(lambda x: x) != key(lambda x: x + 1)  # other code
+    assert key(functools.partial(torch.add, alpha=2)) != key(functools.partial(torch.add, alpha=3))
+    assert key(functools.partial(torch.add, alpha=2)) == key(functools.partial(torch.add, alpha=2))
+
+    class Scale:
+        def __init__(self, k: float) -> None:
+            self.k = k
+
+        def apply(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.k
+
+    a, b = Scale(2.0), Scale(2.0)
+    assert key(a.apply) == key(b.apply)  # a new bound method per access, the same state: one key
+    b.k = 3.0
+    assert key(a.apply) != key(b.apply)
+    t = torch.zeros(3)
+    assert key(t.add) != key(torch.zeros(4).add)  # a builtin method: the tensor it is bound to
+    assert key(torch.nn.functional) == key(torch.nn.functional) and key(int) != key(float)
+
+    def fact(n: int) -> int:  # refers to itself through its closure: keyed, not walked forever
+        return 1 if n < 2 else n * fact(n - 1)
+
+    assert key(fact) == key(fact)
+
+
 def test_describe_names_every_kind_of_signature_part():
     from graphtree.tree.node import signature
 

@@ -12,6 +12,7 @@ itself, with its type. Each tensor input then reaches the graph one of two ways:
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Sequence
@@ -322,7 +323,14 @@ def _with_held(
 _MAX_DEPTH = 6
 _MAX_TENSORS = 4096
 _MAX_ITEMS = 20_000
-_CODE_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+_CODE_TYPES = (
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+)
 
 
 def read_object(obj: Any, held: HeldTensors) -> tuple[Any, ...]:
@@ -403,8 +411,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
         out.append((type(x), id(x), x.training, len(state.tensors)))
         return
     elif isinstance(x, _CODE_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
-        out.append(type(x))  # code, not state
-        return
+        _read_code(x, out, held, depth, top, seen)
     else:
         attributes = object_attributes(x)
         if attributes is None:
@@ -420,6 +427,45 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
                 _read_state(v, out, held, depth, top, seen)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
+
+
+def _read_code(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
+    """A function, method, partial, class or module in an argument: keyed by what decides what it
+    runs. A function by its code, defaults and closure's contents; a bound method by its function
+    and what it is bound to; a partial by its function and arguments (all read as state); a class,
+    a module, a builtin function or another callable with no state to read by itself (the key
+    holds it: equal only to the same object). Before, all of these were keyed by their type alone,
+    so that ``f(x, torch.relu)`` replayed the recording of ``f(x, torch.tanh)``."""
+    parts: list[Any]
+    if isinstance(x, types.FunctionType):
+        out.append((types.FunctionType, x.__code__))
+        parts = [x.__defaults__, x.__kwdefaults__]
+        for cell in x.__closure__ or ():
+            try:
+                parts.append(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                parts.append(("empty cell",))
+    elif isinstance(x, types.MethodType):
+        out.append(types.MethodType)
+        parts = [x.__func__, x.__self__]
+    elif isinstance(x, functools.partial):
+        out.append(functools.partial)
+        parts = [x.func, x.args, x.keywords]
+    elif isinstance(x, types.BuiltinFunctionType) and not isinstance(x.__self__, (types.ModuleType, type(None))):
+        out.append((types.BuiltinFunctionType, x.__name__))  # a method of an object, in C: that object
+        parts = [x.__self__]
+    else:
+        try:
+            hash(x)
+        except TypeError:
+            raise _unreadable(top, f"a callable of type {type(x).__name__} in it has no readable state") from None
+        out.append(x)
+        return
+    for v in parts:
+        if type(v) in _PLAIN_SET:
+            out.append(v)
+        else:
+            _read_state(v, out, held, depth, top, seen)
 
 
 def object_attributes(x: Any) -> list[tuple[str, Any]] | None:
