@@ -363,6 +363,24 @@ def test_functions_among_the_arguments_are_keyed_by_what_they_run():
     assert key(fact) == key(fact)
 
 
+def test_plain_values_inside_objects_are_keyed_with_their_type():
+    """1, 1.0 and True are equal in Python, but ``x * cfg.scale`` computes in another dtype for
+    each: an object whose value changed type must not replay the other's recording."""
+    from graphtree.tree.inputs import HeldTensors, read_object
+
+    @dataclasses.dataclass
+    class Cfg:
+        scale: object
+        dims: list
+
+    def key(obj):
+        return read_object(obj, HeldTensors())
+
+    keys = {key(Cfg(1, [2])), key(Cfg(1.0, [2])), key(Cfg(True, [2]))}
+    assert len(keys) == 3, keys
+    assert key(Cfg(1, [2])) != key(Cfg(1, [2.0])) and key(Cfg(1, [2])) == key(Cfg(1, [2]))
+
+
 def test_describe_names_every_kind_of_signature_part():
     from graphtree.tree.node import signature
 

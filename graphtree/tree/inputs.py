@@ -368,14 +368,15 @@ def _read_tensor(x: torch.Tensor, out: list[Any], held: HeldTensors, top: type) 
 
 def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
     # (A plain value inside a container is appended where it is met, without a call of its own:
-    # most of what a cache holds; the limit on values is checked after each container.)
+    # most of what a cache holds; the limit on values is checked after each container. With its
+    # type: 1, 1.0 and True are equal in Python, and ``x * 1`` and ``x * 1.0`` differ in dtype.)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
         _read_tensor(x, out, held, top)
         return
     if type(x) in _PLAIN_SET:
-        out.append(x)
+        out.append((type(x), x))
         return
     if id(x) in seen:  # a cycle (obj.parent.child is obj): noted once, not walked again
         out.append(("seen", type(x)))
@@ -388,7 +389,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
         out.append((type(x), len(x)))
         for v in x:
             if type(v) in _PLAIN_SET:
-                out.append(v)
+                out.append((type(v), v))
             elif type(v) is _Tensor:
                 _read_tensor(v, out, held, top)
             else:
@@ -400,7 +401,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
                 raise _unreadable(top, f"a dict in it has a key of type {type(k).__name__}")
             out.append(k)
             if type(v) in _PLAIN_SET:
-                out.append(v)
+                out.append((type(v), v))
             elif type(v) is _Tensor:
                 _read_tensor(v, out, held, top)
             else:
@@ -420,7 +421,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
         for name, v in attributes:
             out.append(name)
             if type(v) in _PLAIN_SET:
-                out.append(v)
+                out.append((type(v), v))
             elif type(v) is _Tensor:
                 _read_tensor(v, out, held, top)
             else:
@@ -463,7 +464,7 @@ def _read_code(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type,
         return
     for v in parts:
         if type(v) in _PLAIN_SET:
-            out.append(v)
+            out.append((type(v), v))
         else:
             _read_state(v, out, held, depth, top, seen)
 
