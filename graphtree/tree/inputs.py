@@ -368,8 +368,9 @@ def _read_tensor(x: torch.Tensor, out: list[Any], held: HeldTensors, top: type) 
 
 def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
     # (A plain value inside a container is appended where it is met, without a call of its own:
-    # most of what a cache holds; the limit on values is checked after each container. With its
-    # type: 1, 1.0 and True are equal in Python, and ``x * 1`` and ``x * 1.0`` differ in dtype.)
+    # most of what a cache holds; the limit on values is checked after each container. Each is
+    # keyed with its class, as 1, 1.0 and True are equal in Python while ``x * 1`` and ``x * 1.0``
+    # differ in dtype.)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
