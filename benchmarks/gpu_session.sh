@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
-# named as arguments (default: all), each under its own time limit, logs and JSON under $OUT.
+# named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
 #   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [some]
 #
@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 python3 -c "import torch, torch._dynamo, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 python3 -c "from graphtree import _native; m = _native.wait(900); print('native helpers:', _native.status(), '| CUDA part:', hasattr(m, 'capture_begin_isolated'))" 2>&1 | tail -3 | tee -a "$OUT/device.txt"
 
-stages=${*:-new suite files per_call}
+stages=${*:-suite own}  # the whole GPU suite: one process, then the own-process files
 for stage in $stages; do
   case $stage in
     startup)  # what one fresh process costs (the GPU tests start ~60): torch, CUDA, graphtree, a first tree
