@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -367,10 +367,6 @@ def _read_tensor(x: torch.Tensor, out: list[Any], held: HeldTensors, top: type) 
 
 
 def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
-    # (A plain value inside a container is appended where it is met, without a call of its own:
-    # most of what a cache holds; the limit on values is checked after each container. Each is
-    # keyed with its class, as 1, 1.0 and True are equal in Python while ``x * 1`` and ``x * 1.0``
-    # differ in dtype.)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
     if isinstance(x, _Tensor):
@@ -385,60 +381,58 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if depth >= _MAX_DEPTH:
         raise _unreadable(top, f"its attributes nest deeper than {_MAX_DEPTH} levels")
     seen.add(id(x))
-    depth += 1
+    children: Iterable[Any]
+    labeled = False  # children are (dict key or attribute name, value) pairs
     if isinstance(x, (list, tuple)):
         out.append((type(x), len(x)))
-        for v in x:
-            if type(v) in _PLAIN_SET:
-                out.append((type(v), v))
-            elif type(v) is _Tensor:
-                _read_tensor(v, out, held, top)
-            else:
-                _read_state(v, out, held, depth, top, seen)
+        children = x
     elif isinstance(x, dict):
         out.append((dict, len(x)))
-        for k, v in x.items():
+        for k in x:
             if type(k) not in _PLAIN_SET:
                 raise _unreadable(top, f"a dict in it has a key of type {type(k).__name__}")
-            out.append(k)
-            if type(v) in _PLAIN_SET:
-                out.append((type(v), v))
-            elif type(v) is _Tensor:
-                _read_tensor(v, out, held, top)
-            else:
-                _read_state(v, out, held, depth, top, seen)
+        children, labeled = x.items(), True
     elif isinstance(x, torch.nn.Module):
         state = module_state(x)
         held.add_module(state)
         out.append((type(x), id(x), x.training, len(state.tensors)))
         return
     elif isinstance(x, _CODE_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
-        _read_code(x, out, held, depth, top, seen)
+        children = _code_parts(x, out, top)
     else:
         attributes = object_attributes(x)
         if attributes is None:
             raise _unreadable(top, f"an attribute of type {type(x).__name__} has no readable state")
         out.append(type(x))
-        for name, v in attributes:
-            out.append(name)
-            if type(v) in _PLAIN_SET:
-                out.append((type(v), v))
-            elif type(v) is _Tensor:
-                _read_tensor(v, out, held, top)
-            else:
-                _read_state(v, out, held, depth, top, seen)
+        children, labeled = attributes, True
+    depth += 1
+    for child in children:
+        # (a plain value, with its class: 1, 1.0 and True are equal in Python while ``x * 1`` and
+        # ``x * 1.0`` differ in dtype; and a plain tensor, are read here without a call of their
+        # own: most of what a cache holds; the limit on values is checked once at the end)
+        if labeled:
+            label, v = child
+            out.append(label)
+        else:
+            v = child
+        if type(v) in _PLAIN_SET:
+            out.append((type(v), v))
+        elif type(v) is _Tensor:
+            _read_tensor(v, out, held, top)
+        else:
+            _read_state(v, out, held, depth, top, seen)
     if len(out) > _MAX_ITEMS:
         raise _unreadable(top, f"it holds more than {_MAX_ITEMS} values (keying it would cost more than a replay)")
 
 
-def _read_code(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type, seen: set[int]) -> None:
+def _code_parts(x: Any, out: list[Any], top: type) -> list[Any]:
     """A function, method, partial, class or module in an argument: keyed by what decides what it
-    runs. A function by its code, defaults and closure's contents; a bound method by its function
-    and what it is bound to; a partial by its function and arguments (all read as state); a class,
-    a module, a builtin function or another callable with no state to read by itself (the key
-    holds it: equal only to the same object). Before, all of these were keyed by their type alone,
-    so that ``f(x, torch.relu)`` replayed the recording of ``f(x, torch.tanh)``."""
-    parts: list[Any]
+    runs. Appends its mark to ``out`` and returns what to read as its state: a function's defaults
+    and closure's contents (its code is the mark); a bound method's function and what it is bound
+    to; a partial's function and arguments. A class, a module, a builtin function or another
+    callable with no state to read is keyed by itself (the key holds it: equal only to the same
+    object). Before, all of these were keyed by their type alone, so that ``f(x, torch.relu)``
+    replayed the recording of ``f(x, torch.tanh)``."""
     if isinstance(x, types.FunctionType):
         out.append((types.FunctionType, x.__code__))
         parts = [x.__defaults__, x.__kwdefaults__]
@@ -447,27 +441,22 @@ def _read_code(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type,
                 parts.append(cell.cell_contents)
             except ValueError:  # a cell not yet filled
                 parts.append(("empty cell",))
-    elif isinstance(x, types.MethodType):
+        return parts
+    if isinstance(x, types.MethodType):
         out.append(types.MethodType)
-        parts = [x.__func__, x.__self__]
-    elif isinstance(x, functools.partial):
+        return [x.__func__, x.__self__]
+    if isinstance(x, functools.partial):
         out.append(functools.partial)
-        parts = [x.func, x.args, x.keywords]
-    elif isinstance(x, types.BuiltinFunctionType) and not isinstance(x.__self__, (types.ModuleType, type(None))):
+        return [x.func, x.args, x.keywords]
+    if isinstance(x, types.BuiltinFunctionType) and not isinstance(x.__self__, (types.ModuleType, type(None))):
         out.append((types.BuiltinFunctionType, x.__name__))  # a method of an object, in C: that object
-        parts = [x.__self__]
-    else:
-        try:
-            hash(x)
-        except TypeError:
-            raise _unreadable(top, f"a callable of type {type(x).__name__} in it has no readable state") from None
-        out.append(x)
-        return
-    for v in parts:
-        if type(v) in _PLAIN_SET:
-            out.append((type(v), v))
-        else:
-            _read_state(v, out, held, depth, top, seen)
+        return [x.__self__]
+    try:
+        hash(x)
+    except TypeError:
+        raise _unreadable(top, f"a callable of type {type(x).__name__} in it has no readable state") from None
+    out.append(x)
+    return []
 
 
 def object_attributes(x: Any) -> list[tuple[str, Any]] | None:
