@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 import graphtree
 from graphtree import _native
+from graphtree.bench.timing import wall_per_call
 from graphtree.tree import manager
 
 
@@ -36,15 +36,6 @@ def _fn(reads: int, read: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         return y * 2
 
     return f
-
-
-def _per_call(fn: Callable[[], Any], calls: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls
 
 
 def main() -> None:
@@ -74,7 +65,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {n: [] for n in fns}
         for r in range(a.repeats):
             for n in list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]:
-                samples[n].append(_per_call(fns[n], a.calls))
+                samples[n].append(wall_per_call(fns[n], a.calls, sync=torch.cuda.synchronize))
         nodes = [n for m in manager.managers() for n in m.nodes()]
         capture = {n.name: round(n.capture_seconds * 1e3, 2) for n in nodes}
         s = graphtree.stats()

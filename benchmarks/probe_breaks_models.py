@@ -11,13 +11,12 @@ control (no host reads). Run on a GPU::
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import graphtree
+from graphtree.bench.timing import wall_per_call
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -25,15 +24,6 @@ def _same(a: Any, b: Any) -> bool:
     return len(la) == len(lb) and all(
         torch.allclose(x, y, rtol=1e-3, atol=1e-3) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
     )
-
-
-def _timed(fn: Callable[[], Any], n: int = 5) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n
 
 
 def probe(name: str, model: torch.nn.Module, inputs: list[tuple[Any, ...]], kwargs: dict[str, Any]) -> None:
@@ -46,8 +36,10 @@ def probe(name: str, model: torch.nn.Module, inputs: list[tuple[Any, ...]], kwar
             for a, w in zip(inputs, want):
                 graphtree.mark_step()
                 same &= _same(g(*a, **kwargs), w)
-        eager_t = _timed(lambda: [model(*a, **kwargs) for a in inputs])
-        graph_t = _timed(lambda: [(graphtree.mark_step(), g(*a, **kwargs)) for a in inputs])
+        eager_t = wall_per_call(lambda: [model(*a, **kwargs) for a in inputs], 5, sync=torch.cuda.synchronize)
+        graph_t = wall_per_call(
+            lambda: [(graphtree.mark_step(), g(*a, **kwargs)) for a in inputs], 5, sync=torch.cuda.synchronize
+        )
     s = graphtree.stats()
     print(f"{name}: equal to eager: {same}; eager {eager_t * 1e3:.2f} ms, graphtree {graph_t * 1e3:.2f} ms per round")
     print(f"  {s}")
