@@ -342,19 +342,10 @@ def scenario_demo_recorded_before() -> dict[str, Any]:
         with graphtree.profile() as prof:
             got, _ = greedy_decode(step, model, first, 32, before_step=graphtree.mark_step)
             torch.cuda.synchronize()
-    graph_ns = named_ns = 0
-    for st in prof.kernel_stats():
-        if st.graph_key:
-            graph_ns += st.total_ns
-            frames = prof.stack(st.stack_id)
-            if not st.captured_before_profiling and any(f[0].endswith("gpt.py") for f in frames):
-                named_ns += st.total_ns
     print(prof.table(), file=sys.stderr)
     return {
         "tokens_match": bool(torch.equal(got, want)),
-        "graph_ns": graph_ns,
-        "named_share": named_ns / graph_ns if graph_ns else 0.0,
-        "before_kernels": prof.summary()["records_before_profiling"],
+        **_named(prof, "gpt.py"),
         "replays": graphtree.stats().replays,
     }
 
@@ -537,7 +528,7 @@ def _named(prof: Any, suffix: str) -> dict[str, Any]:
                 named_ns += st.total_ns
     return {
         "graph_ns": graph_ns,
-        "named_share": round(named_ns / graph_ns, 4) if graph_ns else 0.0,
+        "named_share": named_ns / graph_ns if graph_ns else 0.0,
         "before_kernels": prof.summary()["records_before_profiling"],
         "replays": sum(g.replays for g in prof.graph_stats()),
     }
