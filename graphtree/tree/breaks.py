@@ -104,18 +104,24 @@ def _where() -> str:
     return "an operation of the function"
 
 
+class _View:
+    """A CUDA tensor a read or an eager part was given, to view again at the same memory on each replay."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        self.meta, self.ptr, self.nbytes, self.device = _torch.meta_of(t), st.data_ptr(), st.nbytes(), t.device
+
+    def tensor(self) -> torch.Tensor:
+        return _torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes))
+
+
 class Read:
     """Where a break's host read finds its value on replay: the same bytes the recording read."""
 
     def __init__(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> None:
         self.op = op  # one of READS or TO_HOST (see is_read)
-        t = args[0]
+        self.source = _View(args[0])  # where the recording read it
         self.rest, self.kwargs = args[1:], kwargs  # (a target device, a dtype: plain values, or a CPU tensor)
-        st = t.untyped_storage()
-        self.meta = _torch.meta_of(t)
-        self.ptr = st.data_ptr()
-        self.nbytes = st.nbytes()
-        self.device = t.device
         self.where = where
 
     @staticmethod
@@ -129,8 +135,7 @@ class Read:
 
     def value(self) -> Any:
         """Read the value now (waits for the work launched before it on the current stream)."""
-        t = _torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes))
-        return self.op(t, *self.rest, **self.kwargs)
+        return self.op(self.source.tensor(), *self.rest, **self.kwargs)
 
 
 class EagerPart:
@@ -195,17 +200,6 @@ class EagerPart:
         landed = iter(self.landing)
         self.last = _torch.tree_unflatten([next(landed) if isinstance(v, torch.Tensor) else v for v in outs], spec)
         return (str(spec), *(value_key(v) for v in outs if not isinstance(v, torch.Tensor)))
-
-
-class _View:
-    """A CUDA tensor an eager part was given, to view again at the same memory on each replay."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        self.meta, self.ptr, self.nbytes, self.device = _torch.meta_of(t), st.data_ptr(), st.nbytes(), t.device
-
-    def tensor(self) -> torch.Tensor:
-        return _torch.tensor_on(self.meta, _torch.storage_at(self.ptr, self.device, self.nbytes))
 
 
 class Segment:
@@ -361,7 +355,7 @@ class Breaks(TorchDispatchMode):
         ptr = args[0].untyped_storage().data_ptr()
         where = _where()  # the user's line, taken where the stack is the read's
         _seg, value = self._break(
-            lambda brk: isinstance(brk, Read) and brk.ptr == ptr,
+            lambda brk: isinstance(brk, Read) and brk.source.ptr == ptr,
             lambda: (Read(func, args, kwargs, where), func(*args, **kwargs)),
         )
         return value
