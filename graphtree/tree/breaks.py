@@ -16,7 +16,7 @@ allocator handing out the same addresses for the same requests from the same sta
 not assumed: each segment keeps the addresses its operations returned (:attr:`Segment.trace`), and a
 re-run that differs fails the recording (eager, with the reason).
 
-Breaks at reads are on with ``graphed(fn, max_break_values=N)``. A function marked with
+Breaks at reads are on by default (``graphed(fn, max_break_values=N)``, N = 8; 0 turns them off). A function marked with
 :func:`eager` breaks a recording wherever it is called, breaks on or off: it runs between two
 segments on every replay (:class:`EagerPart`), and what it returns besides tensors keys the
 segment after it, as a read's value does.
@@ -77,9 +77,9 @@ def is_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 MAX_VALUES = 8
-"""Distinct values one break may take before the call's signature runs eagerly, when breaks are on
-(``graphed(..., max_break_values=MAX_VALUES)``): a float loss read for logging has a new value on
-every call. Off by default (0) until the whole GPU suite has run with them on: see DESIGN.md."""
+"""Distinct values one read may give before the call's signature runs eagerly: the default of
+``graphed(..., max_break_values=)``. A bool has two, a float loss read for logging a new one on
+every call: a few recordings, then eager with the reason."""
 
 
 def value_key(value: Any) -> Any:

@@ -17,6 +17,7 @@ from graphtree import _events
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
+from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
 from graphtree.tree.inputs import (
@@ -51,7 +52,7 @@ def _check_options(
     max_rerecords: int,
     name: str | None,
     debug: str | os.PathLike[str] | None = None,
-    max_break_values: int = 0,
+    max_break_values: int = MAX_VALUES,
 ) -> None:
     """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
     if buckets is not None:
@@ -100,7 +101,7 @@ class GraphedCallable:
         max_rerecords: int = 8,
         name: str | None = None,
         debug: str | os.PathLike[str] | None = None,
-        max_break_values: int = 0,
+        max_break_values: int = MAX_VALUES,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
@@ -460,7 +461,7 @@ def graphed(
     max_rerecords: int = 8,
     name: str | None = None,
     debug: str | os.PathLike[str] | None = None,
-    max_break_values: int = 0,
+    max_break_values: int = MAX_VALUES,
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
@@ -475,8 +476,8 @@ def graphed(
     Args:
         fn: the callable. It must not mutate copied inputs. A host read of a scalar or of a
             small tensor (``.item()``, ``bool(t)``, ``if t:``, ``.tolist()`` of up to 256
-            elements) runs it eagerly, or, with ``max_break_values``, splits its recording in two
-            at that point, the value read choosing what is replayed after it; other host
+            elements) splits its recording in two at that point, the value read choosing what is
+            replayed after it (see ``max_break_values``); other host
             synchronisations (larger copies, printing tensors, data-dependent shapes) make it run
             eagerly, and ``stats()`` says why.
         buckets: pad dimension ``bucket_dim`` of the inputs up to the next of these sizes and
@@ -489,8 +490,8 @@ def graphed(
         name: a name for logs, ``stats()`` and error messages (default: the function's).
         max_break_values: breakable recordings (``graphtree.tree.breaks``): distinct values one
             host read may give (each gets recordings of its own for what follows it) before the
-            signature runs eagerly, e.g. 8. The default, 0, runs a call that reads a value on the
-            host eagerly (breaks are new: on by default once verified on more real models).
+            signature runs eagerly (default 8, ``graphtree.tree.breaks.MAX_VALUES``); 0 runs a
+            call that reads a value on the host eagerly, as before breaks.
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function by import path or by value, a model with its weights, random states,
             versions, traceback; see :func:`graphtree.debug.dump_on_error`) before the error
