@@ -165,6 +165,12 @@ reference (0 once it died): what tells a replay output the caller dropped from o
 while graphtree keeps a tensor on it itself."""
 
 
+def storage_ref(s: torch.UntypedStorage) -> int:
+    """The ``StorageImpl*`` of a storage object, as :func:`storage_use_count` takes it (equals a live
+    :func:`weak_ref` of it)."""
+    return cast(int, s._cdata)
+
+
 def storage_id(t: torch.Tensor) -> int:
     """The ``StorageImpl*`` of a tensor's storage; equals a live :func:`weak_ref` of it."""
     return t.untyped_storage()._cdata

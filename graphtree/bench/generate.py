@@ -11,8 +11,9 @@ with ``cache_implementation="static"``. Contenders replace ``model.forward``:
   compiles the decode steps with ``torch.compile`` as its ``CompileConfig`` says, and runs the
   prefill uncompiled. What a user of Hugging Face runs otherwise; always in the scenario.
 
-Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticCache`` per call,
-so graphtree records the decode step again each call, at a new address) and ``one cache`` (one
+Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticCache`` per call;
+graphtree moves it into the memory of the decode step's recording, one device copy, instead of
+recording again: ``graphtree.tree.adoption``) and ``one cache`` (one
 ``StaticCache`` passed as ``past_key_values`` and reset between calls: every decode step replays).
 Reported: time per generated token (a whole ``generate()`` call / tokens), the first call's time
 (warm-up and recording), for graphtree the share of decode steps that replayed, and graphtree's
@@ -164,6 +165,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
                 decode = n_calls[GRAPHTREE] * (tokens - 1)  # every call: one prefill, then decode steps
                 extra_info["replayed_decode_share"] = (after.replays - before.replays) / decode
                 extra_info["recordings"] = after.recordings - before.recordings
+                extra_info["adopted"] = after.adopted - before.adopted  # fresh caches moved in, not recorded
                 extra_info["eager"] = dict(after.eager)
                 note += f"; {extra_info['replayed_decode_share']:.0%} of decode steps replayed"
             results.append(

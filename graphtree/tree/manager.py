@@ -24,7 +24,8 @@ from __future__ import annotations
 import gc as _collector
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, NoReturn
 
 import torch
@@ -364,6 +365,23 @@ class TreeManager:
                     return node
             elif node.unconditional or node.can_replay(leaves, self.path, check, native):
                 return node
+        return self._adopting(kids, leaves, check, native)
+
+    def _adopting(
+        self, kids: list[Node], leaves: Sequence[Any], check: Callable[..., bool], native: ModuleType | None
+    ) -> Node | None:
+        """The first recording among ``kids`` that fits once the object tensors that moved (a fresh
+        cache) are adopted into the storages it keeps; adopts them (:mod:`graphtree.tree.adoption`)."""
+        epoch = param_epoch()
+        for node in kids:
+            if node.adoption is None or node.epoch != epoch:
+                continue
+            values = node.first.leaves if node.first is not None else [node]
+            if all(n.can_adopt(leaves, self.path, check, native) for n in values):
+                node.adoption.adopt(leaves)
+                if all(n.can_replay(leaves, self.path, check, native) for n in values):
+                    self.counters.adopted += 1
+                    return node
         return None
 
     # --- keeping the allocator honest -------------------------------------------------------

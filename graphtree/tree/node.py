@@ -20,6 +20,7 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree import writes as _writes
+from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import Segment
 from graphtree.tree.inputs import PLAIN_TYPES
 from graphtree.tree.outputs import OutputPlan
@@ -85,7 +86,8 @@ class Node:
         epoch: the parameter-registration epoch in which ``statics`` were read.
         capture_seconds: how long the capture took.
         input_refs: weak references to the storages of inputs read in place (static-marked
-            tensors, tensors of object arguments): when all have died, the node is dead.
+            tensors, tensors of object arguments): when all have died (or only ``adoption``
+            holds them), the node is dead.
         externals: tensors the graph reads that were not passed in (globals, closures,
             attributes); when one dies or moves, the node is dead.
         writes: plain values the call wrote into its object arguments, written again after each
@@ -96,6 +98,8 @@ class Node:
         reads: for such a call, each break as ``describe()`` shows it ("read True at file:line").
         graph_sites: each graph a replay launches, with the Python stacks that made its nodes
             (:mod:`graphtree.tree.sites`: how a profile started later names its kernels).
+        adoption: the storages of the object tensors it read in place, kept so that a new
+            object of the same layout can move into them (:mod:`graphtree.tree.adoption`).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Node:
         first: Segment | None = None,
         reads: Sequence[str] = (),
         graph_sites: Sequence[tuple[torch.cuda.CUDAGraph, list[Site]]] = (),
+        adoption: Adoption | None = None,
     ) -> None:
         self.id = id
         self.parent = parent
@@ -148,6 +153,9 @@ class Node:
         self.first = first
         self.reads = list(reads)
         self.graph_sites = list(graph_sites)
+        self.adoption = adoption
+        kept = {k.leaf for k in adoption.kept} if adoption is not None else set()
+        self._not_kept = [i for i in inputs.inplace_idx if i not in kept]  # checked before an adoption
         self.replays = 0
         # Nothing to check before a replay: no in-place inputs, no parameters read in place, no
         # tensor read from outside, no ancestor output that had to be dead. Such a node is always
@@ -178,6 +186,21 @@ class Node:
         plan = self.inputs
         if plan.inplace_idx and not check(list(leaves), plan.inplace_ptrs, plan.inplace_idx):
             return False
+        return self._rest_fits(path, check, native)
+
+    def can_adopt(
+        self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool], native: ModuleType | None
+    ) -> bool:
+        """Whether a replay would fit once the object tensors that moved are adopted into the
+        storages this recording keeps (:mod:`graphtree.tree.adoption`); changes nothing."""
+        a = self.adoption
+        if a is None:
+            return False
+        if self._not_kept and not check(list(leaves), self.inputs.inplace_ptrs, self._not_kept):
+            return False
+        return a.fits(leaves) and self._rest_fits(path, check, native)
+
+    def _rest_fits(self, path: list[Node], check: Callable[..., bool], native: ModuleType | None) -> bool:
         if self.static_idx:
             if native is not None:
                 if not native.addresses_unchanged(self.statics, self.static_packed):
@@ -198,8 +221,9 @@ class Node:
         for e in self.externals:
             if _weak_data_ptr(e.ref) != e.ptr:
                 return f"{e.origin} was freed or moved since the recording"
-        if self.input_refs and all(_weak_expired(r) for r in self.input_refs):
-            return "every tensor it read in place was freed"
+        a = self.adoption
+        if self.input_refs and all(_weak_expired(r) or (a is not None and a.keeps_alone(r)) for r in self.input_refs):
+            return "every tensor it read in place was freed"  # (or is held by the recording alone)
         return None
 
     def replay(self, leaves: Sequence[Any], n: int) -> Any:

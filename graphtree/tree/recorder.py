@@ -22,6 +22,7 @@ import torch
 
 from graphtree import _events, _torch
 from graphtree.tree import writes as _writes
+from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
@@ -318,6 +319,10 @@ def record(
         graph.replay()
         out_leaves = outputs.adopt(out_leaves, call.leaves)
         depth = len(path)
+        if chain and chain[0].leaves:  # a new value's recording: the same object tensors as its first value's
+            adoption = chain[0].leaves[0].adoption
+        else:
+            adoption = Adoption.of(call.leaves, inputs.inplace_idx, call.n_args, lambda p: p in held or in_pool(p))
         node = Node(
             id=node_id,
             parent=parent,
@@ -344,6 +349,7 @@ def record(
             first=chain[0] if chain else None,
             reads=reads,
             graph_sites=graph_sites,
+            adoption=adoption,
         )
         if chain:
             chain[-1].node = node

@@ -21,6 +21,9 @@ class Stats:
     recorded again; ``rerecordings`` counts recordings made because live inputs moved.
     ``values`` counts recordings made for a value a host read had not given before (a call that
     reads ``.item()`` or ``if t:`` is recorded per value; included in ``recordings``).
+    ``adopted`` counts replays whose object arguments brought tensors of the same layout at other
+    addresses (a fresh cache) that moved into the recording's memory instead of a new recording
+    (:mod:`graphtree.tree.adoption`; the replays are counted in ``replays``).
 
     Example::
 
@@ -35,6 +38,7 @@ class Stats:
     rerecordings: int = 0
     replaced: int = 0
     values: int = 0
+    adopted: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     pool_bytes: int = 0
     trees: int = 0
@@ -51,7 +55,9 @@ class Stats:
             f"{self.replaced} dead ones replaced"
             + (f", {self.values} for new values read on the host" if self.values else "")
             + "), "
-            f"{self.replays} replays, {self.warmups} warm-ups; eager runs: {eager}; "
+            f"{self.replays} replays"
+            + (f" ({self.adopted} adopting a new object's tensors)" if self.adopted else "")
+            + f", {self.warmups} warm-ups; eager runs: {eager}; "
             f"pool {self.pool_bytes / 2**20:.1f} MiB in {self.trees} tree(s)"
         )
         return s + (f" [{self.note}]" if self.note else "")
@@ -60,7 +66,7 @@ class Stats:
 class Counters:
     """Mutable counters one tree (or the process, for calls with no tree) keeps."""
 
-    __slots__ = ("eager", "recordings", "replaced", "replays", "rerecordings", "values", "warmups")
+    __slots__ = ("adopted", "eager", "recordings", "replaced", "replays", "rerecordings", "values", "warmups")
 
     def __init__(self) -> None:
         self.recordings = 0
@@ -69,6 +75,7 @@ class Counters:
         self.rerecordings = 0
         self.replaced = 0  # dead recordings replaced (everything they read in place had died)
         self.values = 0  # recordings for a new value at a host read (tree/breaks.py)
+        self.adopted = 0  # replays that moved a new object's tensors into the recording's (tree/adoption.py)
         self.eager: Counter[str] = Counter()
 
     def add_to(self, s: Stats) -> None:
@@ -78,6 +85,7 @@ class Counters:
         s.rerecordings += self.rerecordings
         s.replaced += self.replaced
         s.values += self.values
+        s.adopted += self.adopted
         for k, v in self.eager.items():
             s.eager[k] = s.eager.get(k, 0) + v
 

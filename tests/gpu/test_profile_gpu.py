@@ -130,6 +130,16 @@ def test_models_recorded_before_profiling_are_named_by_their_own_files_full_and_
         assert t["named_share"] >= 0.9, (mode, r)
 
 
+def test_a_llama_called_without_a_cache_spends_its_kernel_time_in_replays() -> None:
+    """Issue 26's acceptance: ``graphed(LlamaForCausalLM)`` called without a cache (Hugging Face's
+    mask code reads a bool on the host) on prompts of two lengths, breaks on by default: >= 90 % of
+    its kernels' GPU time inside graph replays, outputs equal to eager."""
+    r = _run("llama_without_cache", timeout=240)
+    assert r["equal"], r
+    assert r["replays"] > 0 and r["kernel_ns"] > 0, r
+    assert r["in_replays"] >= 0.9, r
+
+
 def test_torch_profiler_busy_error_and_handoff() -> None:
     r = _run("busy_and_handoff")
     assert r["graphtree_first"] > 0, r
@@ -607,7 +617,48 @@ def scenario_recorded_before(model: str) -> dict[str, Any]:
     return {"equal": all(equal), "full": _named(full, suffix), "sampled": _named(sampled, suffix)}
 
 
+def scenario_llama_without_cache() -> dict[str, Any]:
+    """A random-weight Llama graphed whole and called without a cache on prompts of two lengths
+    (breaks on: the default); the share of its kernels' GPU time inside graph replays, profiled
+    after the recordings."""
+    import torch
+    from _tiny_hf import tiny_model
+
+    import graphtree
+
+    model = tiny_model("llama")
+    step = graphtree.graphed(model)
+    prompts = [torch.randint(1, 256, (2, n), device="cuda") for n in (8, 12)]
+    equal = []
+    with torch.inference_mode():
+        want = [model(ids, use_cache=False).logits for ids in prompts]
+
+        def run() -> None:
+            for ids, w in zip(prompts, want):
+                graphtree.mark_step()
+                equal.append(bool(torch.allclose(step(ids, use_cache=False).logits, w, rtol=1e-4, atol=1e-4)))
+
+        for _ in range(3):  # warm-ups and recordings of both lengths
+            run()
+        torch.cuda.synchronize()
+        with graphtree.profile() as prof:
+            for _ in range(4):
+                run()
+            torch.cuda.synchronize()
+    kernel_ns = sum(st.total_ns for st in prof.kernel_stats() if st.kind == "kernel")
+    graph_ns = sum(st.total_ns for st in prof.kernel_stats() if st.kind == "kernel" and st.graph_key)
+    print(prof.table(), file=sys.stderr)
+    return {
+        "equal": all(equal),
+        "kernel_ns": kernel_ns,
+        "in_replays": graph_ns / kernel_ns if kernel_ns else 0.0,
+        "replays": sum(g.replays for g in prof.graph_stats()),
+        "stats": str(graphtree.stats()),
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "llama_without_cache": scenario_llama_without_cache,
     "sampled": scenario_sampled,
     "launch_paths": scenario_launch_paths,
     "make_graphed_before": scenario_make_graphed_before,

@@ -1,0 +1,124 @@
+"""A recording's object state handed to a new object of the same layout: a fresh cache is no new recording.
+
+Hugging Face's ``generate()`` makes a new ``StaticCache`` for every call. Its tensors are new
+allocations, so the decode step's recording, which reads the old cache's tensors where they were,
+no longer fits, and every ``generate()`` recorded the step again (a capture, tens of milliseconds).
+
+A recording keeps the storages of the tensors it read in place from object arguments
+(:class:`Adoption`). A later call with the same key whose object tensors live elsewhere *adopts*
+them into those storages, when that is safe:
+
+- nothing but the recording still holds the kept storage (the old cache was dropped): otherwise
+  two live objects would share memory, and the call is recorded again, as before;
+- the new tensor is the only tensor on its storage, of the same size, at the same offset (the
+  key fixed its shape, dtype and strides); not a parameter, not one marked static, not a
+  recording's output.
+
+Then each new tensor's values are copied into the kept storage and the tensor is re-pointed at
+it (``Tensor.set_``): one device copy of the cache, on the caller's stream, before the replay that
+reads it, and no capture. The new tensor's own memory goes back to the allocator. The object the
+caller holds sees every later write of the graph, as its own tensors would.
+
+The cost: the recording keeps one object's worth of memory (a cache) after the caller dropped it,
+for the next object of that layout, until the recording is dropped (``reset()``, the graphed
+callable collected). A recording whose kept storages nobody else holds, and that could not adopt
+(a new object laid out otherwise), is dead: a new recording replaces it and reuses its pool memory.
+
+Example (what :meth:`graphtree.tree.manager.TreeManager.call` does when no recording fits)::
+
+    if node.adoption is not None and node.adoption.fits(leaves) and <the rest of can_replay>:
+        node.adoption.adopt(leaves)    # copy + set_: the leaves are now where the graph reads
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from graphtree import _torch
+
+
+class Kept(NamedTuple):
+    """One object tensor a recording read in place, and the storage it keeps for it."""
+
+    leaf: int  # index among the call's leaves
+    ptr: int  # the address the graph reads (data_ptr of the recorded tensor)
+    offset: int  # storage offset, in elements
+    storage: torch.UntypedStorage  # a strong reference: the memory stays the graph's
+
+
+class Adoption:
+    """The storages a recording keeps for the object tensors it read in place; see the module docstring."""
+
+    __slots__ = ("_by_id", "kept")
+
+    def __init__(self, kept: Sequence[Kept]) -> None:
+        self.kept = tuple(kept)
+        self._by_id = {_torch.storage_ref(k.storage): k for k in self.kept}
+
+    @staticmethod
+    def of(
+        leaves: Sequence[Any], inplace_idx: Sequence[int], n_args: int, skip: Callable[[int], bool]
+    ) -> Adoption | None:
+        """The adoption of a recording about to be made, or ``None`` when it has nothing to adopt.
+
+        ``inplace_idx``: the leaves read in place; ``n_args``: the leaves before it are the call's
+        own arguments (outputs held, tensors marked static: never adopted); ``skip(ptr)``: whether a
+        storage address is not to be kept (outputs of recordings, the tree's pool).
+        """
+        kept: list[Kept] = []
+        seen: set[int] = set()
+        for i in inplace_idx:
+            t = leaves[i]
+            if i < n_args or isinstance(t, torch.nn.Parameter) or getattr(t, "_graphtree_static", False):
+                continue
+            s = t.untyped_storage()
+            if skip(s.data_ptr()):
+                continue
+            ref = _torch.storage_ref(s)
+            if ref in seen:  # two tensors on one storage (views of one buffer): not re-pointed one by one
+                return None
+            seen.add(ref)
+            kept.append(Kept(i, t.data_ptr(), t.storage_offset(), s))
+        return Adoption(kept) if kept else None
+
+    def keeps_alone(self, ref: int) -> bool:
+        """Whether ``ref`` (a weak reference to a storage) is one this adoption keeps and nothing else holds."""
+        return ref in self._by_id and _torch.storage_use_count(ref) == 1
+
+    def fits(self, leaves: Sequence[Any]) -> bool:
+        """Whether every kept tensor is where the graph reads it, or can be adopted there (no change made)."""
+        for k in self.kept:
+            t = leaves[k.leaf]
+            if t.data_ptr() == k.ptr:
+                continue
+            if _torch.storage_use_count(_torch.storage_ref(k.storage)) != 1:
+                return False  # another object still holds the old memory
+            if isinstance(t, torch.nn.Parameter) or t.requires_grad or t.storage_offset() != k.offset:
+                return False
+            s = t.untyped_storage()
+            # (the count includes ``s`` itself: 2 means one tensor, ``t``, holds the storage)
+            if s.nbytes() != k.storage.nbytes() or _torch.storage_use_count(_torch.storage_ref(s)) != 2:
+                return False
+        return True
+
+    def adopt(self, leaves: Sequence[Any]) -> int:
+        """Copy each moved tensor's values into its kept storage and re-point it there; after :meth:`fits`.
+
+        Returns how many tensors moved.
+        """
+        moved = 0
+        with torch.no_grad():
+            for k in self.kept:
+                t = leaves[k.leaf]
+                if t.data_ptr() == k.ptr:
+                    continue
+                with torch.inference_mode(t.is_inference()):
+                    into = torch.empty(0, dtype=t.dtype, device=t.device)
+                    into.set_(k.storage, k.offset, t.shape, t.stride())
+                    into.copy_(t)
+                    t.set_(k.storage, k.offset, t.shape, t.stride())
+                moved += 1
+        return moved

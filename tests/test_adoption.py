@@ -1,0 +1,93 @@
+"""graphtree.tree.adoption on CPU tensors: when a new object's tensors may move into the storages a
+recording keeps, and what moving them does (the class is device-agnostic; the GPU tests run it
+inside the tree: tests/gpu/test_adoption_gpu.py)."""
+
+import torch
+
+from graphtree.tree.adoption import Adoption
+
+
+class Cache:
+    def __init__(self, fill: float = 0.0) -> None:
+        self.k = torch.full((4, 8), fill)
+        self.n = torch.zeros((), dtype=torch.long)
+
+
+def _leaves(x: torch.Tensor, cache: Cache) -> list:
+    return [x, cache.k, cache.n]  # as read_call lays them out: the call's own leaves, then the object's
+
+
+def _recorded(cache: Cache) -> Adoption:
+    a = Adoption.of(_leaves(torch.zeros(8), cache), [1, 2], n_args=1, skip=lambda p: False)
+    assert a is not None
+    return a
+
+
+def test_a_new_object_moves_into_the_kept_storages_once_the_old_one_is_dropped():
+    old = Cache()
+    a = _recorded(old)
+    ptrs = [k.ptr for k in a.kept]
+    new = Cache(fill=3.0)
+    assert not a.fits(_leaves(torch.zeros(8), new))  # the old cache still holds that memory
+    del old
+    leaves = _leaves(torch.zeros(8), new)
+    assert a.fits(leaves)
+    assert a.adopt(leaves) == 2
+    assert [new.k.data_ptr(), new.n.data_ptr()] == ptrs  # where the graph reads
+    assert torch.equal(new.k, torch.full((4, 8), 3.0))  # with the new object's values
+    assert a.adopt(_leaves(torch.zeros(8), new)) == 0  # already there: nothing to move
+    assert not any(a.keeps_alone(a_ref) for a_ref in _refs(a))  # the new cache holds them now
+    del leaves, new
+    assert all(a.keeps_alone(a_ref) for a_ref in _refs(a))
+
+
+def _refs(a: Adoption) -> list[int]:
+    from graphtree import _torch
+
+    return [_torch.storage_ref(k.storage) for k in a.kept]
+
+
+def test_a_tensor_that_shares_its_storage_is_not_moved():
+    old = Cache()
+    a = _recorded(old)
+    del old
+    new = Cache()
+    view = new.k[1:]  # another tensor on the new storage would be left behind
+    assert not a.fits(_leaves(torch.zeros(8), new))
+    del view
+    assert a.fits(_leaves(torch.zeros(8), new))
+
+
+def test_another_offset_or_storage_size_is_not_moved():
+    old = Cache()
+    a = _recorded(old)
+    del old
+    new = Cache()
+    new.k = torch.zeros(5, 8)[1:]  # same shape and strides, offset 8 in a larger storage
+    assert not a.fits(_leaves(torch.zeros(8), new))
+
+
+def test_tensors_sharing_one_storage_make_no_adoption():
+    buf = torch.zeros(2, 4, 8)
+    leaves = [torch.zeros(8), buf[0], buf[1]]  # keys and values, views of one buffer
+    assert Adoption.of(leaves, [1, 2], n_args=1, skip=lambda p: False) is None
+
+
+def test_parameters_static_marked_the_calls_own_leaves_and_skipped_addresses_are_not_kept():
+    p = torch.nn.Parameter(torch.zeros(3))
+    own = torch.zeros(3)
+    skipped = torch.zeros(3)
+    leaves = [own, p, skipped]
+    assert Adoption.of(leaves, [0, 1, 2], n_args=1, skip=lambda ptr: ptr == skipped.data_ptr()) is None
+
+
+def test_inference_tensors_move_too():
+    with torch.inference_mode():
+        old = Cache()
+    a = _recorded(old)
+    del old
+    with torch.inference_mode():
+        new = Cache(fill=2.0)
+    leaves = _leaves(torch.zeros(8), new)
+    assert a.fits(leaves) and a.adopt(leaves) == 2
+    assert new.k.data_ptr() == a.kept[0].ptr and float(new.k.sum()) == 64.0
