@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -65,6 +65,13 @@ for stage in $stages; do
       timeout 120 python3 benchmarks/break_cost.py --json "$OUT/break_cost.json" 2>&1 | tee "$OUT/break_cost.txt" | tail -6
       timeout 150 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.txt" | tail -8
       timeout 150 python3 benchmarks/recording_cost.py --runs 3 2>&1 | tee "$OUT/recording_cost.txt" | tail -3
+      ;;
+    generate)  # issue 27: where a token's time goes, and the generate scenario (HF's default a contender)
+      timeout 240 python3 benchmarks/generate_breakdown.py --json "$OUT/generate_breakdown.json" 2>&1 | tee "$OUT/generate_breakdown.txt" | tail -16
+      timeout 300 python3 -m graphtree bench --scenarios generate --budget 280 --out "$OUT/bench-generate" 2>&1 | tail -25
+      ;;
+    bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
+      timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tail -25
       ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $FILES 2>&1 | tee "$OUT/some.log" | tail -30

@@ -1,8 +1,8 @@
 """The ``breaks`` scenario: models that read values on the host (issue 26), per call.
 
-Three ways to run each: ``eager``; ``graphtree, breaks off`` (graphtree's default for now: a host
-read sends the signature to eager, with the reason); ``graphtree`` with ``max_break_values=8``
-(the read ends a graph segment and its value picks the next). Hand-written graphs and
+Three ways to run each: ``eager``; ``graphtree, breaks off`` (``max_break_values=0``: a host read
+sends the signature to eager, with the reason, as before breaks); ``graphtree`` with its default
+``max_break_values=8`` (the read ends a graph segment and its value picks the next). Hand-written graphs and
 ``torch.compile`` get "not applicable" rows: neither takes a host read inside the graph. The inputs
 alternate so that every data-dependent branch is taken; each call is checked against eager.
 No peer with marked ops (vLLM's, SGLang's breakable graphs, meta-pytorch's piecewise graphs) is

@@ -65,6 +65,14 @@ def tiny_llama(hidden: int, layers: int, vocab: int, max_positions: int) -> Any:
     return model.to("cuda").eval()
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (0 when dynamo was never imported)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 def run_generate(ctx: Ctx) -> list[Result]:
     """Time per generated token of ``generate()`` for each applicable contender, both cases."""
     cfg = ctx.cfg
@@ -97,6 +105,9 @@ def run_generate(ctx: Ctx) -> list[Result]:
     tokens = 16 if quick else 64
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
     original = model.forward
+    # graphed(model.forward) turns HF's own compile off in the model's generation config (two graph
+    # systems on one forward): HF's default gets the setting back for its own calls
+    hf_disable_compile = model.generation_config.disable_compile
     forwards: dict[str, Callable[..., Any]] = {EAGER: original, HF_DEFAULT: original}
     for name in names:
         if name == GRAPHTREE:
@@ -119,7 +130,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
             if "past_key_values" in kw:
                 kw["past_key_values"].reset()
             # HF's default compiles by itself: everyone else passes disable_compile=True
-            call_kw = {k: v for k, v in kw.items() if k != "disable_compile"} if name == HF_DEFAULT else kw
+            call_kw = {**kw, "disable_compile": hf_disable_compile} if name == HF_DEFAULT else kw
             try:
                 return model.generate(ids, **call_kw)
             finally:
@@ -128,6 +139,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
         expected = generate(EAGER)
         first: dict[str, float] = {}
         equal: dict[str, bool] = {}
+        compiled: dict[str, int] = {}
         before = graphtree.stats()
         for name in names:
             try:
@@ -139,6 +151,8 @@ def run_generate(ctx: Ctx) -> list[Result]:
                 torch.cuda.synchronize()
                 first[name] = time.perf_counter() - t0
                 equal[name] = bool(torch.equal(out, expected))
+                if name == HF_DEFAULT:  # that HF did compile (it is silent about it)
+                    compiled[case] = _compiled_graphs()
             except Exception as exc:  # noqa: BLE001 - a contender that fails is reported, the others go on
                 results.append(failed(SCENARIO, case, name, exc, "time_per_token"))
                 ctx.log(f"generate: {case}: {name} FAILED: {exc}")
@@ -160,6 +174,8 @@ def run_generate(ctx: Ctx) -> list[Result]:
                 continue
             medians[name] = s["median"]
             extra_info: dict[str, Any] = {"first_call_s": first[name]}
+            if name == HF_DEFAULT:
+                extra_info["dynamo_graphs_so_far"] = compiled.get(case, 0)
             note = f"{tokens} tokens per generate(), greedy, batch 1"
             if name == GRAPHTREE:
                 decode = n_calls[GRAPHTREE] * (tokens - 1)  # every call: one prefill, then decode steps
