@@ -219,3 +219,32 @@ def test_a_signature_shows_the_arguments_not_the_ambient_state():
     key = (1, ((torch.Size([4, 8]), torch.float32, (8, 1)), (int, 2), ambient.state(), ("training", False)))
     node = types.SimpleNamespace(name="step", key=key)
     assert signature(node) == "step(float32[4, 8], 2, eval)"
+
+
+def test_compiled_code_that_builds_modules_compiles_once_with_graphtrees_hooks_installed():
+    """graphtree's module-registration hook, traced by torch.compile, made dynamo guard on the
+    registration epoch it then bumped: a recompilation on every call (Hugging Face's compiled
+    generate() hit the recompile limit on the H100 once graphed() had installed the hook)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from graphtree.tree import inputs
+
+    inputs.watch_parameter_changes()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        layers = torch.nn.ModuleList()
+        layers.append(torch.nn.Identity())  # add_module: the registration hook runs in the trace
+        return layers[0](x) * 2
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.compile(f, backend="eager")
+    x = torch.ones(3)
+    epoch = inputs.param_epoch()
+    for _ in range(4):
+        assert torch.equal(g(x), x * 2)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.nn.ModuleList().append(torch.nn.Identity())  # outside compiled code the epoch still moves
+    assert inputs.param_epoch() > epoch
+    torch._dynamo.reset()

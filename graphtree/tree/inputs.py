@@ -514,9 +514,15 @@ def _unreadable(t: type, why: str) -> Unsupported:
 # reads a module's state in place.
 _epoch = [0]
 _hooks_installed = False
+_is_compiling = torch.compiler.is_compiling
 
 
 def _bump_epoch(*_: object) -> None:
+    # Traced by torch.compile (a compiled function that builds a module), reading the epoch would
+    # make dynamo guard on its value, which the bump then changes: a recompilation on every call
+    # (Hugging Face's compiled generate() hit the recompile limit). Compiled code skips the bump.
+    if _is_compiling():
+        return
     _epoch[0] += 1
 
 
