@@ -67,14 +67,15 @@ for stage in $stages; do
       timeout 150 python3 benchmarks/recording_cost.py --runs 3 2>&1 | tee "$OUT/recording_cost.txt" | tail -3
       ;;
     generate)  # issue 27: where a token's time goes, and the generate scenario (HF's default a contender)
-      timeout 240 python3 benchmarks/generate_breakdown.py --json "$OUT/generate_breakdown.json" 2>&1 | tee "$OUT/generate_breakdown.txt" | tail -16
-      timeout 300 python3 -m graphtree bench --scenarios generate --budget 280 --out "$OUT/bench-generate" 2>&1 | tail -25
+      timeout 240 python3 benchmarks/generate_breakdown.py --json "$OUT/generate_breakdown.json" 2>&1 | tee "$OUT/generate_breakdown.txt" | grep -v '^W1' | tail -16
+      timeout 120 python3 benchmarks/forward_cpu.py 2>&1 | tee "$OUT/forward_cpu.txt" | tail -8
+      timeout 300 python3 -m graphtree bench --scenarios generate --budget 280 --out "$OUT/bench-generate" 2>&1 | tee "$OUT/bench-generate.log" | grep -v '^W1' | tail -25
       ;;
     bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
-      timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tail -25
+      timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tee "$OUT/bench-breaks.log" | tail -25
       ;;
     some)  # the files named in $FILES, in one process
-      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $FILES 2>&1 | tee "$OUT/some.log" | tail -30
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
     new)
       timeout -s INT -k 20 ${NEW_TIMEOUT:-420} python3 -m pytest -q -s --durations=15 -p no:cacheprovider tests/gpu/test_real_paths_gpu.py \
