@@ -91,3 +91,50 @@ def test_inference_tensors_move_too():
     leaves = _leaves(torch.zeros(8), new)
     assert a.fits(leaves) and a.adopt(leaves) == 2
     assert new.k.data_ptr() == a.kept[0].ptr and float(new.k.sum()) == 64.0
+
+
+def test_two_recordings_keeping_one_storage_see_it_alone_once_the_object_is_dropped():
+    from graphtree.tree.adoption import adopt_orphans
+
+    first = Cache()
+    decode = _recorded(first)  # the decode step's recording keeps the first cache's memory
+    kept = [k.ptr for k in decode.kept]
+    del first
+    fresh = Cache(fill=5.0)  # a new cache met by another call (a prefill): not recorded yet
+    assert adopt_orphans(_leaves(torch.zeros(8), fresh), 1, [decode]) == 2
+    assert [fresh.k.data_ptr(), fresh.n.data_ptr()] == kept and float(fresh.k.sum()) == 160.0
+    prefill = _recorded(fresh)  # recorded on the same memory: both keep it
+    assert [k.ptr for k in prefill.kept] == kept
+    assert not decode.fits(_leaves(torch.zeros(8), Cache()))  # `fresh` still holds it
+    del fresh
+    newer = Cache(fill=1.0)
+    leaves = _leaves(torch.zeros(8), newer)
+    assert prefill.fits(leaves) and decode.fits(leaves)  # held by the two recordings only
+    assert prefill.adopt(leaves) == 2 and decode.adopt(leaves) == 0  # one copy serves both
+    del prefill
+    assert all(decode.keeps_alone(r) for r in _refs(decode)) is False  # `newer` holds it
+    del leaves, newer
+    assert all(decode.keeps_alone(r) for r in _refs(decode))
+
+
+def test_orphans_are_not_taken_while_held_nor_across_sizes():
+    from graphtree.tree.adoption import adopt_orphans
+
+    old = Cache()
+    decode = _recorded(old)
+    fresh = Cache()
+    assert adopt_orphans(_leaves(torch.zeros(8), fresh), 1, [decode]) == 0  # `old` is alive
+    del old
+    odd = Cache()
+    odd.k = torch.zeros(5, 8)  # another size in the kept place
+    assert adopt_orphans(_leaves(torch.zeros(8), odd), 1, [decode]) == 1  # only the counter moves
+    assert odd.k.data_ptr() != decode.kept[0].ptr and odd.n.data_ptr() == decode.kept[1].ptr
+
+
+def test_torch_gives_a_storage_one_python_object_which_the_alone_test_rests_on():
+    t = torch.zeros(4)
+    kept = t.untyped_storage()
+    assert t.untyped_storage() is kept and t[1:].untyped_storage() is kept
+    from graphtree import _torch
+
+    assert _torch.storage_use_count(_torch.storage_ref(kept)) == 2  # the tensor and the one object

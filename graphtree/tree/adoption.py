@@ -32,6 +32,8 @@ Example (what :meth:`graphtree.tree.manager.TreeManager.call` does when no recor
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -44,19 +46,35 @@ class Kept(NamedTuple):
     """One object tensor a recording read in place, and the storage it keeps for it."""
 
     leaf: int  # index among the call's leaves
+    n_args: int  # the call's own leaves before the objects': ``leaf - n_args`` is its place among the objects' tensors
     ptr: int  # the address the graph reads (data_ptr of the recorded tensor)
     offset: int  # storage offset, in elements
     storage: torch.UntypedStorage  # a strong reference: the memory stays the graph's
 
 
+# How many live recordings keep each storage (by StorageImpl address): two recordings of one
+# callable may keep the same memory (a prefill and a decode step reading one cache).
+_holders: Counter[int] = Counter()
+
+
+def _alone(ref: int) -> bool:
+    """Whether only recordings hold the kept storage ``ref``: torch gives a storage one Python
+    object however often it is asked for (``untyped_storage()``), so the recordings that keep it
+    count once, and any tensor on it once more."""
+    return _torch.storage_use_count(ref) == 1
+
+
 class Adoption:
     """The storages a recording keeps for the object tensors it read in place; see the module docstring."""
 
-    __slots__ = ("_by_id", "kept")
+    __slots__ = ("__weakref__", "_by_id", "kept")
 
     def __init__(self, kept: Sequence[Kept]) -> None:
         self.kept = tuple(kept)
         self._by_id = {_torch.storage_ref(k.storage): k for k in self.kept}
+        for ref in self._by_id:
+            _holders[ref] += 1
+        weakref.finalize(self, _release, list(self._by_id))
 
     @staticmethod
     def of(
@@ -81,12 +99,12 @@ class Adoption:
             if ref in seen:  # two tensors on one storage (views of one buffer): not re-pointed one by one
                 return None
             seen.add(ref)
-            kept.append(Kept(i, t.data_ptr(), t.storage_offset(), s))
+            kept.append(Kept(i, n_args, t.data_ptr(), t.storage_offset(), s))
         return Adoption(kept) if kept else None
 
     def keeps_alone(self, ref: int) -> bool:
         """Whether ``ref`` (a weak reference to a storage) is one this adoption keeps and nothing else holds."""
-        return ref in self._by_id and _torch.storage_use_count(ref) == 1
+        return ref in self._by_id and _alone(ref)
 
     def fits(self, leaves: Sequence[Any]) -> bool:
         """Whether every kept tensor is where the graph reads it, or can be adopted there (no change made)."""
@@ -94,13 +112,9 @@ class Adoption:
             t = leaves[k.leaf]
             if t.data_ptr() == k.ptr:
                 continue
-            if _torch.storage_use_count(_torch.storage_ref(k.storage)) != 1:
+            if not _alone(_torch.storage_ref(k.storage)):
                 return False  # another object still holds the old memory
-            if isinstance(t, torch.nn.Parameter) or t.requires_grad or t.storage_offset() != k.offset:
-                return False
-            s = t.untyped_storage()
-            # (the count includes ``s`` itself: 2 means one tensor, ``t``, holds the storage)
-            if s.nbytes() != k.storage.nbytes() or _torch.storage_use_count(_torch.storage_ref(s)) != 2:
+            if t.storage_offset() != k.offset or not _movable(t, k.storage.nbytes()):
                 return False
         return True
 
@@ -110,15 +124,64 @@ class Adoption:
         Returns how many tensors moved.
         """
         moved = 0
-        with torch.no_grad():
-            for k in self.kept:
-                t = leaves[k.leaf]
-                if t.data_ptr() == k.ptr:
-                    continue
-                with torch.inference_mode(t.is_inference()):
-                    into = torch.empty(0, dtype=t.dtype, device=t.device)
-                    into.set_(k.storage, k.offset, t.shape, t.stride())
-                    into.copy_(t)
-                    t.set_(k.storage, k.offset, t.shape, t.stride())
+        for k in self.kept:
+            t = leaves[k.leaf]
+            if t.data_ptr() != k.ptr:
+                _move(t, k.storage)
                 moved += 1
         return moved
+
+
+def adopt_orphans(leaves: Sequence[Any], n_args: int, others: Sequence[Adoption]) -> int:
+    """Before a new recording of a callable: move the call's object tensors into storages its other
+    recordings keep and nobody else holds, each into the one kept for the same place among the
+    objects' tensors (the same cache met by a prefill and by a decode step), where sizes agree.
+    The new recording then reads the same memory as the others: a later fresh cache is copied once
+    for all of them. Returns how many tensors moved.
+    """
+    spare: dict[int, torch.UntypedStorage] = {}
+    for a in others:
+        for k in a.kept:
+            ref = _torch.storage_ref(k.storage)
+            if k.leaf - k.n_args not in spare and _alone(ref):
+                spare[k.leaf - k.n_args] = k.storage
+    moved = 0
+    taken: set[int] = set()
+    for i in range(n_args, len(leaves)):
+        s = spare.get(i - n_args)
+        t = leaves[i]
+        if s is None or not isinstance(t, torch.Tensor) or t.device != s.device:
+            continue
+        ref = _torch.storage_ref(s)
+        if ref in taken or _holders[_torch.storage_id(t)] or not _movable(t, s.nbytes()):
+            continue  # (a tensor already in kept memory stays where it is)
+        _move(t, s)
+        taken.add(ref)
+        moved += 1
+    return moved
+
+
+def _movable(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``t`` may be re-pointed at another storage of ``nbytes``: a plain tensor, alone on a
+    storage of that size (another view of it would be left behind)."""
+    if isinstance(t, torch.nn.Parameter) or t.requires_grad or getattr(t, "_graphtree_static", False):
+        return False
+    s = t.untyped_storage()
+    # (the count includes ``s`` itself: 2 means one tensor, ``t``, holds the storage)
+    return s.nbytes() == nbytes and _torch.storage_use_count(_torch.storage_ref(s)) == 2
+
+
+def _move(t: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    """Copy ``t``'s values into ``storage`` at ``t``'s own offset and re-point ``t`` there."""
+    with torch.no_grad(), torch.inference_mode(t.is_inference()):
+        into = torch.empty(0, dtype=t.dtype, device=t.device)
+        into.set_(storage, t.storage_offset(), t.shape, t.stride())
+        into.copy_(t)
+        t.set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def _release(refs: list[int]) -> None:
+    for ref in refs:
+        _holders[ref] -= 1
+        if _holders[ref] <= 0:
+            del _holders[ref]

@@ -20,6 +20,7 @@ from graphtree.tree import manager as _manager
 from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
+from graphtree.tree.hf_cache import CacheLayouts
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -125,10 +126,13 @@ class GraphedCallable:
         self._kept_state: dict[Any, int] = {}
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)
+        # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
+        self._hf_caches: CacheLayouts | None = None
         if self._module is not None:
             watch_parameter_changes()
-            if fn is self._module or getattr(fn, "__self__", None) is self._module:
-                _no_auto_compile(self._module)
+            own = fn is self._module or getattr(fn, "__self__", None) is self._module
+            if own and _no_auto_compile(self._module):
+                self._hf_caches = CacheLayouts()
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())
@@ -156,6 +160,8 @@ class GraphedCallable:
                 return self._eager(args, kwargs, self.disabled_reason)
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
+            if self._hf_caches is not None and kwargs:
+                self._hf_caches.before_call(kwargs)
             try:
                 call = read_call(args, kwargs, self.bucketing)
             except Unsupported as e:
@@ -411,7 +417,7 @@ _SHARED = (
 )
 
 
-def _no_auto_compile(model: torch.nn.Module) -> None:
+def _no_auto_compile(model: torch.nn.Module) -> bool:
     """Turn off Hugging Face's automatic ``torch.compile`` of a model's decode step: graphtree graphs it.
 
     transformers' ``generate()`` compiles the decode step with ``mode="reduce-overhead"`` whenever the
@@ -419,10 +425,11 @@ def _no_auto_compile(model: torch.nn.Module) -> None:
     forward fought (stale-tensor errors, an internal assert, 12x slower). Set only where the model's
     generation config leaves it unset (``None``): an explicit ``False`` is the user's and is kept, and
     the compiled code then calls graphtree outside its trace (see :func:`_outside_compile`).
+    Returns whether ``model`` is such a model.
     """
     config = getattr(model, "generation_config", None)
     if config is None or not hasattr(model, "_valid_auto_compile_criteria"):
-        return
+        return False
     if getattr(config, "disable_compile", None) is None:
         config.disable_compile = True
         log.info(
@@ -430,6 +437,7 @@ def _no_auto_compile(model: torch.nn.Module) -> None:
             "decode step that graphtree graphs (pass disable_compile=False to generate() to compile anyway)",
             type(model).__name__,
         )
+    return True
 
 
 def _find_state(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[torch.Tensor]]:

@@ -32,6 +32,7 @@ import torch
 
 from graphtree import _native, _torch
 from graphtree.tree import recorder
+from graphtree.tree.adoption import adopt_orphans
 from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
@@ -432,6 +433,10 @@ class TreeManager:
             )
             gc.give_up(call.key, reason)
             return gc.run_eager(call, reason)
+        if not prefix:  # object tensors into memory the callable's other recordings keep (tree/adoption.py)
+            others = [n.adoption for n in self.nodes() if n.key[0] == gc.id and n.key != key and n.adoption]
+            if others:
+                adopt_orphans(call.leaves, call.n_args, others)
         try:
             node, out = recorder.record(
                 gc,

@@ -1,0 +1,84 @@
+"""graphtree.tree.hf_cache on the CPU: a fresh Hugging Face StaticCache of a kind met before is
+initialized before the call exactly as its own lazy initialization would have done it."""
+
+import pytest
+import torch
+
+from graphtree.tree.hf_cache import CacheLayouts
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg2 = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4)
+        return transformers.GPT2LMHeadModel(cfg2).eval()
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _layouts(cache) -> list:
+    return [(lay.keys.shape, lay.values.shape, lay.keys.dtype, lay.keys.device) for lay in cache.layers]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_fresh_cache_is_initialized_as_its_first_update_would_and_generates_the_same(kind):
+    model = _model(kind)
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    layouts = CacheLayouts()
+    seen = []
+    original = model.forward
+
+    def forward(**kwargs):
+        before = all(lay.is_initialized for lay in kwargs["past_key_values"].layers)
+        layouts.before_call(kwargs)
+        seen.append((before, all(lay.is_initialized for lay in kwargs["past_key_values"].layers)))
+        return original(**kwargs)
+
+    kw = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static", "return_dict_in_generate": True}
+    with torch.inference_mode():
+        want = model.generate(ids, **kw)
+        model.forward = forward
+        first = model.generate(ids, **kw)  # the prefill initializes lazily; the decode steps teach the layout
+        second = model.generate(ids, **kw)  # the prefill gets a cache initialized before the call
+    assert seen[0] == (False, False)  # nothing learned yet: left to the cache
+    assert seen[len(seen) // 2] == (False, True)  # the second prefill: initialized before the call
+    assert torch.equal(first.sequences, want.sequences) and torch.equal(second.sequences, want.sequences)
+    assert _layouts(second.past_key_values) == _layouts(want.past_key_values)
+    for a, b in zip(second.past_key_values.layers, want.past_key_values.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_another_batch_or_a_partly_initialized_cache_is_left_alone():
+    model = _model("llama")
+    cfg = model.config
+    layouts = CacheLayouts()
+    known = transformers.StaticCache(config=cfg, max_cache_len=16)
+    known.early_initialization(2, 2, 8, torch.float32, torch.device("cpu"))
+    layouts.before_call({"input_ids": torch.zeros(2, 1, dtype=torch.long), "past_key_values": known})
+
+    other_batch = transformers.StaticCache(config=cfg, max_cache_len=16)
+    layouts.before_call({"input_ids": torch.zeros(3, 5, dtype=torch.long), "past_key_values": other_batch})
+    assert not any(lay.is_initialized for lay in other_batch.layers)
+
+    other_length = transformers.StaticCache(config=cfg, max_cache_len=20)
+    layouts.before_call({"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values": other_length})
+    assert not any(lay.is_initialized for lay in other_length.layers)
+
+    fresh = transformers.StaticCache(config=cfg, max_cache_len=16)
+    layouts.before_call({"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values": fresh})
+    assert all(lay.is_initialized for lay in fresh.layers) and _layouts(fresh) == _layouts(known)
+
+    no_cache = {"input_ids": torch.zeros(2, 5, dtype=torch.long)}
+    layouts.before_call(no_cache)  # nothing to do, nothing raised
+    dynamic = transformers.DynamicCache(config=cfg)
+    layouts.before_call({"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values": dynamic})
