@@ -65,6 +65,18 @@ def tiny_llama(hidden: int, layers: int, vocab: int, max_positions: int) -> Any:
     return model.to("cuda").eval()
 
 
+def _new_step_each_call(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """What a user of ``mode="reduce-overhead"`` does when ``generate()`` keeps a forward's outputs
+    past the next call (cudagraph trees raise "accessing tensor output of CUDAGraphs that has been
+    overwritten", and say to mark a step): ``torch.compiler.cudagraph_mark_step_begin()`` first."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
 def _compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far (0 when dynamo was never imported)."""
     import sys
@@ -77,7 +89,11 @@ def run_generate(ctx: Ctx) -> list[Result]:
     """Time per generated token of ``generate()`` for each applicable contender, both cases."""
     cfg = ctx.cfg
     results: list[Result] = []
-    names = [*(n for n in cfg.contenders if n in APPLICABLE), HF_DEFAULT]  # HF's own way: always
+    # HF's own way, always, and compiled before reduce-overhead: both compile the model's forward,
+    # whose code dynamo caches once per process (the second to compile meets the first's recompiles)
+    applicable = [n for n in cfg.contenders if n in APPLICABLE]
+    names = [n for n in applicable if n != REDUCE_OVERHEAD] + [HF_DEFAULT]
+    names += [n for n in applicable if n == REDUCE_OVERHEAD]
     for n in cfg.contenders:
         if n not in APPLICABLE:
             results.append(Result(SCENARIO, "all", n, "time_per_token", None, "s", note="not applicable to generate()"))
@@ -113,7 +129,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
         if name == GRAPHTREE:
             forwards[name] = graphtree.graphed(original, name="LlamaForCausalLM.forward")
         elif name == REDUCE_OVERHEAD:
-            forwards[name] = torch.compile(original, mode="reduce-overhead")
+            forwards[name] = _new_step_each_call(torch.compile(original, mode="reduce-overhead"))
     cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + tokens)
     cases: dict[str, dict[str, Any]] = {
         "fresh cache": {"cache_implementation": "static"},
