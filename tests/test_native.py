@@ -322,3 +322,107 @@ def test_channel_write_hands_back_what_it_cannot_do_and_refuses_bad_input(native
         native.channel_write(writer(), (1,), None)
     with pytest.raises(TypeError, match="buffers must be a tuple"):
         native.channel_write(writer(b=list(buffers)), (1,), {})
+
+
+class _Obj:
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+
+class _Slotted:
+    __slots__ = ("a",)
+
+    def __init__(self) -> None:
+        self.a = 1
+
+
+def _objects() -> dict[str, object]:
+    """Objects as calls pass them: caches, dataclass-like states, nests, shared references, cycles,
+    and what the native walk leaves to Python (slots, modules, functions, subclasses of containers)."""
+    import collections
+
+    shared = _Obj(v=3)
+    cyc = _Obj()
+    cyc.me = cyc
+    deep = cur = _Obj()
+    for _ in range(8):
+        cur.n = _Obj()
+        cur = cur.n
+    found = {
+        "plain": _Obj(
+            a=1, b=1.0, c=True, n=None, s="x", dt=torch.float16, t=torch.zeros(2, 3)[:, 1:], x=shared, y=shared
+        ),
+        "nested": _Obj(l=[1, (2, 3.0), {"k": torch.ones(1), 2: [torch.zeros(1, dtype=torch.int64)]}]),
+        "cycle": cyc,
+        "deep": deep,
+        "slots": _Slotted(),
+        "module": _Obj(m=torch.nn.Linear(2, 2)),
+        "function": _Obj(f=len),
+        "namedtuple": _Obj(p=collections.namedtuple("P", "a b")(1, 2)),
+        "ordered": _Obj(d=collections.OrderedDict(a=1)),
+        "size": _Obj(s=torch.Size([2, 3])),
+        "tuple key": _Obj(d={(1, 2): 3}),
+        "parameter": _Obj(p=torch.nn.Parameter(torch.zeros(2))),
+    }
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
+    lazy = transformers.StaticCache(config=cfg, max_cache_len=16)
+    ready = transformers.StaticCache(config=cfg, max_cache_len=16)
+    ready.early_initialization(1, 2, 8, torch.float32, torch.device("cpu"))
+    found.update({"lazy cache": lazy, "sliding cache": ready, "dynamic cache": transformers.DynamicCache(config=cfg)})
+    return found
+
+
+@needs_toolchain
+def test_object_state_reads_objects_as_read_object_does_or_defers(native, monkeypatch) -> None:
+    monkeypatch.setattr(_native, "loaded", None)  # read_object: its Python walk
+    walked = set()
+    for name, obj in _objects().items():
+        try:
+            want = inputs.read_object(obj, inputs.HeldTensors())
+        except inputs.Unsupported as e:
+            want = e
+        got = native.object_state(obj, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096)
+        if got is None:  # the Python path decides (and names what it cannot read)
+            continue
+        walked.add(name)
+        assert not isinstance(want, Exception), (name, want)
+        key, tensors, device, needs_grad = got
+        assert key == want and hash(key) == hash(want), (name, key, want)
+        assert (tensors, device, needs_grad) == ([], -2, False), name  # CPU tensors are keyed, never held
+    assert {"plain", "nested", "cycle", "parameter", "lazy cache", "sliding cache", "dynamic cache"} <= walked
+    assert not walked & {"deep", "slots", "module", "function", "namedtuple", "ordered", "size", "tuple key"}
+
+
+@needs_toolchain
+def test_read_object_gives_the_same_keys_with_and_without_the_helpers(native, monkeypatch) -> None:
+    objects = _objects()
+
+    def answers() -> list:
+        out = []
+        for obj in objects.values():
+            try:
+                out.append(inputs.read_object(obj, inputs.HeldTensors()))
+            except inputs.Unsupported as e:
+                out.append(str(e))
+        return out
+
+    with_native = answers()
+    monkeypatch.setattr(_native, "loaded", None)
+    assert with_native == answers()
+
+
+@needs_toolchain
+def test_object_state_refuses_bad_input(native) -> None:
+    with pytest.raises(TypeError, match="object_state"):
+        native.object_state(_Obj(), [int], (), 1)
+    assert native.object_state(1, (int,), (), 1) is None  # a plain value or a tensor is no object
+    assert native.object_state(torch.zeros(1), (int,), (), 1) is None

@@ -193,6 +193,13 @@ def _find_ninja() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+class _Probe:
+    """An object argument for :func:`_check`: one plain attribute."""
+
+    def __init__(self) -> None:
+        self.a = 1
+
+
 def _check(module: ModuleType) -> None:
     """A built module must answer as its Python twins do before graphtree relies on it."""
     import torch
@@ -206,6 +213,9 @@ def _check(module: ModuleType) -> None:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")
+    obj = _Probe()
+    if module.object_state(obj, (int,), (), 1) != ((_Probe, (_Probe, "a", (int, 1))), [], -2, False):
+        raise RuntimeError("object_state disagrees with read_object")
     state = module.ambient()  # compared with its Python twin where it is used (tree/ambient.py)
     if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], int)):
         raise RuntimeError(f"ambient() gave {state!r}, not (bits, default dtype, autocast dtype)")

@@ -283,6 +283,11 @@ class HeldTensors:
         self.tensors.append(t)
         self.needs_grad = self.needs_grad or needs_grad
 
+    def add_all(self, tensors: list[torch.Tensor], device: int, needs_grad: bool) -> None:
+        """Tensors of one device, read by the native walk (``_native.object_state``)."""
+        self.add(tensors[0], device, needs_grad)
+        self.tensors.extend(tensors[1:])
+
     def add_module(self, state: _ModuleState) -> None:
         if state.tensors:
             self.add(state.tensors[0], state.device, state.needs_grad)
@@ -331,6 +336,7 @@ _CODE_TYPES = (
     types.ModuleType,
     functools.partial,
 )
+_OPAQUE = (*_CODE_TYPES, torch.nn.Module)  # what the native walk leaves to the Python path
 
 
 def read_object(obj: Any, held: HeldTensors) -> tuple[Any, ...]:
@@ -349,6 +355,14 @@ def read_object(obj: Any, held: HeldTensors) -> tuple[Any, ...]:
         state = module_state(obj)
         held.add_module(state)
         return (type(obj), id(obj), obj.training, len(state.tensors))
+    native = _native.loaded
+    if native is not None:  # the same walk in C++ (graphtree/_native), or None: the Python path decides
+        found = native.object_state(obj, _PLAIN, _OPAQUE, _MAX_TENSORS - len(held.tensors))
+        if found is not None:
+            part, tensors, device, needs_grad = found
+            if tensors:
+                held.add_all(tensors, device, needs_grad)
+            return part  # type: ignore[no-any-return]
     out: list[Any] = []
     _read_state(obj, out, held, 0, type(obj), set())
     return (type(obj), tuple(out))
