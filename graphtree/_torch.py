@@ -73,6 +73,9 @@ from torch.utils import _pytree  # noqa: E402  (private module, stable since tor
 
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
+pytree_nodes: dict[type, Any] = _pytree.SUPPORTED_NODES
+"""The types pytrees flatten (live: registrations made later are in it); any other type is a leaf,
+but namedtuples, which pytrees flatten implicitly."""
 
 
 # --- allocator checkpoints: branch the tree without multiplying memory -------------------------

@@ -165,6 +165,24 @@ def test_flat_keyword_calls_skip_the_pytree():
     assert args == (x, 3) and kwargs["out"] is x and kwargs == {"out": x, "k": None}
 
 
+def test_keyword_objects_a_pytree_takes_as_leaves_skip_it_too_and_containers_do_not():
+    import collections
+
+    class Cache:  # no pytree registration: a leaf, as transformers' StaticCache is
+        pass
+
+    x, cache = torch.ones(2), Cache()
+    leaves, spec = flatten((x,), {"past_key_values": cache, "use_cache": True})
+    assert list(leaves) == [x, cache, True] and spec == (1, ("past_key_values", "use_cache"))
+    assert unflatten(leaves, spec) == ((x,), {"past_key_values": cache, "use_cache": True})
+    Pair = collections.namedtuple("Pair", "a b")
+    for container in ([x, 1], {"a": x}, Pair(x, 1), collections.OrderedDict(a=x), collections.deque([x])):
+        leaves, spec = flatten((x,), {"c": container})
+        assert not isinstance(spec, tuple) and any(leaf is x for leaf in list(leaves)[1:]), container  # the pytree
+        _, kwargs = unflatten(leaves, spec)
+        assert type(kwargs["c"]) is type(container)
+
+
 def test_buckets_pick_the_next_size():
     b = Bucketing([8, 1, 4, 2])
     assert b.sizes == [1, 2, 4, 8]

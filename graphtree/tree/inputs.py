@@ -67,7 +67,9 @@ def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequence[Any
     :class:`_Keywords` when it is flat with keywords (``f(x, out=y)``), else a pytree spec.
 
     Plain positional calls hand back ``args`` itself: the leaves are only read, and code that
-    needs to change one makes a list first. Flat calls skip the pytree machinery (about 8 µs).
+    needs to change one makes a list first. Flat calls skip the pytree machinery (about 8 µs):
+    calls of tensors, plain values and objects a pytree takes as leaves (a cache passed by keyword
+    to a transformers forward: ``past_key_values=cache``).
     """
     for a in args:  # inline loops: this runs on every call of the Python path
         if not isinstance(a, _Tensor) and type(a) not in _PLAIN:
@@ -76,11 +78,18 @@ def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequence[Any
         if not kwargs:
             return args, None
         for a in kwargs.values():
-            if not isinstance(a, _Tensor) and type(a) not in _PLAIN:
+            if not (isinstance(a, _Tensor) or type(a) in _PLAIN or _pytree_leaf(a)):
                 break
         else:
             return (*args, *kwargs.values()), _Keywords(len(args), tuple(kwargs))
     return _torch.tree_flatten((args, kwargs))
+
+
+def _pytree_leaf(a: Any) -> bool:
+    """Whether a pytree takes ``a`` as a leaf: a type it does not flatten, and no tuple (a
+    namedtuple is flattened without being registered)."""
+    t = type(a)
+    return t not in _torch.pytree_nodes and not issubclass(t, tuple)
 
 
 def unflatten(leaves: Sequence[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
