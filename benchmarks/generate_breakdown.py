@@ -10,6 +10,8 @@ its tokens, medians of ``--repeats``):
   eager's Python and its launches; not for HF's default, whose compiled code a timer would break);
 - ``forward, GPU``: CUDA-event time around each forward (the GPU is idle when a step begins:
   ``generate()`` reads the stopping criteria on the host every token);
+- with HF's default dynamic cache (no ``cache_implementation``), eager and graphed: a new
+  signature every step, which graphtree stops warming up after 16 (``tree/churn.py``);
 - ``HF around it``: ``generate()`` with a forward that does nothing (returns a fixed logits
   tensor): Hugging Face's own Python per token (inputs, logits processing, stopping criteria,
   cache positions), which every contender pays.
@@ -85,6 +87,9 @@ def main() -> None:
         "graphtree, one cache": (graphed, {"past_key_values": cache, "disable_compile": True}),
         "graphtree, fresh cache": (graphed, {"cache_implementation": "static", "disable_compile": True}),
         "HF default, fresh cache": (original, {"cache_implementation": "static", "disable_compile": hf_disable}),
+        # HF's default without a static cache: a DynamicCache, one length more every step (issue 27, item 5)
+        "eager, dynamic cache": (original, {"disable_compile": True}),
+        "graphtree, dynamic cache": (graphed, {"disable_compile": True}),
         "forward does nothing": (nothing, {"past_key_values": cache, "disable_compile": True}),
     }
     rows: dict[str, dict[str, float]] = {}
