@@ -58,27 +58,37 @@ def test_a_fresh_cache_is_initialized_as_its_first_update_would_and_generates_th
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_another_batch_or_a_partly_initialized_cache_is_left_alone():
+def test_another_batch_length_or_model_dtype_is_left_alone():
     model = _model("llama")
     cfg = model.config
-    layouts = CacheLayouts()
-    known = transformers.StaticCache(config=cfg, max_cache_len=16)
-    known.early_initialization(2, 2, 8, torch.float32, torch.device("cpu"))
-    layouts.before_call({"input_ids": torch.zeros(2, 1, dtype=torch.long), "past_key_values": known})
+    layouts = CacheLayouts(model)
+    ids = {"input_ids": torch.zeros(2, 5, dtype=torch.long)}
 
+    def met_empty_then_filled() -> object:
+        cache = transformers.StaticCache(config=cfg, max_cache_len=16)
+        layouts.before_call({**ids, "past_key_values": cache})  # a prefill: left to the cache
+        assert not any(lay.is_initialized for lay in cache.layers)
+        cache.early_initialization(2, 2, 8, torch.float32, torch.device("cpu"))  # (what its prefill does)
+        layouts.before_call({"input_ids": torch.zeros(2, 1, dtype=torch.long), "past_key_values": cache})
+        return cache
+
+    known = met_empty_then_filled()
     other_batch = transformers.StaticCache(config=cfg, max_cache_len=16)
     layouts.before_call({"input_ids": torch.zeros(3, 5, dtype=torch.long), "past_key_values": other_batch})
     assert not any(lay.is_initialized for lay in other_batch.layers)
 
     other_length = transformers.StaticCache(config=cfg, max_cache_len=20)
-    layouts.before_call({"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values": other_length})
+    layouts.before_call({**ids, "past_key_values": other_length})
     assert not any(lay.is_initialized for lay in other_length.layers)
 
     fresh = transformers.StaticCache(config=cfg, max_cache_len=16)
-    layouts.before_call({"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values": fresh})
+    layouts.before_call({**ids, "past_key_values": fresh})
     assert all(lay.is_initialized for lay in fresh.layers) and _layouts(fresh) == _layouts(known)
 
-    no_cache = {"input_ids": torch.zeros(2, 5, dtype=torch.long)}
-    layouts.before_call(no_cache)  # nothing to do, nothing raised
-    dynamic = transformers.DynamicCache(config=cfg)
-    layouts.before_call({"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values": dynamic})
+    model.double()  # its keys would be float64 now: the learned float32 layout no longer vouches
+    cast = transformers.StaticCache(config=cfg, max_cache_len=16)
+    layouts.before_call({**ids, "past_key_values": cast})
+    assert not any(lay.is_initialized for lay in cast.layers)
+
+    layouts.before_call(dict(ids))  # no cache: nothing to do, nothing raised
+    layouts.before_call({**ids, "past_key_values": transformers.DynamicCache(config=cfg)})

@@ -32,6 +32,7 @@ Example (what :meth:`graphtree.tree.manager.TreeManager.call` does when no recor
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ class Kept(NamedTuple):
 # How many live recordings keep each storage (by StorageImpl address): two recordings of one
 # callable may keep the same memory (a prefill and a decode step reading one cache).
 _holders: Counter[int] = Counter()
+_holders_lock = threading.Lock()  # (trees of several threads record and drop recordings)
 
 
 def _alone(ref: int) -> bool:
@@ -72,8 +74,9 @@ class Adoption:
     def __init__(self, kept: Sequence[Kept]) -> None:
         self.kept = tuple(kept)
         self._by_id = {_torch.storage_ref(k.storage): k for k in self.kept}
-        for ref in self._by_id:
-            _holders[ref] += 1
+        with _holders_lock:
+            for ref in self._by_id:
+                _holders[ref] += 1
         weakref.finalize(self, _release, list(self._by_id))
 
     @staticmethod
@@ -181,7 +184,8 @@ def _move(t: torch.Tensor, storage: torch.UntypedStorage) -> None:
 
 
 def _release(refs: list[int]) -> None:
-    for ref in refs:
-        _holders[ref] -= 1
-        if _holders[ref] <= 0:
-            del _holders[ref]
+    with _holders_lock:
+        for ref in refs:
+            _holders[ref] -= 1
+            if _holders[ref] <= 0:
+                del _holders[ref]

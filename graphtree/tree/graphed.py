@@ -132,7 +132,7 @@ class GraphedCallable:
             watch_parameter_changes()
             own = fn is self._module or getattr(fn, "__self__", None) is self._module
             if own and _no_auto_compile(self._module):
-                self._hf_caches = CacheLayouts()
+                self._hf_caches = CacheLayouts(self._module)
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())

@@ -7,9 +7,10 @@ next call), so with ``generate()``'s default, a new cache per call, every prefil
 Hugging Face's answer for compiled prefills is ``Cache.early_initialization(...)``, which
 allocates every layer before the call; graphtree does it for a graphed forward:
 
-- it learns each layer's layout (batch, heads, head dim, dtype, device) from the first cache of a
-  kind it meets initialized (the first decode step), keyed by the cache's class, its number of
-  layers and their lengths;
+- it learns each layer's layout (batch, heads, head dim, dtype, device) from a cache of a kind it
+  met empty, once its prefill has filled it (at the next call: the first decode step), keyed by
+  the cache's class, its number of layers and their lengths, the model's dtype and device, and
+  autocast;
 - a later cache of that kind met with *no* layer initialized, for a call of the same batch, is
   initialized the same way before the call is read: the prefill then reads an initialized cache,
   is recorded once and replayed after, each new cache moving into the recording's memory
@@ -27,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -42,12 +44,20 @@ class _Layout(NamedTuple):
 
 
 class CacheLayouts:
-    """The layouts of the caches a graphed transformers forward has met initialized, by kind."""
+    """The layouts of the caches a graphed transformers forward has seen filled, by kind.
 
-    __slots__ = ("_known",)
+    A kind is the cache's class, its number of layers and its first layer's length, with what
+    decides the dtype of the keys a layer stores: the model's parameters' dtype and device (a model
+    moved or cast since) and autocast. A layout is learned from a cache met empty, at the call
+    after the one that filled it (its prefill); decode steps cost one attribute test.
+    """
 
-    def __init__(self) -> None:
-        self._known: dict[tuple[type, int, Any], _Layout | None] = {}  # None: met, cannot be vouched for
+    __slots__ = ("_known", "_model", "_pending")
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self._known: dict[tuple[Any, ...], _Layout | None] = {}  # None: seen, cannot be vouched for
+        self._model = model
+        self._pending: tuple[Any, tuple[Any, ...]] | None = None  # (weak ref to a cache met empty, its kind)
 
     def before_call(self, kwargs: dict[str, Any]) -> None:
         """Learn the layout of ``kwargs["past_key_values"]``, or initialize it early if it is a fresh
@@ -57,19 +67,33 @@ class CacheLayouts:
         if not layers or not hasattr(cache, "early_initialization"):
             return
         first = layers[0]
-        kind = (type(cache), len(layers), getattr(first, "max_cache_len", None))
         if getattr(first, "is_initialized", False):
-            if kind not in self._known:
-                self._known[kind] = _learn(layers)
+            pending = self._pending
+            if pending is not None:
+                self._pending = None
+                if pending[0]() is cache:  # the cache met empty, filled by the call before
+                    self._known.setdefault(pending[1], _learn(layers))
             return
+        kind = (type(cache), len(layers), getattr(first, "max_cache_len", None), *self._computes_in())
         layout = self._known.get(kind)
-        if layout is None or _batch(kwargs) != layout.batch:
+        if layout is None:
+            try:
+                self._pending = (weakref.ref(cache), kind) if kind not in self._known else None
+            except TypeError:  # no weak references to it: nothing learned
+                self._pending = None
+            return
+        if _batch(kwargs) != layout.batch:
             return
         if any(getattr(lay, "is_initialized", True) for lay in layers):
             return  # partly initialized: not ours to complete
         if [getattr(lay, "max_cache_len", None) for lay in layers] != layout.lengths:
             return
         cache.early_initialization(layout.batch, layout.heads, layout.head_dims, layout.dtype, layout.device)
+
+    def _computes_in(self) -> tuple[Any, ...]:
+        p = next(self._model.parameters(), None) if self._model is not None else None
+        where = (p.dtype, p.device) if p is not None else (None, None)
+        return (*where, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
 
 
 def _learn(layers: list[Any]) -> _Layout | None:
