@@ -19,6 +19,10 @@ it (``Tensor.set_``): one device copy of the cache, on the caller's stream, befo
 reads it, and no capture. The new tensor's own memory goes back to the allocator. The object the
 caller holds sees every later write of the graph, as its own tensors would.
 
+Before a new recording of a callable, the call's object tensors move the same way into storages
+the callable's *other* recordings keep and nobody holds (:func:`adopt_orphans`): a prefill recorded
+after the decode step reads the decode step's memory, and each fresh cache is copied once for both.
+
 The cost: the recording keeps one object's worth of memory (a cache) after the caller dropped it,
 for the next object of that layout, until the recording is dropped (``reset()``, the graphed
 callable collected). A recording whose kept storages nobody else holds, and that could not adopt
@@ -53,8 +57,9 @@ class Kept(NamedTuple):
     storage: torch.UntypedStorage  # a strong reference: the memory stays the graph's
 
 
-# How many live recordings keep each storage (by StorageImpl address): two recordings of one
-# callable may keep the same memory (a prefill and a decode step reading one cache).
+# The storages live recordings keep (by StorageImpl address), with how many keep each: two
+# recordings of one callable may keep the same memory (a prefill and a decode step reading one
+# cache). What tells a tensor already in kept memory (adopt_orphans leaves it where it is).
 _holders: Counter[int] = Counter()
 _holders_lock = threading.Lock()  # (trees of several threads record and drop recordings)
 
