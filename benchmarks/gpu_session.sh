@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -70,6 +70,9 @@ for stage in $stages; do
       timeout 240 python3 benchmarks/generate_breakdown.py --json "$OUT/generate_breakdown.json" 2>&1 | tee "$OUT/generate_breakdown.txt" | grep -v '^W1' | tail -16
       timeout 120 python3 benchmarks/forward_cpu.py 2>&1 | tee "$OUT/forward_cpu.txt" | tail -8
       timeout 300 python3 -m graphtree bench --scenarios generate --budget 280 --out "$OUT/bench-generate" 2>&1 | tee "$OUT/bench-generate.log" | grep -v '^W1' | tail -25
+      ;;
+    matrix)  # issue 27's acceptance table: four model families, batch 1 and a padded 4, greedy and sampling
+      timeout 560 python3 benchmarks/generate_matrix.py --json "$OUT/generate_matrix.json" 2>&1 | tee "$OUT/generate_matrix.txt" | grep -v '^W1' | tail -70
       ;;
     bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
       timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tee "$OUT/bench-breaks.log" | tail -25
