@@ -101,3 +101,38 @@ def test_copy_d2d_copies_on_the_current_stream_and_reports_cuda_errors(native):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert "raised" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+class _State:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_object_arguments_holding_cuda_tensors_read_as_on_the_python_path(native, monkeypatch):
+    """The C++ walk of object arguments (_native.object_state): the same key, the same tensors held
+    in place, in order, and the same call key through read_call, with CUDA tensors in them."""
+    shared = torch.randn(3, device=DEV)
+    objects = [
+        _State(k=torch.zeros(1, 2, 8, 4, device=DEV), v=torch.ones(1, 2, 8, 4, device=DEV), n=3, on=True),
+        _State(layers=[_State(keys=shared, len=torch.zeros((), dtype=torch.long, device=DEV)) for _ in range(3)]),
+        _State(cpu=torch.zeros(2), cuda=torch.randn(2, 2, device=DEV).t(), d={"a": shared, "b": 1.5}),
+        _State(p=torch.nn.Parameter(torch.randn(2, device=DEV)), g=torch.randn(2, device=DEV, requires_grad=True)),
+    ]
+    for obj in objects:
+        got = native.object_state(obj, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096)
+        assert got is not None, vars(obj)
+        with monkeypatch.context() as m:
+            m.setattr(_native, "loaded", None)
+            held = inputs.HeldTensors()
+            want = inputs.read_object(obj, held)
+            python_call = inputs.read_call((torch.ones(2, device=DEV),), {"state": obj}, None)
+        key, tensors, device, needs_grad = got
+        assert key == want and hash(key) == hash(want)
+        assert [id(t) for t in tensors] == [id(t) for t in held.tensors]
+        assert (device, needs_grad) == (held.device, held.needs_grad)
+        native_call = inputs.read_call((torch.ones(2, device=DEV),), {"state": obj}, None)
+        assert native_call.key == python_call.key
+        assert [id(t) for t in native_call.leaves] == [id(t) for t in python_call.leaves]
+    if torch.cuda.device_count() > 1:  # several devices: the Python path names it
+        mixed = _State(a=torch.zeros(1, device=DEV), b=torch.zeros(1, device="cuda:1"))
+        assert native.object_state(mixed, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096) is None
