@@ -265,6 +265,39 @@ def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True
     return removed
 
 
+_wait_watchers: list[Callable[[torch.cuda.Stream], None]] = []
+
+
+def watch_event_waits(note: Callable[[torch.cuda.Stream], None]) -> None:
+    """Call ``note(stream)`` after every ``torch.cuda.Event.wait`` (which ``Stream.wait_event`` and
+    ``Stream.wait_stream`` go through) with the stream made to wait: how a capture learns which side
+    streams joined it (a fork). Installed once per process; ``note`` must be cheap when it has nothing
+    to do. ``torch.Event`` (the device-generic API) and direct ``cudaStreamWaitEvent`` calls are not seen.
+    """
+    if note in _wait_watchers:
+        return
+    _wait_watchers.append(note)
+    if len(_wait_watchers) > 1:
+        return
+    wait = torch.cuda.Event.wait
+
+    def watched(self: torch.cuda.Event, stream: Any = None) -> None:
+        if stream is None:
+            stream = torch.cuda.current_stream()
+        wait(self, stream)
+        for watcher in _wait_watchers:
+            watcher(stream)
+
+    functools.update_wrapper(watched, wait)
+    torch.cuda.Event.wait = watched  # type: ignore[method-assign]
+
+
+def stream_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` is capturing into a CUDA graph now."""
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def end_open_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
     """End the capture ``graph`` left open on ``stream`` (its ``capture_begin`` or ``capture_end``
     raised before ``cudaStreamEndCapture``); True when it ended, so that the graph now owns its

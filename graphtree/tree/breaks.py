@@ -270,14 +270,41 @@ class Breaks(TorchDispatchMode):
         self.trace: list[int] = list(placed or ())
         self.segments: list[Segment] = []  # ended segments, in order (the prefix's own objects first)
         self.values: list[Any] = []  # the value each one's read gave
+        self.origin: torch.cuda.Stream | None = None  # the stream the captures begin on
+        self.forked: dict[int, torch.cuda.Stream] = {}  # side streams made to wait during a capture
+        _torch.watch_event_waits(_on_wait)
 
     def begin(self) -> None:
+        self.origin = torch.cuda.current_stream()
         self._begin(self.graph)
         self.open = True
 
-    def end(self) -> None:
+    def end(self) -> list[torch.cuda.Stream]:
+        """End the capture under way, first joining the side streams forked into it (a capture
+        cannot end with work of a stream it forked unjoined); returns those streams."""
+        joined = self._join()
         self.open = False
         self.graph.capture_end()
+        return joined
+
+    def note_wait(self, stream: torch.cuda.Stream) -> None:
+        """A stream was made to wait on an event (see :func:`graphtree._torch.watch_event_waits`): if
+        the event was the capture's, that stream is forked into it now."""
+        origin = self.origin
+        if self.open and origin is not None and stream.cuda_stream != origin.cuda_stream:
+            self.forked[stream.cuda_stream] = stream
+
+    def _join(self) -> list[torch.cuda.Stream]:
+        origin = self.origin
+        joined = []
+        if origin is not None:
+            with _torch.no_dispatch_modes():
+                for side in self.forked.values():
+                    if _torch.stream_capturing(side):
+                        origin.wait_stream(side)
+                        joined.append(side)
+        self.forked = {}
+        return joined
 
     def __enter__(self) -> Breaks:
         self._outer = getattr(_here, "breaks", None)
@@ -295,8 +322,19 @@ class Breaks(TorchDispatchMode):
         its break gave. ``run`` performs the break (the capture having run nothing, what it needs
         is replayed first) and returns it with its value; when the break re-runs one the prefix
         went through, the prefix's segment and value stand instead, if ``same`` says the break is
-        that one and the segment allocated as before."""
-        self.end()
+        that one and the segment allocated as before.
+
+        Side streams forked into the capture are joined before it ends and forked again into the
+        next (a read made on one runs on the capture's own stream), so that the work queued on
+        them after the break is captured too: a segment is whole when its graph ends."""
+        assert self.origin is not None
+        with torch.cuda.stream(self.origin):
+            return self._break_on_origin(same, run)
+
+    def _break_on_origin(
+        self, same: Callable[[Read | EagerPart | None], bool], run: Callable[[], tuple[Read | EagerPart, Any]]
+    ) -> tuple[Segment, Any]:
+        forked = self.end()
         j = len(self.segments)
         if j < len(self.prefix):  # this segment ran already, in the replay that met a new value
             seg, value = self.prefix[j]
@@ -323,6 +361,8 @@ class Breaks(TorchDispatchMode):
         # generator (an eager part's break is met with every watch active; a read's inside them)
         with _torch.no_dispatch_modes():
             self.begin()
+            for side in forked:  # forked again into the next segment's capture
+                side.wait_stream(torch.cuda.current_stream())  # (the capture's own: see _break)
         return seg, value
 
     def eager_part(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -415,6 +455,15 @@ class WarmUpReads(TorchDispatchMode):
 
 
 _here = threading.local()  # .breaks: the recording under way in this thread, if any
+
+
+def _on_wait(stream: torch.cuda.Stream) -> None:
+    """Every ``torch.cuda.Event.wait`` in the process: a side stream forked into this thread's capture."""
+    breaks = getattr(_here, "breaks", None)
+    if breaks is not None:
+        breaks.note_wait(stream)
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 

@@ -246,3 +246,52 @@ def test_a_small_copy_to_the_host_is_a_read_too():
         torch.testing.assert_close(g(xs[i % 2]), f(xs[i % 2]))
     s = graphtree.stats()
     assert not s.eager and s.replays >= 4, s
+
+
+def _run_both_ways(f, g, n=8):
+    """Call graphed ``g`` and eager ``f`` on inputs whose sign alternates; every call equal."""
+    xs = [torch.randn(64, device=DEV).abs() * s for s in (1, -1)]
+    for i in range(n):
+        graphtree.mark_step()
+        x = xs[i % 2]
+        torch.testing.assert_close(g(x), f(x))
+    torch.cuda.synchronize()
+
+
+def test_a_side_stream_forked_before_a_read_is_joined_at_the_break_and_forked_again():
+    side = torch.cuda.Stream()
+
+    def f(x):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)  # fork
+        with torch.cuda.stream(side):
+            y = x * 2  # queued on the side stream, not joined yet at the read
+        positive = bool(x.sum() > 0)  # a read on the capture's stream while the side one is forked
+        with torch.cuda.stream(side):
+            y = y + 1  # more side work after the break: captured in the next segment
+        main.wait_stream(side)  # the caller's own join
+        return y * 3 if positive else y - 3
+
+    g = graphtree.graphed(f)
+    _run_both_ways(f, g)
+    s = graphtree.stats()
+    assert not s.eager and s.replays >= 4, s
+
+
+def test_a_read_made_on_a_side_stream_breaks_on_the_captures_own_stream():
+    side = torch.cuda.Stream()
+
+    def f(x):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            y = x * 3
+            positive = bool(y.mean() > 0)  # the read happens with the side stream current
+            z = y + (1.0 if positive else -1.0)
+        main.wait_stream(side)
+        return z * 2
+
+    g = graphtree.graphed(f)
+    _run_both_ways(f, g)
+    s = graphtree.stats()
+    assert not s.eager and s.replays >= 4, s
