@@ -291,8 +291,9 @@ class Breaks(TorchDispatchMode):
         """A stream was made to wait on an event (see :func:`graphtree._torch.watch_event_waits`): if
         the event was the capture's, that stream is forked into it now."""
         origin = self.origin
-        if self.open and origin is not None and stream.cuda_stream != origin.cuda_stream:
-            self.forked[stream.cuda_stream] = stream
+        raw = getattr(stream, "cuda_stream", None)  # (a torch.Stream has none: not a CUDA one)
+        if self.open and origin is not None and raw is not None and raw != origin.cuda_stream:
+            self.forked[raw] = stream
 
     def _join(self) -> list[torch.cuda.Stream]:
         origin = self.origin
