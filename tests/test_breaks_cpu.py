@@ -60,3 +60,25 @@ def test_reads_are_of_cuda_tensors_only():
     x = torch.ones(3)  # (the CUDA cases run in tests/gpu/test_breaks_gpu.py)
     assert not is_read(torch.ops.aten._local_scalar_dense.default, (x,), {})
     assert not is_read(torch.ops.aten._to_copy.default, (x,), {"device": torch.device("cpu")})
+
+
+def test_streams_made_to_wait_while_a_capture_is_open_are_noted_as_forked():
+    from types import SimpleNamespace
+
+    from graphtree.tree.breaks import Breaks
+
+    b = Breaks(begin=lambda g: None, new_graph=object, first_replay=lambda: None)
+    assert getattr(torch.cuda.Event.wait, "__wrapped__", None) is not None  # every Event.wait is seen
+    origin, side, other = (SimpleNamespace(cuda_stream=n) for n in (1, 2, 3))
+    b.origin = origin
+    b.note_wait(side)  # no capture open yet: nothing forked
+    assert b.forked == {}
+    b.open = True
+    b.note_wait(side)
+    b.note_wait(origin)  # the capture's own stream joining others is no fork
+    b.note_wait(SimpleNamespace())  # a torch.Stream (no cuda_stream): not a CUDA stream
+    b.note_wait(side)
+    assert b.forked == {2: side}
+    b.open = False
+    b.note_wait(other)
+    assert list(b.forked) == [2]
