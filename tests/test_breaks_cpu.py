@@ -82,3 +82,27 @@ def test_streams_made_to_wait_while_a_capture_is_open_are_noted_as_forked():
     b.open = False
     b.note_wait(other)
     assert list(b.forked) == [2]
+
+
+def test_a_segment_that_writes_memory_the_call_did_not_make_is_marked():
+    """A replayed segment that wrote an input or state in place must not be followed by an eager
+    run of the whole call (it would write it twice): Breaks marks such segments."""
+    from graphtree.tree.breaks import Breaks
+
+    b = Breaks(begin=lambda g: None, new_graph=object, first_replay=lambda: None)
+    b.sites.on = False  # (no capture here: no graph nodes to note)
+    state = torch.zeros(4)
+    b.open = True
+    with b:
+        y = state * 2  # new memory
+        y.add_(1)  # written: made by the call
+        torch.mul(y, 3, out=y)
+        v = state.view(2, 2)  # a view of the state: not new memory
+    assert not b.changes_state
+    with b:
+        v.add_(1)  # the state written through its view
+    assert b.changes_state
+    b.changes_state = False
+    with b:
+        torch.add(state, 1, out=state)  # out= the state
+    assert b.changes_state

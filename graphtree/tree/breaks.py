@@ -216,9 +216,13 @@ class Segment:
         read: Read | EagerPart | None,
         trace: tuple[int, ...],
         sites: list[Site] | None = None,
+        changes_state: bool = False,
     ) -> None:
         self.graph = graph
         self.sites = sites or []  # which Python stack made which of its nodes (tree/sites.py)
+        # whether replaying it changes memory the call did not allocate (an input or state written in
+        # place) or runs an eager part: then running the call again eagerly after it would do that twice
+        self.changes_state = changes_state or isinstance(read, EagerPart)
         self.launch = _torch.graph_launcher(graph)
         self.read = read
         self.trace = trace  # addresses its operations returned, in order: the determinism check
@@ -271,6 +275,8 @@ class Breaks(TorchDispatchMode):
         self.trace: list[int] = list(placed or ())
         self.segments: list[Segment] = []  # ended segments, in order (the prefix's own objects first)
         self.values: list[Any] = []  # the value each one's read gave
+        self.made: set[int] = set()  # storages this call's operations allocated (all segments)
+        self.changes_state = False  # the segment under capture wrote memory the call did not allocate
         self.origin: torch.cuda.Stream | None = None  # the stream the captures begin on
         self.forked: dict[int, torch.cuda.Stream] = {}  # side streams made to wait during a capture
         _torch.watch_event_waits(_on_wait)
@@ -358,11 +364,12 @@ class Breaks(TorchDispatchMode):
                     self._first_replay()
                 self.graph.replay()
                 brk, value = run()
-            seg = Segment(self.graph, brk, tuple(self.trace), self.sites.take())
+            seg = Segment(self.graph, brk, tuple(self.trace), self.sites.take(), self.changes_state)
             self.graph = self._new_graph()
         self.segments.append(seg)
         self.values.append(value)
         self.trace = []
+        self.changes_state = False
         # unseen by the recorder's watches: beginning a capture allocates the state of the graph's
         # generator (an eager part's break is met with every watch active; a read's inside them)
         with _torch.no_dispatch_modes():
@@ -391,10 +398,19 @@ class Breaks(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         if not self.enabled or not self.open or not is_read(func, args, kwargs):
+            if self.open and not self.changes_state and _mutable(func):
+                self.changes_state = any(
+                    t.untyped_storage().data_ptr() not in self.made for t in _written(func, args, kwargs)
+                )
             out = func(*args, **kwargs)
-            for t in out if isinstance(out, (list, tuple)) else (out,):
+            outs = out if isinstance(out, (list, tuple)) else (out,)
+            for t in outs:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     self.trace.append(t.data_ptr())
+            if self.open:
+                for t, fresh in zip(outs, _fresh_returns(func)):
+                    if fresh and isinstance(t, torch.Tensor):  # (a view shares its input's storage: not made here)
+                        self.made.add(t.untyped_storage().data_ptr())
             if self.sites.on and self.open:
                 self.sites.after_op(torch.cuda.current_stream().cuda_stream)
             return out
@@ -411,7 +427,7 @@ class Breaks(TorchDispatchMode):
         Empty when the call read nothing (an ordinary recording)."""
         if not self.segments:
             return []
-        last = Segment(self.graph, None, tuple(self.trace), self.sites.take())
+        last = Segment(self.graph, None, tuple(self.trace), self.sites.take(), self.changes_state)
         chain = [*self.segments, last]
         for seg, value, after in zip(chain, self.values, chain[1:]):
             assert seg.read is not None
@@ -461,6 +477,35 @@ class WarmUpReads(TorchDispatchMode):
 
 
 _here = threading.local()  # .breaks: the recording under way in this thread, if any
+
+
+@functools.cache
+def _mutable(func: Any) -> bool:
+    """Whether an operator writes any of its tensor arguments (in place or ``out=``)."""
+    schema = getattr(func, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+@functools.cache
+def _fresh_returns(func: Any) -> tuple[bool, ...]:
+    """For each return of an operator, whether it is new memory (no alias annotation: not a view,
+    not an argument handed back)."""
+    schema = getattr(func, "_schema", None)
+    return tuple(r.alias_info is None for r in schema.returns) if schema is not None else ()
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an operator call writes (its arguments whose alias annotation says write)."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        v = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
 
 
 def _on_wait(stream: torch.cuda.Stream) -> None:

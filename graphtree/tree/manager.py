@@ -205,6 +205,9 @@ class TreeManager:
                             node = self._replayable(gc, kids, leaves)
                     if node is not None:  # the hot path: a recording that fits
                         if node.first is not None:  # it reads values on the host (tree/breaks.py)
+                            reason = gc.given_up.get(call.key)
+                            if reason is not None:  # a read met too many values: eager from the start,
+                                return gc.run_eager(call, reason)  # not after replaying what comes before it
                             return self._replay_segments(gc, call, node)
                         # Before the launch: a replay that raises after it has still written the pool.
                         self.bookkeeping_live = False
@@ -246,16 +249,18 @@ class TreeManager:
         """The last value of ``read`` has no segment after it: record the call on from there, or,
         past the limit of values at that read, run it eagerly for good."""
         seg, _value = read[-1]
-        reason = gc.given_up.get(call.key)
-        if reason is None and len(seg.next) >= gc.max_break_values:
+        if len(seg.next) >= gc.max_break_values:
             assert seg.read is not None
             reason = (
                 f"`{gc.name}` read more than {gc.max_break_values} different values at {seg.read.where}: "
                 f"each needs recordings of its own (raise graphed(..., max_break_values=) if they are few)"
             )
-            gc.give_up(call.key, reason)
-        if reason is not None:
-            return gc.run_eager(call, reason)
+            gc.give_up(call.key, reason)  # later calls run eagerly from the start
+            if not any(s.changes_state for s, _ in read):
+                return gc.run_eager(call, reason)
+            # The segments just replayed wrote state the call did not make (an input or a cache in
+            # place, an eager part): running the call again eagerly would do that twice. This one
+            # call is finished by recording its value, as below; it is the last.
         self.counters.values += 1
         return self._record(gc, call, prefix=read)
 

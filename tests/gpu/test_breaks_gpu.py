@@ -300,3 +300,28 @@ def test_a_read_made_on_a_side_stream_breaks_on_the_captures_own_stream():
     _run_both_ways(f, g)
     s = graphtree.stats()
     assert not s.eager and s.replays >= 4, s
+
+
+class _Ema:
+    def __init__(self) -> None:
+        self.ema = torch.ones((), device=DEV)
+
+
+def _ema_step(x: torch.Tensor, st: _Ema) -> torch.Tensor:
+    st.ema.mul_(0.9).add_(x.mean() * 0.1)  # state written in place, before the read
+    return x / st.ema.item()  # a float: a new value on every call
+
+
+def test_past_the_value_limit_state_written_before_the_read_is_written_once_per_call():
+    """The call that meets a value past the limit has replayed the segment before the read, which
+    wrote the state: running the whole call eagerly then wrote it twice (every call after the limit,
+    too). That call is finished by recording its value; the later ones run eagerly from the start."""
+    g = graphtree.graphed(_ema_step, max_break_values=3)
+    st, twin = _Ema(), _Ema()
+    for i in range(10):
+        graphtree.mark_step()
+        x = torch.rand(16, device=DEV) + i
+        torch.testing.assert_close(g(x, st), _ema_step(x, twin))
+        torch.testing.assert_close(st.ema, twin.ema)  # written once per call, as eager does
+    s = graphtree.stats()
+    assert any("different values" in r for r in s.eager), s
