@@ -460,6 +460,13 @@ class TreeManager:
             if e.has_result:  # the capture ran the call whole: running it again would repeat its side effects
                 count_eager(gc.name, str(e))
                 return e.result
+            if prefix and any(seg.changes_state for seg, _ in prefix):
+                log.warning(
+                    "graphtree: `%s`: recording a new value failed after the replay of the part before "
+                    "the read had written state in place; the eager run now writes it again (%s)",
+                    gc.name,
+                    e,
+                )
             return gc.run_eager(call, str(e))
         except BaseException:
             # The function's own error (or an out-of-memory, Ctrl-C, an error of graphtree's): it
