@@ -91,4 +91,11 @@ def test_another_batch_length_or_model_dtype_is_left_alone():
     assert not any(lay.is_initialized for lay in cast.layers)
 
     layouts.before_call(dict(ids))  # no cache: nothing to do, nothing raised
-    layouts.before_call({**ids, "past_key_values": transformers.DynamicCache(config=cfg)})
+    dynamic = transformers.DynamicCache(config=cfg)
+    layouts.before_call({**ids, "past_key_values": dynamic})  # met empty: would learn from it
+    dynamic.update(torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8), 0)
+    dynamic.update(torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8), 1)
+    layouts.before_call({"input_ids": torch.zeros(2, 1, dtype=torch.long), "past_key_values": dynamic})
+    fresh_dynamic = transformers.DynamicCache(config=cfg)
+    layouts.before_call({**ids, "past_key_values": fresh_dynamic})  # a dynamic cache is never set up early
+    assert not any(lay.is_initialized for lay in fresh_dynamic.layers)

@@ -113,9 +113,12 @@ def _learn(layers: list[Any]) -> _Layout | None:
             return None  # early_initialization gives keys and values one head dim and one dtype
         if k.shape[0] != keys0.shape[0] or k.device != keys0.device:
             return None
+        length = getattr(lay, "max_cache_len", None)
+        if not isinstance(length, int) or k.shape[2] != length:
+            return None  # not a static layer (a dynamic one grows by concatenation: nothing to allocate early)
         heads.append(int(k.shape[1]))
         dims.append(int(k.shape[-1]))
-        lengths.append(getattr(lay, "max_cache_len", None))
+        lengths.append(length)
     return _Layout(int(keys0.shape[0]), heads, dims, lengths, keys0.dtype, keys0.device)
 
 
