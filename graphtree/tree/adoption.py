@@ -185,6 +185,8 @@ def _move(t: torch.Tensor, storage: torch.UntypedStorage) -> None:
         into = torch.empty(0, dtype=t.dtype, device=t.device)
         into.set_(storage, t.storage_offset(), t.shape, t.stride())
         into.copy_(t)
+        if t.is_cuda:  # its old memory, freed below, is read by the copy queued on this stream
+            t.record_stream(torch.cuda.current_stream(t.device))
         t.set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
