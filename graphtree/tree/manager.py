@@ -498,6 +498,17 @@ class TreeManager:
         return alive
 
     # --- reporting and reset ----------------------------------------------------------------
+    def kept_storages(self) -> dict[int, int]:
+        """The storages this tree's recordings keep for later objects of their layout
+        (:mod:`graphtree.tree.adoption`), by StorageImpl address, with their sizes in bytes."""
+        with self.lock:
+            return {
+                _torch.storage_ref(k.storage): k.storage.nbytes()
+                for n in self.nodes()
+                if n.adoption is not None
+                for k in n.adoption.kept
+            }
+
     def nodes(self) -> list[Node]:
         """Every recording of the tree."""
         out: list[Node] = []
@@ -589,8 +600,11 @@ def stats() -> Stats:
     if not s.cuda:
         s.note = "no CUDA: graphed functions run eagerly"
     _untreed.add_to(s)
+    kept: dict[int, int] = {}
     for m in managers():
         m.counters.add_to(s)
         s.trees += 1
         s.pool_bytes += m.pool_bytes()
+        kept.update(m.kept_storages())
+    s.kept_bytes = sum(kept.values())
     return s

@@ -23,7 +23,9 @@ class Stats:
     reads ``.item()`` or ``if t:`` is recorded per value; included in ``recordings``).
     ``adopted`` counts replays whose object arguments brought tensors of the same layout at other
     addresses (a fresh cache) that moved into the recording's memory instead of a new recording
-    (:mod:`graphtree.tree.adoption`; the replays are counted in ``replays``).
+    (:mod:`graphtree.tree.adoption`; the replays are counted in ``replays``). ``kept_bytes`` is the
+    memory of those objects' tensors the recordings keep for the next one (outside the pools: a
+    cache's worth per layout, whether or not the caller still holds it too).
 
     Example::
 
@@ -41,6 +43,7 @@ class Stats:
     adopted: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     pool_bytes: int = 0
+    kept_bytes: int = 0
     trees: int = 0
     cuda: bool = False
     note: str = ""
@@ -59,6 +62,7 @@ class Stats:
             + (f" ({self.adopted} adopting a new object's tensors)" if self.adopted else "")
             + f", {self.warmups} warm-ups; eager runs: {eager}; "
             f"pool {self.pool_bytes / 2**20:.1f} MiB in {self.trees} tree(s)"
+            + (f", {self.kept_bytes / 2**20:.1f} MiB of objects' tensors kept" if self.kept_bytes else "")
         )
         return s + (f" [{self.note}]" if self.note else "")
 

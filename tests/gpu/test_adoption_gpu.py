@@ -55,6 +55,7 @@ def test_a_fresh_cache_of_the_same_layout_is_adopted_not_recorded_again():
     s = graphtree.stats()
     assert s.recordings == recorded and s.adopted == 3 and not s.eager, s
     assert s.replays >= 3 * len(xs) + 4, s
+    assert s.kept_bytes == 4 * 64 * 4 + 8, s  # one cache's tensors, kept by the recording
 
 
 def test_a_cache_still_held_is_not_adopted_and_both_stay_right():
