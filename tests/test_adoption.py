@@ -138,3 +138,21 @@ def test_torch_gives_a_storage_one_python_object_which_the_alone_test_rests_on()
     from graphtree import _torch
 
     assert _torch.storage_use_count(_torch.storage_ref(kept)) == 2  # the tensor and the one object
+
+
+def test_only_the_newest_orphaned_sets_stay_kept():
+    from graphtree.tree.adoption import MAX_ORPHANED, release_oldest_orphans
+
+    caches = [Cache() for _ in range(MAX_ORPHANED + 2)]
+    sets = [_recorded(c) for c in caches]
+    held = caches[1]  # still held by its caller: not an orphan, stays
+    del caches
+    assert release_oldest_orphans(sets) == 1  # five orphans: the oldest one goes
+    assert not sets[0].kept and not sets[0].orphaned()
+    assert all(s.kept for s in sets[1:]) and not sets[1].orphaned()
+    fresh = Cache()
+    leaves = _leaves(torch.zeros(8), fresh)
+    assert sets[0].adopt(leaves) == 0  # a released set moves nothing
+    assert release_oldest_orphans(sets) == 0
+    del held
+    assert release_oldest_orphans(sets) == 1  # now five orphans again

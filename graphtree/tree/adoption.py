@@ -74,7 +74,7 @@ def _alone(ref: int) -> bool:
 class Adoption:
     """The storages a recording keeps for the object tensors it read in place; see the module docstring."""
 
-    __slots__ = ("__weakref__", "_by_id", "kept")
+    __slots__ = ("__weakref__", "_by_id", "_finalizer", "kept")
 
     def __init__(self, kept: Sequence[Kept]) -> None:
         self.kept = tuple(kept)
@@ -82,7 +82,7 @@ class Adoption:
         with _holders_lock:
             for ref in self._by_id:
                 _holders[ref] += 1
-        weakref.finalize(self, _release, list(self._by_id))
+        self._finalizer = weakref.finalize(self, _release, list(self._by_id))
 
     @staticmethod
     def of(
@@ -109,6 +109,17 @@ class Adoption:
             seen.add(ref)
             kept.append(Kept(i, n_args, t.data_ptr(), t.storage_offset(), s))
         return Adoption(kept) if kept else None
+
+    def orphaned(self) -> bool:
+        """Whether nobody but recordings holds any storage this adoption keeps (the objects were dropped)."""
+        return bool(self.kept) and all(_alone(ref) for ref in self._by_id)
+
+    def release(self) -> None:
+        """Stop keeping the storages (their memory goes back once nobody else holds it). The recording
+        then reads whatever lies at those addresses, as a recording without adoption does: it is
+        replayed only for tensors found there, else dead and replaced."""
+        self.kept, self._by_id = (), {}
+        self._finalizer()  # (once: the holders counted at the start are given back now, not again)
 
     def keeps_alone(self, ref: int) -> bool:
         """Whether ``ref`` (a weak reference to a storage) is one this adoption keeps and nothing else holds."""
@@ -138,6 +149,27 @@ class Adoption:
                 _move(t, k.storage)
                 moved += 1
         return moved
+
+
+MAX_ORPHANED = 4
+"""Sets of kept storages nobody else holds that one callable's recordings may keep in a tree; past
+it the oldest are released (:func:`release_oldest_orphans`): generate() with prompts of many
+lengths makes a cache layout per length, and each would otherwise keep a cache's memory for good."""
+
+
+def release_oldest_orphans(adoptions: Sequence[Adoption]) -> int:
+    """Release all but the last :data:`MAX_ORPHANED` of ``adoptions`` (oldest first) that are
+    orphaned; returns how many were released."""
+    seen: set[int] = set()
+    orphans = []
+    for a in adoptions:
+        if id(a) not in seen and a.orphaned():
+            seen.add(id(a))
+            orphans.append(a)
+    extra = orphans[: max(0, len(orphans) - MAX_ORPHANED)]
+    for a in extra:
+        a.release()
+    return len(extra)
 
 
 def adopt_orphans(leaves: Sequence[Any], n_args: int, others: Sequence[Adoption]) -> int:

@@ -32,7 +32,7 @@ import torch
 
 from graphtree import _native, _torch
 from graphtree.tree import recorder
-from graphtree.tree.adoption import adopt_orphans
+from graphtree.tree.adoption import adopt_orphans, release_oldest_orphans
 from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
@@ -439,9 +439,11 @@ class TreeManager:
             gc.give_up(call.key, reason)
             return gc.run_eager(call, reason)
         if not prefix:  # object tensors into memory the callable's other recordings keep (tree/adoption.py)
-            others = [n.adoption for n in self.nodes() if n.key[0] == gc.id and n.key != key and n.adoption]
+            own = sorted((n for n in self.nodes() if n.key[0] == gc.id and n.adoption), key=_age)
+            others = [n.adoption for n in own if n.key != key and n.adoption]
             if others:
                 adopt_orphans(call.leaves, call.n_args, others)
+                release_oldest_orphans(others)  # a cache's worth each: the newest few stay
         try:
             node, out = recorder.record(
                 gc,
@@ -534,6 +536,11 @@ class TreeManager:
             _collector.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+
+def _age(node: Node) -> int:
+    """The order in which recordings were made (their ids count up: "n1", "n2", ...)."""
+    return int(node.id[1:])
 
 
 def _held_in(path: list[Node]) -> list[tuple[int, str]]:

@@ -194,7 +194,7 @@ class Node:
         """Whether a replay would fit once the object tensors that moved are adopted into the
         storages this recording keeps (:mod:`graphtree.tree.adoption`); changes nothing."""
         a = self.adoption
-        if a is None:
+        if a is None or not a.kept:  # (none, or released: tree/adoption.py's MAX_ORPHANED)
             return False
         if self._not_kept and not check(list(leaves), self.inputs.inplace_ptrs, self._not_kept):
             return False

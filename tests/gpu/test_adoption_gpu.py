@@ -14,8 +14,8 @@ DEV = "cuda"
 
 
 class Cache:
-    def __init__(self) -> None:
-        self.k = torch.zeros(4, 64, device=DEV)
+    def __init__(self, rows: int = 4) -> None:
+        self.k = torch.zeros(rows, 64, device=DEV)
         self.n = torch.zeros((), dtype=torch.long, device=DEV)
 
 
@@ -56,6 +56,23 @@ def test_a_fresh_cache_of_the_same_layout_is_adopted_not_recorded_again():
     assert s.recordings == recorded and s.adopted == 3 and not s.eager, s
     assert s.replays >= 3 * len(xs) + 4, s
     assert s.kept_bytes == 4 * 64 * 4 + 8, s  # one cache's tensors, kept by the recording
+
+
+def test_caches_of_many_layouts_keep_a_few_caches_worth_of_memory_not_one_per_layout():
+    """Each layout (generate() with prompts of many lengths makes one per length) gets its recording,
+    which keeps its cache for the next of its layout; past MAX_ORPHANED dropped ones, the oldest
+    are let go."""
+    from graphtree.tree.adoption import MAX_ORPHANED
+
+    f = graphtree.graphed(step)
+    xs = [torch.randn(64, device=DEV) for _ in range(3)]
+    sizes = []
+    for rows in range(4, 12):  # eight layouts, each cache dropped after its calls
+        _run(f, Cache(rows), Cache(rows), xs)
+        sizes.append(rows * 64 * 4 + 8)
+    s = graphtree.stats()
+    assert not s.eager and s.recordings == 8, s
+    assert 0 < s.kept_bytes <= sum(sizes[-(MAX_ORPHANED + 1) :]), (s, sizes)
 
 
 def test_a_cache_still_held_is_not_adopted_and_both_stay_right():
