@@ -16,13 +16,14 @@ allocates every layer before the call; graphtree does it for a graphed forward:
   is recorded once and replayed after, each new cache moving into the recording's memory
   (:mod:`graphtree.tree.adoption`).
 
-What it cannot vouch for it leaves alone: layers that do not support early initialization, keys
-and values of different head dims, layers of different lengths than learned, a cache partly
-initialized, another batch. The call then runs as before (eagerly, with the reason).
+What it cannot vouch for it leaves alone: layers that do not support early initialization or are
+not static (a ``DynamicCache``), keys and values of different head dims, layers of different
+lengths than learned, a cache partly initialized, another batch, a model cast or moved since, other
+autocast settings. The call then runs as before (its prefill eagerly, with the reason).
 
 Example::
 
-    layouts = CacheLayouts()
+    layouts = CacheLayouts(model)
     layouts.before_call(kwargs)      # in graphed.__call__, for a transformers model's forward
 """
 
