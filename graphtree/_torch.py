@@ -302,9 +302,9 @@ def end_open_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> 
     """End the capture ``graph`` left open on ``stream`` (its ``capture_begin`` or ``capture_end``
     raised before ``cudaStreamEndCapture``); True when it ended, so that the graph now owns its
     reference on the pool. A stream left capturing would fail every later operation queued on it."""
+    if not stream_capturing(stream):
+        return False
     with torch.cuda.stream(stream):
-        if not torch.cuda.is_current_stream_capturing():
-            return False
         try:
             graph.capture_end()
         except Exception:  # noqa: BLE001 - the capture is broken: end_failed_capture cleans up

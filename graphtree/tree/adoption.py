@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
+from graphtree.tree.placement import is_marked_static
 
 
 class Kept(NamedTuple):
@@ -98,7 +99,7 @@ class Adoption:
         seen: set[int] = set()
         for i in inplace_idx:
             t = leaves[i]
-            if i < n_args or isinstance(t, torch.nn.Parameter) or getattr(t, "_graphtree_static", False):
+            if i < n_args or is_marked_static(t):
                 continue
             s = t.untyped_storage()
             if skip(s.data_ptr()):
@@ -127,11 +128,11 @@ class Adoption:
 
     def fits(self, leaves: Sequence[Any]) -> bool:
         """Whether every kept tensor is where the graph reads it, or can be adopted there (no change made)."""
-        for k in self.kept:
+        for ref, k in self._by_id.items():
             t = leaves[k.leaf]
             if t.data_ptr() == k.ptr:
                 continue
-            if not _alone(_torch.storage_ref(k.storage)):
+            if not _alone(ref):
                 return False  # another object still holds the old memory
             if t.storage_offset() != k.offset or not _movable(t, k.storage.nbytes()):
                 return False
@@ -204,7 +205,7 @@ def adopt_orphans(leaves: Sequence[Any], n_args: int, others: Sequence[Adoption]
 def _movable(t: torch.Tensor, nbytes: int) -> bool:
     """Whether ``t`` may be re-pointed at another storage of ``nbytes``: a plain tensor, alone on a
     storage of that size (another view of it would be left behind)."""
-    if isinstance(t, torch.nn.Parameter) or t.requires_grad or getattr(t, "_graphtree_static", False):
+    if t.requires_grad or is_marked_static(t):
         return False
     s = t.untyped_storage()
     # (the count includes ``s`` itself: 2 means one tensor, ``t``, holds the storage)

@@ -439,8 +439,11 @@ class TreeManager:
             gc.give_up(call.key, reason)
             return gc.run_eager(call, reason)
         if not prefix:  # object tensors into memory the callable's other recordings keep (tree/adoption.py)
-            own = sorted((n for n in self.nodes() if n.key[0] == gc.id and n.adoption), key=_age)
-            others = [n.adoption for n in own if n.key != key and n.adoption]
+            others = [
+                n.adoption
+                for n in sorted(self.nodes(), key=_age)
+                if n.key[0] == gc.id and n.key != key and n.adoption is not None
+            ]
             if others:
                 adopt_orphans(call.leaves, call.n_args, others)
                 release_oldest_orphans(others)  # a cache's worth each: the newest few stay
