@@ -444,9 +444,9 @@ class TreeManager:
                 for n in sorted(self.nodes(), key=_age)
                 if n.key[0] == gc.id and n.key != key and n.adoption is not None
             ]
-            if others:
-                adopt_orphans(call.leaves, call.n_args, others)
+            if others:  # (released first: a storage adopted below is held by this call's object)
                 release_oldest_orphans(others)  # a cache's worth each: the newest few stay
+                adopt_orphans(call.leaves, call.n_args, others)
         try:
             node, out = recorder.record(
                 gc,
