@@ -76,6 +76,11 @@ def test_another_batch_length_or_model_dtype_is_left_alone():
     other_batch = transformers.StaticCache(config=cfg, max_cache_len=16)
     layouts.before_call({"input_ids": torch.zeros(3, 5, dtype=torch.long), "past_key_values": other_batch})
     assert not any(lay.is_initialized for lay in other_batch.layers)
+    other_batch.early_initialization(3, 2, 8, torch.float32, torch.device("cpu"))  # (what its prefill does)
+    layouts.before_call({"input_ids": torch.zeros(3, 1, dtype=torch.long), "past_key_values": other_batch})
+    of_three = transformers.StaticCache(config=cfg, max_cache_len=16)  # that batch is learned now too
+    layouts.before_call({"input_ids": torch.zeros(3, 5, dtype=torch.long), "past_key_values": of_three})
+    assert all(lay.is_initialized for lay in of_three.layers) and _layouts(of_three) == _layouts(other_batch)
 
     other_length = transformers.StaticCache(config=cfg, max_cache_len=20)
     layouts.before_call({**ids, "past_key_values": other_length})
@@ -99,3 +104,74 @@ def test_another_batch_length_or_model_dtype_is_left_alone():
     fresh_dynamic = transformers.DynamicCache(config=cfg)
     layouts.before_call({**ids, "past_key_values": fresh_dynamic})  # a dynamic cache is never set up early
     assert not any(lay.is_initialized for lay in fresh_dynamic.layers)
+
+
+def _mistral(window: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=window,
+    )
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("window", [4096, 9])
+def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_generate_the_same(window):
+    """Mistral's sliding-window layers count their length in a Python int, part of the call's key:
+    inside the window every decode step gets the same key (the int at 0, the length read from the
+    device), the int is right again after each call, and the tokens equal those of plain calls.
+    Past the window's end (window 9: a 5-token prompt and 8 new tokens) the int is left as it is."""
+    from graphtree.tree.inputs import HeldTensors, read_object
+
+    model = _mistral(window)
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    layouts = CacheLayouts(model)
+    original = model.forward
+    lazy = []
+    seen = []  # per call: (tokens, length before, int during, get_seq_length during, length after, key)
+
+    def forward(**kwargs):
+        cache = kwargs["past_key_values"]
+        lay = cache.layers[0]
+        before = lay.cumulative_length_int
+        shifted = layouts.before_call(kwargs)
+        if not lay.is_initialized:  # allocated in the call (nothing learned yet): left as it is
+            lazy.append(before)
+        key = read_object(cache, HeldTensors())  # the cache's part of the call's key
+        length = cache.get_seq_length()
+        during = (lay.cumulative_length_int, (type(length), int(length)))  # (the device tensor moves on)
+        try:
+            return original(**kwargs)
+        finally:
+            if shifted is not None:
+                shifted.restore()
+            seen.append((kwargs["input_ids"].shape[1], before, *during, lay.cumulative_length_int, key))
+
+    kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "cache_implementation": "static"}
+    with torch.inference_mode():
+        want = model.generate(ids, **kw)
+        model.forward = forward
+        got = model.generate(ids, **kw)  # its prefill allocates the cache (nothing to move)
+        again = model.generate(ids, **kw)  # its prefill gets a cache allocated before the call
+    assert torch.equal(got, want) and torch.equal(again, want)
+    first, *rest = seen
+    assert lazy == [0] and first[1:4] == (0, 0, (int, 0))  # the first prefill only
+    assert len([row for row in rest if row[0] == 1]) == 14
+    for tokens, before, int_during, length_during, after, _ in rest:
+        assert after == before + tokens  # the cache's own count, right after every call
+        if before + tokens <= min(window, 13):  # inside the window: moved
+            assert int_during == 0 and length_during == (torch.Tensor, before)
+        else:  # past it: left alone, keyed by its length
+            assert int_during == before and length_during == (int, before)
+    decode = [row for row in rest if row[0] == 1]
+    inside = [row[-1] for row in decode if row[1] + 1 <= min(window, 13)]
+    assert len(inside) >= 8 and all(key == inside[0] for key in inside)  # one signature for those steps
+    if window == 9:
+        past = {row[-1] for row in decode if row[1] + 1 > 9}
+        assert len(past) == 3  # lengths 9, 10 and 11, past the window: a key each

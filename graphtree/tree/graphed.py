@@ -161,32 +161,41 @@ class GraphedCallable:
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
             if self._hf_caches is not None and kwargs:
-                self._hf_caches.before_call(kwargs)
-            try:
-                call = read_call(args, kwargs, self.bucketing)
-            except Unsupported as e:
-                return self._eager(args, kwargs, str(e))
-            if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
-                return self._eager(args, kwargs, "autograd")
-            # What the call computes under besides its arguments (autocast, grad mode, default dtype,
-            # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()
-            # or eval() (dropout, batch norm).
-            if self._module is not None:
-                call.key = (*call.key, _state(), ("training", self._module.training))
-            else:
-                call.key = (*call.key, _state())
-            device = call.device
-            if device < 0:
-                device = self._state_device()
-                if device < 0:
-                    return self._eager(args, kwargs, "no CUDA tensors in the call")
-            return _manager.run(self, call, device)
+                shifted = self._hf_caches.before_call(kwargs)
+                if shifted is not None:  # sliding-window lengths moved for the call (hf_cache.py)
+                    try:
+                        return self._run(args, kwargs)
+                    finally:
+                        shifted.restore()
+            return self._run(args, kwargs)
         except Exception as e:
             if self.debug is not None:
                 _events.provided("debug").dump_failure(
                     self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots
                 )
             raise
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Key the call and hand it to its tree (or run it eagerly, with the reason)."""
+        try:
+            call = read_call(args, kwargs, self.bucketing)
+        except Unsupported as e:
+            return self._eager(args, kwargs, str(e))
+        if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
+            return self._eager(args, kwargs, "autograd")
+        # What the call computes under besides its arguments (autocast, grad mode, default dtype,
+        # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()
+        # or eval() (dropout, batch norm).
+        if self._module is not None:
+            call.key = (*call.key, _state(), ("training", self._module.training))
+        else:
+            call.key = (*call.key, _state())
+        device = call.device
+        if device < 0:
+            device = self._state_device()
+            if device < 0:
+                return self._eager(args, kwargs, "no CUDA tensors in the call")
+        return _manager.run(self, call, device)
 
     def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         snapshots = self._snapshots

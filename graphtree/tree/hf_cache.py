@@ -9,8 +9,8 @@ allocates every layer before the call; graphtree does it for a graphed forward:
 
 - it learns each layer's layout (batch, heads, head dim, dtype, device) from a cache of a kind it
   met empty, once its prefill has filled it (at the next call: the first decode step), keyed by
-  the cache's class, its number of layers and their lengths, the model's dtype and device, and
-  autocast;
+  the cache's class, its number of layers and their lengths, the call's batch, the model's dtype
+  and device, and autocast (a batch of 4 after one of 1 is learned too);
 - a later cache of that kind met with *no* layer initialized, for a call of the same batch, is
   initialized the same way before the call is read: the prefill then reads an initialized cache,
   is recorded once and replayed after, each new cache moving into the recording's memory
@@ -18,17 +18,40 @@ allocates every layer before the call; graphtree does it for a graphed forward:
 
 What it cannot vouch for it leaves alone: layers that do not support early initialization or are
 not static (a ``DynamicCache``), keys and values of different head dims, layers of different
-lengths than learned, a cache partly initialized, another batch, a model cast or moved since, other
+lengths than learned, a cache partly initialized, a batch not yet learned, a model cast or moved since, other
 autocast settings. The call then runs as before (its prefill eagerly, with the reason).
+
+Sliding-window layers (``StaticSlidingWindowLayer``, Mistral's and every model's with
+``sliding_window``) also count their length in a Python int, ``cumulative_length_int``. It is part
+of the call's key (a plain value inside an argument; a replay writes it back), so every decode
+step was a new signature: one recording per position, each paid in the first ``generate()``s.
+Its uses, read in transformers 5.17 (``cache_utils.py``, ``masking_utils.py``): while the call's
+tokens still fit in the window (``length + tokens <= max_cache_len``), ``update`` and
+``get_mask_sizes`` take the same branches and give the same results for every length in that range;
+only ``get_seq_length`` hands it on, as the query offset of the attention mask and as the position
+of a call made without ``position_ids``. So, for such a call, :meth:`CacheLayouts.before_call`
+moves each layer's int to 0 for the call and makes its ``get_seq_length`` return the layer's
+device twin, ``cumulative_length`` (what the full-attention ``StaticLayer`` returns, equal to the
+int while the window is not full; HF keeps the two in step); :meth:`Shifted.restore` adds the
+length back after the call. The decode steps then share one key and one recording. A call past the
+window's end (a full or filling window: there the int decides the branch and the mask's offset)
+is keyed by its length, as before.
 
 Example::
 
     layouts = CacheLayouts(model)
-    layouts.before_call(kwargs)      # in graphed.__call__, for a transformers model's forward
+    shifted = layouts.before_call(kwargs)  # in graphed.__call__, for a transformers model's forward
+    try:
+        out = run(kwargs)
+    finally:
+        if shifted is not None:
+            shifted.restore()
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
 from typing import Any, NamedTuple
 
@@ -47,7 +70,7 @@ class _Layout(NamedTuple):
 class CacheLayouts:
     """The layouts of the caches a graphed transformers forward has seen filled, by kind.
 
-    A kind is the cache's class, its number of layers and its first layer's length, with what
+    A kind is the cache's class, its number of layers, its first layer's length and the call's batch, with what
     decides the dtype of the keys a layer stores: the model's parameters' dtype and device (a model
     moved or cast since) and autocast. A layout is learned from a cache met empty, at the call
     after the one that filled it (its prefill); decode steps cost one attribute test.
@@ -60,13 +83,15 @@ class CacheLayouts:
         self._model = model
         self._pending: tuple[Any, tuple[Any, ...]] | None = None  # (weak ref to a cache met empty, its kind)
 
-    def before_call(self, kwargs: dict[str, Any]) -> None:
+    def before_call(self, kwargs: dict[str, Any]) -> Shifted | None:
         """Learn the layout of ``kwargs["past_key_values"]``, or initialize it early if it is a fresh
-        cache of a kind already learned (see the module docstring). Cheap when there is nothing to do."""
+        cache of a kind already learned; move its sliding-window lengths for the call (see the
+        module docstring): the caller must then call ``restore()`` on what is returned once the
+        call is over, raised or not. Cheap when there is nothing to do."""
         cache: Any = kwargs.get("past_key_values")
         layers = getattr(cache, "layers", None)
         if not layers or not hasattr(cache, "early_initialization"):
-            return
+            return None
         first = layers[0]
         if getattr(first, "is_initialized", False):
             pending = self._pending
@@ -74,22 +99,24 @@ class CacheLayouts:
                 self._pending = None
                 if pending[0]() is cache:  # the cache met empty, filled by the call before
                     self._known.setdefault(pending[1], _learn(layers))
-            return
-        kind = (type(cache), len(layers), getattr(first, "max_cache_len", None), *self._computes_in())
+            return _shift_sliding(layers, kwargs)
+        batch = _batch(kwargs)
+        kind = (type(cache), len(layers), getattr(first, "max_cache_len", None), batch, *self._computes_in())
         layout = self._known.get(kind)
         if layout is None:
             try:
                 self._pending = (weakref.ref(cache), kind) if kind not in self._known else None
             except TypeError:  # no weak references to it: nothing learned
                 self._pending = None
-            return
-        if _batch(kwargs) != layout.batch:
-            return
+            return None
+        if batch != layout.batch:
+            return None  # (a layout learned from another call of this kind: not vouched for)
         if any(getattr(lay, "is_initialized", True) for lay in layers):
-            return  # partly initialized: not ours to complete
+            return None  # partly initialized: not ours to complete
         if [getattr(lay, "max_cache_len", None) for lay in layers] != layout.lengths:
-            return
+            return None
         cache.early_initialization(layout.batch, layout.heads, layout.head_dims, layout.dtype, layout.device)
+        return _shift_sliding(layers, kwargs)
 
     def _computes_in(self) -> tuple[Any, ...]:
         p = next(self._model.parameters(), None) if self._model is not None else None
@@ -121,6 +148,83 @@ def _learn(layers: list[Any]) -> _Layout | None:
         dims.append(int(k.shape[-1]))
         lengths.append(length)
     return _Layout(int(keys0.shape[0]), heads, dims, lengths, keys0.dtype, keys0.device)
+
+
+class Shifted:
+    """Sliding-window layers whose Python length was moved to 0 for one call; :meth:`restore` after it."""
+
+    __slots__ = ("_layers",)
+
+    def __init__(self, layers: list[tuple[Any, int]]) -> None:
+        self._layers = layers  # (layer, its length before the call)
+
+    def restore(self) -> None:
+        """Add each layer's length before the call back (what the call added stays), and end the
+        tensor ``get_seq_length``."""
+        for lay, length in self._layers:
+            _shifted.discard(id(lay))
+            lay.cumulative_length_int += length
+
+
+# ids of the layers moved for a call in progress: their get_seq_length returns the device length
+_shifted: set[int] = set()
+_install_lock = threading.Lock()
+_installed: list[Any] = []  # the class patched, once
+
+
+def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
+    """Move to 0 the Python length of each ``StaticSlidingWindowLayer`` the call's tokens still fit in
+    (see the module docstring); ``None`` when there is none. A cache mixing such layers with others
+    is moved only where it is safe: a layer past its window keeps its length (and so its key)."""
+    cu = sys.modules.get("transformers.cache_utils")
+    cls = getattr(cu, "StaticSlidingWindowLayer", None)
+    if cls is None:
+        return None
+    tokens = _tokens(kwargs)
+    moved: list[tuple[Any, int]] = []
+    for lay in layers:
+        if type(lay) is not cls or not lay.is_initialized:
+            continue
+        length, twin = lay.cumulative_length_int, getattr(lay, "cumulative_length", None)
+        if type(length) is not int or not isinstance(twin, torch.Tensor) or twin.device != lay.keys.device:
+            continue
+        if tokens is None or tokens < 1 or length + tokens > lay.max_cache_len:
+            continue  # past the window's end the int decides the branch and the mask's offset
+        moved.append((lay, length))
+    if not moved:
+        return None
+    if not _installed:
+        _install(cls)
+    for lay, _ in moved:
+        lay.cumulative_length_int = 0
+        _shifted.add(id(lay))
+    return Shifted(moved)
+
+
+def _install(cls: Any) -> None:
+    """Make ``cls.get_seq_length`` return the device length for the layers moved for a call."""
+    with _install_lock:
+        if _installed:
+            return
+        original = cls.get_seq_length
+
+        def get_seq_length(self: Any) -> Any:
+            if id(self) in _shifted:
+                return self.cumulative_length  # (graphtree.tree.hf_cache: the length, on the device)
+            return original(self)
+
+        get_seq_length.__doc__ = original.__doc__
+        get_seq_length.__wrapped__ = original  # type: ignore[attr-defined]
+        cls.get_seq_length = get_seq_length
+        _installed.append(cls)
+
+
+def _tokens(kwargs: dict[str, Any]) -> int | None:
+    for name in ("input_ids", "inputs_embeds"):
+        x = kwargs.get(name)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return int(x.shape[1])
+    return None
 
 
 def _batch(kwargs: dict[str, Any]) -> int | None:

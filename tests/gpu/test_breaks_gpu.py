@@ -210,7 +210,7 @@ def test_generate_with_a_kept_cache_and_breaks_on_graphs_the_prefill_too_and_equ
     assert s.replays >= 2 * 12, s
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
 def test_generate_with_hf_defaults_graphs_the_prefill_from_the_second_call_on_and_equals_eager(kind):
     """HF's default makes a new StaticCache in every generate(), which allocates itself in the prefill
     (its lazy initialisation): state made inside a call, which no recording can own. The first
