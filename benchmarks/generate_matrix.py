@@ -9,7 +9,7 @@ Ways, each a whole ``generate()`` with a static cache (HF's default cache for co
 - ``graphtree fresh``: ``model.forward`` graphed, a fresh cache per call (HF's default);
 - ``graphtree kept``: ``model.forward`` graphed, one ``StaticCache`` passed and reset per call.
 
-Per row: ms per token (median of ``--repeats`` calls after the first), the first call's seconds,
+Per row: ms per token (median of ``--repeats`` calls after the first two), the first and second calls' seconds,
 the ratio to ``hf-default``, and whether the tokens equal eager's (sampling: each call seeded the
 same). Models are 8 layers, d=512 (``--small``: 2 layers, d=64, for a smoke run); 32 new tokens.
 Run on a GPU::
@@ -78,7 +78,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(families: list[str], repeats: int, small: bool, device: str) -> list[dict[str, Any]]:
+def run(families: list[str], repeats: int, small: bool, device: str, save: Any = None) -> list[dict[str, Any]]:
+    """The table's rows; ``save(rows)`` after each family (a run cut short keeps what it measured)."""
     import transformers
 
     rows: list[dict[str, Any]] = []
@@ -102,10 +103,10 @@ def run(families: list[str], repeats: int, small: bool, device: str) -> list[dic
                 found: dict[str, dict[str, Any]] = {}
                 for way, (forward, kw) in ways.items():
                     model.forward = forward
-                    times, first, equal = [], 0.0, True
+                    times, first, second, equal = [], 0.0, 0.0, True
                     before = graphtree.stats()
                     try:
-                        for r in range(repeats + 1):
+                        for r in range(repeats + 2):
                             kept.reset()
                             torch.manual_seed(2)  # sampling draws the same numbers in every way
                             _sync(device)
@@ -118,6 +119,8 @@ def run(families: list[str], repeats: int, small: bool, device: str) -> list[dic
                             equal = equal and bool(torch.equal(out, want))
                             if r == 0:
                                 first = dt
+                            elif r == 1:
+                                second = dt
                             else:
                                 times.append(dt / TOKENS)
                     except Exception as e:  # noqa: BLE001 - a way that fails is a row that says so
@@ -125,10 +128,16 @@ def run(families: list[str], repeats: int, small: bool, device: str) -> list[dic
                         continue
                     finally:
                         model.forward = original
-                    found[way] = {"ms_per_token": statistics.median(times) * 1e3, "first_s": first, "equal": equal}
+                    found[way] = {
+                        "ms_per_token": statistics.median(times) * 1e3,
+                        "first_s": first,
+                        "second_s": second,
+                        "equal": equal,
+                        "repeats_ms_per_token": [round(t * 1e3, 3) for t in times],
+                    }
                     if forward is graphed:  # what graphtree did for these calls: every forward, all repeats
                         after = graphtree.stats()
-                        calls = (repeats + 1) * TOKENS
+                        calls = (repeats + 2) * TOKENS
                         found[way]["replayed"] = (after.replays - before.replays) / calls
                         found[way]["recordings"] = after.recordings - before.recordings
                         found[way]["eager"] = sum(after.eager.values()) - sum(before.eager.values())
@@ -139,6 +148,8 @@ def run(families: list[str], repeats: int, small: bool, device: str) -> list[dic
                     row = {"family": family, "batch": batch, "mode": mode, "way": way, **r}
                     rows.append(row)
                     print(_line(row), flush=True)
+        if save is not None:
+            save(rows)
         graphtree.reset()
         torch._dynamo.reset()  # (each family compiles its own forward: no recompile limits shared)
     return rows
@@ -150,9 +161,11 @@ def _line(r: dict[str, Any]) -> str:
         return f"{head} FAILED {r['error']}"
     ratio = f"{r['vs_hf_default']:.2f}x HF" if "vs_hf_default" in r else ""
     did = f"  replayed {r['replayed']:.0%}, {r['recordings']} rec., {r['eager']} eager" if "replayed" in r else ""
+    each = "/".join(f"{t:.2f}" for t in r["repeats_ms_per_token"])
     return (
         f"{head} {r['ms_per_token']:7.3f} ms/token {ratio:>10s}  first {r['first_s']:6.2f} s"
-        f"  tokens {'equal' if r['equal'] else 'DIFFER'}{did}"
+        f" second {r['second_s']:5.2f} s"
+        f"  tokens {'equal' if r['equal'] else 'DIFFER'}{did}  [{each}]"
     )
 
 
@@ -166,13 +179,17 @@ def main() -> None:
     args = ap.parse_args()
     import transformers
 
-    rows = run(args.families.split(","), args.repeats, args.small, args.device)
-    print(graphtree.stats())
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    versions = {"device": where, "torch": torch.__version__, "transformers": transformers.__version__}
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, **versions}, f, indent=1)
+
+    run(args.families.split(","), args.repeats, args.small, args.device, save)
+    print(graphtree.stats())
     print("device:", where, "| torch", torch.__version__, "| transformers", transformers.__version__)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "device": where, "torch": torch.__version__}, f, indent=1)
 
 
 if __name__ == "__main__":
