@@ -46,6 +46,10 @@ def _us(fn: Callable[[], Any], before: Callable[[], Any], n: int = 32) -> float:
 def main() -> None:
     import transformers
 
+    from graphtree import _native
+
+    _native.start()  # the C++ helpers (the object walk among them), as a process running a while has them
+    print("native helpers:", "loaded" if _native.wait(300) is not None else _native.status())
     model = tiny_llama(hidden=512, layers=8, vocab=32000, max_positions=256)
     ids = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
     cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + TOKENS)
