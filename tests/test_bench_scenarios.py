@@ -244,3 +244,65 @@ def test_interrupt_keeps_rows_and_marks_the_rest(fake_gpu, monkeypatch):
     later = [r for r in rows if r.scenario in ("memory", "branching")]
     assert len(later) == 4
     assert all(not r.ok and r.error.startswith(scenarios.INTERRUPTED) for r in later)
+
+
+def _generate_ctx():
+    from types import SimpleNamespace
+
+    from graphtree.bench.harness import Budget
+
+    budget = Budget(300, {"generate": 1})
+    budget.begin("generate")
+    logged: list[str] = []
+    return SimpleNamespace(budget=budget, cfg=SimpleNamespace(quick=True), log=logged.append), logged
+
+
+def test_a_contender_whose_own_process_dies_is_a_failed_row_naming_the_signal(monkeypatch):
+    """reduce-overhead segfaulted inside torch on an H100 and took the whole benchmark with it: it
+    runs in a process of its own, and that process dying is one failed row, not a lost run."""
+    import subprocess
+
+    from graphtree.bench import generate
+
+    seen = {}
+
+    def died(cmd, **kw):
+        seen["cmd"], seen["env"] = cmd, kw["env"]
+        return subprocess.CompletedProcess(cmd, -11, "", "Fatal Python error: Segmentation fault\n")
+
+    monkeypatch.setattr(subprocess, "run", died)
+    ctx, logged = _generate_ctx()
+    (row,) = generate.in_own_process("compile-reduce-overhead", ctx)
+    assert not row.ok and row.contender == "compile-reduce-overhead" and row.scenario == "generate"
+    assert "killed by SIGSEGV" in row.error, row.error
+    assert seen["env"][generate.ONLY] == "compile-reduce-overhead"
+    assert seen["cmd"][seen["cmd"].index("--contenders") + 1] == "compile-reduce-overhead" and "--quick" in seen["cmd"]
+    assert any("Segmentation fault" in m for m in logged), logged
+
+
+def test_a_contender_run_in_its_own_process_brings_back_its_rows_only(monkeypatch):
+    import json
+    import os
+    import subprocess
+
+    from graphtree.bench import generate
+    from graphtree.bench.harness import Result
+
+    def ran(cmd, **kw):
+        out = cmd[cmd.index("--out") + 1]
+        rows = [
+            Result("generate", "fresh cache", "eager", "time_per_token", 5e-3, "s"),
+            Result(
+                "generate", "fresh cache", "compile-reduce-overhead", "time_per_token", 2e-3, "s", equal_to_eager=True
+            ),
+        ]
+        with open(os.path.join(out, "bench.json"), "w") as f:
+            json.dump({"results": [r.to_dict() for r in rows]}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", ran)
+    ctx, _ = _generate_ctx()
+    (row,) = generate.in_own_process("compile-reduce-overhead", ctx)
+    assert row.ok and row.value == 2e-3 and row.equal_to_eager is True
+    assert "process of its own" in row.note
+    assert generate.exit_reason(1) == "exited with status 1" and generate.exit_reason(-9) == "was killed by SIGKILL"

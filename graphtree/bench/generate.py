@@ -15,6 +15,11 @@ Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticC
 graphtree moves it into the memory of the decode step's recording, one device copy, instead of
 recording again: ``graphtree.tree.adoption``) and ``one cache`` (one
 ``StaticCache`` passed as ``past_key_values`` and reset between calls: every decode step replays).
+``compile-reduce-overhead`` runs in a Python process of its own (:func:`in_own_process`): on an
+H100 (torch 2.11) it segfaulted inside inductor's kernel launcher in the process where HF's default had
+compiled the same forward, and took the whole benchmark down with it. A process that dies is a
+failed row naming the signal; the others' rows stand.
+
 Reported: time per generated token (a whole ``generate()`` call / tokens), the first call's time
 (warm-up and recording), for graphtree the share of decode steps that replayed, and graphtree's
 time per token over HF's default's (``vs_hf_default``). Tokens are compared with eager's.
@@ -26,6 +31,12 @@ Example::
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -36,7 +47,7 @@ import torch
 import graphtree
 from graphtree.bench import timing
 from graphtree.bench.contenders import COMPILED, EAGER, GRAPHTREE, reset_all
-from graphtree.bench.harness import Result, failed, interleaved
+from graphtree.bench.harness import Result, failed, interleaved, results_from_json
 
 if TYPE_CHECKING:
     from graphtree.bench.kit import Ctx
@@ -45,6 +56,8 @@ SCENARIO = "generate"
 REDUCE_OVERHEAD = "compile-reduce-overhead"
 HF_DEFAULT = "hf-default"
 APPLICABLE = (EAGER, GRAPHTREE, REDUCE_OVERHEAD)
+ONLY = "GRAPHTREE_BENCH_GENERATE_ONLY"
+"""Set in the process :func:`in_own_process` starts: the one contender that process runs."""
 
 
 def tiny_llama(hidden: int, layers: int, vocab: int, max_positions: int) -> Any:
@@ -92,15 +105,16 @@ def run_generate(ctx: Ctx) -> list[Result]:
     # HF's own way, always, and compiled before reduce-overhead: both compile the model's forward,
     # whose code dynamo caches once per process (the second to compile meets the first's recompiles)
     applicable = [n for n in cfg.contenders if n in APPLICABLE]
-    names = [n for n in applicable if n != REDUCE_OVERHEAD] + [HF_DEFAULT]
-    names += [n for n in applicable if n == REDUCE_OVERHEAD]
+    only = os.environ.get(ONLY)
+    names = [only] if only else [n for n in applicable if n != REDUCE_OVERHEAD] + [HF_DEFAULT]
+    own_process = [] if only else [n for n in applicable if n == REDUCE_OVERHEAD]
     for n in cfg.contenders:
         if n not in APPLICABLE:
             results.append(Result(SCENARIO, "all", n, "time_per_token", None, "s", note="not applicable to generate()"))
     try:
         import transformers
     except ImportError:
-        for n in names:
+        for n in [*names, *own_process]:
             results.append(
                 Result(
                     SCENARIO,
@@ -239,4 +253,52 @@ def run_generate(ctx: Ctx) -> list[Result]:
             )
         ctx.log(f"generate: {case}: per token: " + " | ".join(f"{n} {v * 1e3:.3f} ms" for n, v in medians.items()))
     reset_all()
+    for name in own_process:
+        results += in_own_process(name, ctx)
     return results
+
+
+def in_own_process(name: str, ctx: Ctx) -> list[Result]:
+    """Run contender ``name`` of this scenario in a fresh ``python -m graphtree bench`` (with eager
+    as its reference) and return its rows, or one failed row saying how that process ended.
+
+    Its share of the budget is what is left of this scenario's. Example::
+
+        rows = in_own_process("compile-reduce-overhead", ctx)
+    """
+    left = int(ctx.budget.part_deadline - ctx.budget.clock())
+    if left < 20:
+        return [failed(SCENARIO, "all", name, "NoSamples: time budget spent", "time_per_token")]
+    with tempfile.TemporaryDirectory(prefix="graphtree-bench-") as out:
+        cmd = [sys.executable, "-m", "graphtree", "bench", "--scenarios", SCENARIO, "--contenders", name]
+        cmd += ["--budget", str(left), "--out", out, *(["--quick"] if ctx.cfg.quick else [])]
+        ctx.log(f"generate: {name} in a process of its own ({left} s)")
+        try:
+            proc = subprocess.run(
+                cmd, check=False, env={**os.environ, ONLY: name}, capture_output=True, text=True, timeout=left + 60
+            )
+        except subprocess.TimeoutExpired:
+            return [
+                failed(SCENARIO, "all", name, f"TimeoutExpired: its process ran past {left + 60} s", "time_per_token")
+            ]
+        path = os.path.join(out, "bench.json")
+        if not os.path.exists(path):
+            why = f"ProcessDied: its process {exit_reason(proc.returncode)} before writing results"
+            tail = [line for line in proc.stderr.splitlines() if line.strip()][-1:]
+            ctx.log(f"generate: {name}: {why}" + (f" (last line: {tail[0][:200]})" if tail else ""))
+            return [failed(SCENARIO, "all", name, why, "time_per_token")]
+        with open(path) as f:
+            rows = [r for r in results_from_json(json.load(f)) if r.contender == name]
+    for r in rows:
+        r.note = f"{r.note}; run in a process of its own" if r.note else "run in a process of its own"
+    return rows
+
+
+def exit_reason(returncode: int) -> str:
+    """How a process ended, in words: ``"was killed by SIGSEGV"``, ``"exited with status 1"``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
