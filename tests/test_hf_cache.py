@@ -175,3 +175,21 @@ def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_genera
     if window == 9:
         past = {row[-1] for row in decode if row[1] + 1 > 9}
         assert len(past) == 3  # lengths 9, 10 and 11, past the window: a key each
+
+
+def test_the_moved_length_is_not_seen_by_code_dynamo_traces():
+    """HF's own compiled path (or any torch.compile) traces get_seq_length as transformers wrote it,
+    in one graph, even while graphtree has a layer's length moved."""
+    from graphtree.tree import hf_cache
+
+    cfg = _mistral(4096).config
+    cache = transformers.StaticCache(config=cfg, max_cache_len=16)
+    cache.early_initialization(1, 2, 8, torch.float32, torch.device("cpu"))
+    layer = cache.layers[0]
+    layer.cumulative_length_int = 3
+    shifted = hf_cache._shift_sliding(cache.layers, {"input_ids": torch.zeros(1, 1, dtype=torch.long)})
+    assert shifted is not None and isinstance(layer.get_seq_length(), torch.Tensor)
+    traced = torch.compile(lambda lay: lay.get_seq_length(), backend="eager", fullgraph=True)
+    assert traced(layer) == 0  # the int, as the cache keeps it during the call
+    shifted.restore()
+    assert layer.get_seq_length() == 3 and layer.cumulative_length_int == 3

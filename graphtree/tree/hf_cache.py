@@ -209,6 +209,8 @@ def _install(cls: Any) -> None:
         original = cls.get_seq_length
 
         def get_seq_length(self: Any) -> Any:
+            if torch.compiler.is_compiling():  # (traced by dynamo, HF's own compiled path: as it was)
+                return original(self)
             if id(self) in _shifted:
                 return self.cumulative_length  # (graphtree.tree.hf_cache: the length, on the device)
             return original(self)
