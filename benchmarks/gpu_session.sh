@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -73,6 +73,12 @@ for stage in $stages; do
       ;;
     matrix)  # issue 27's acceptance table: four model families, batch 1 and a padded 4, greedy and sampling
       timeout 560 python3 benchmarks/generate_matrix.py --json "$OUT/generate_matrix.json" 2>&1 | tee "$OUT/generate_matrix.txt" | grep -v '^W1' | tail -70
+      ;;
+    next)  # what the sixth session left (docs/gpu-notes.md), in one call: the generate scenario with
+           # reduce-overhead in a process of its own, read_call with the C++ walk loaded, the per-call floor
+      timeout 300 python3 -m graphtree bench --scenarios generate --budget 280 --out "$OUT/bench-generate" 2>&1 | tee "$OUT/bench-generate.log" | grep -v '^W1' | tail -25
+      timeout 90 python3 benchmarks/forward_cpu.py 2>&1 | tee "$OUT/forward_cpu.txt" | tail -8
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/per_call.py --json "$OUT/per_call_after.json" 2>&1 | tail -14
       ;;
     bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
       timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tee "$OUT/bench-breaks.log" | tail -25
