@@ -177,9 +177,12 @@ def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_genera
         assert len(past) == 3  # lengths 9, 10 and 11, past the window: a key each
 
 
-def test_the_moved_length_is_not_seen_by_code_dynamo_traces():
-    """HF's own compiled path (or any torch.compile) traces get_seq_length as transformers wrote it,
-    in one graph, even while graphtree has a layer's length moved."""
+def test_code_dynamo_traces_inside_a_moved_call_reads_the_device_length_and_nested_calls_keep_it():
+    """A model compiled inside the graphed call (``graphed(model)`` after ``model.compile()``) reads
+    the length through code dynamo traces: it must get the device length too, or its mask and
+    positions would say 0 (found in review: logits off by up to 0.28). A graphed call nested in a
+    moved one leaves the layer as the outer call set it; HF's own compiled path, outside any
+    moved call, traces get_seq_length as transformers wrote it."""
     from graphtree.tree import hf_cache
 
     cfg = _mistral(4096).config
@@ -187,9 +190,15 @@ def test_the_moved_length_is_not_seen_by_code_dynamo_traces():
     cache.early_initialization(1, 2, 8, torch.float32, torch.device("cpu"))
     layer = cache.layers[0]
     layer.cumulative_length_int = 3
-    shifted = hf_cache._shift_sliding(cache.layers, {"input_ids": torch.zeros(1, 1, dtype=torch.long)})
-    assert shifted is not None and isinstance(layer.get_seq_length(), torch.Tensor)
-    traced = torch.compile(lambda lay: lay.get_seq_length(), backend="eager", fullgraph=True)
-    assert traced(layer) == 0  # the int, as the cache keeps it during the call
+    layer.cumulative_length.fill_(3)
+    step = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+    traced = torch.compile(lambda lay: lay.get_seq_length() + 0, backend="eager", fullgraph=True)
+    assert traced(layer) == 3  # not moved: the int, as transformers wrote it
+    shifted = hf_cache._shift_sliding(cache.layers, step)
+    assert shifted is not None and layer.cumulative_length_int == 0
+    assert isinstance(traced(layer), torch.Tensor) and int(traced(layer)) == 3  # the device length
+    assert hf_cache._shift_sliding(cache.layers, step) is None  # nested: already moved, left alone
+    assert isinstance(layer.get_seq_length(), torch.Tensor)
     shifted.restore()
-    assert layer.get_seq_length() == 3 and layer.cumulative_length_int == 3
+    assert layer.get_seq_length() == 3 and layer.cumulative_length_int == 3 and traced(layer) == 3
+    assert not hasattr(layer, hf_cache.MOVED)

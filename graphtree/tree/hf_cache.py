@@ -162,12 +162,14 @@ class Shifted:
         """Add each layer's length before the call back (what the call added stays), and end the
         tensor ``get_seq_length``."""
         for lay, length in self._layers:
-            _shifted.discard(id(lay))
+            delattr(lay, MOVED)
             lay.cumulative_length_int += length
 
 
-# ids of the layers moved for a call in progress: their get_seq_length returns the device length
-_shifted: set[int] = set()
+MOVED = "_graphtree_length_moved"
+"""Set (True) on a layer for the call its length is moved for: its ``get_seq_length`` returns the
+device length then, in eager code and in code dynamo traces alike (a model compiled inside the
+graphed call), and a graphed call nested in that one leaves the layer as the outer call set it."""
 _install_lock = threading.Lock()
 _installed: list[Any] = []  # the class patched, once
 
@@ -183,7 +185,7 @@ def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
     tokens = _tokens(kwargs)
     moved: list[tuple[Any, int]] = []
     for lay in layers:
-        if type(lay) is not cls or not lay.is_initialized:
+        if type(lay) is not cls or not lay.is_initialized or getattr(lay, MOVED, False):
             continue
         length, twin = lay.cumulative_length_int, getattr(lay, "cumulative_length", None)
         if type(length) is not int or not isinstance(twin, torch.Tensor) or twin.device != lay.keys.device:
@@ -197,7 +199,7 @@ def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
         _install(cls)
     for lay, _ in moved:
         lay.cumulative_length_int = 0
-        _shifted.add(id(lay))
+        setattr(lay, MOVED, True)
     return Shifted(moved)
 
 
@@ -209,9 +211,7 @@ def _install(cls: Any) -> None:
         original = cls.get_seq_length
 
         def get_seq_length(self: Any) -> Any:
-            if torch.compiler.is_compiling():  # (traced by dynamo, HF's own compiled path: as it was)
-                return original(self)
-            if id(self) in _shifted:
+            if getattr(self, MOVED, False):
                 return self.cumulative_length  # (graphtree.tree.hf_cache: the length, on the device)
             return original(self)
 
