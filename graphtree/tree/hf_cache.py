@@ -32,8 +32,9 @@ only ``get_seq_length`` hands it on, as the query offset of the attention mask a
 of a call made without ``position_ids``. So, for such a call, :meth:`CacheLayouts.before_call`
 moves each layer's int to 0 for the call and makes its ``get_seq_length`` return the layer's
 device twin, ``cumulative_length`` (what the full-attention ``StaticLayer`` returns, equal to the
-int while the window is not full; HF keeps the two in step); :meth:`Shifted.restore` adds the
-length back after the call. The decode steps then share one key and one recording. A call past the
+int while the window is not full; HF keeps the two in step) — through a flag on the layer
+(:data:`MOVED`), so that code dynamo traces inside the call reads it too; :meth:`Shifted.restore`
+adds the length back after the call. The decode steps then share one key and one recording. A call past the
 window's end (a full or filling window: there the int decides the branch and the mask's offset)
 is keyed by its length, as before.
 
