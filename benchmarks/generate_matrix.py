@@ -9,7 +9,8 @@ Ways, each a whole ``generate()`` with a static cache (HF's default cache for co
 - ``graphtree fresh``: ``model.forward`` graphed, a fresh cache per call (HF's default);
 - ``graphtree kept``: ``model.forward`` graphed, one ``StaticCache`` passed and reset per call.
 
-Per row: ms per token (median of ``--repeats`` calls after the first two), the first and second calls' seconds,
+Per row: ms per token (median of ``--repeats`` calls after the first two, taken in rounds that time
+every way once, in a rotating order), the first and second calls' seconds,
 the ratio to ``hf-default``, and whether the tokens equal eager's (sampling: each call seeded the
 same). Models are 8 layers, d=512 (``--small``: 2 layers, d=64, for a smoke run); 32 new tokens.
 Run on a GPU::
@@ -99,48 +100,7 @@ def run(families: list[str], repeats: int, small: bool, device: str, save: Any =
                     "graphtree fresh": (graphed, {"cache_implementation": "static", "disable_compile": True}),
                     "graphtree kept": (graphed, {"past_key_values": kept, "disable_compile": True}),
                 }
-                want = None
-                found: dict[str, dict[str, Any]] = {}
-                for way, (forward, kw) in ways.items():
-                    model.forward = forward
-                    times, first, second, equal = [], 0.0, 0.0, True
-                    before = graphtree.stats()
-                    try:
-                        for r in range(repeats + 2):
-                            kept.reset()
-                            torch.manual_seed(2)  # sampling draws the same numbers in every way
-                            _sync(device)
-                            t0 = time.perf_counter()
-                            out = model.generate(**inputs, **base, **kw)
-                            _sync(device)
-                            dt = time.perf_counter() - t0
-                            if want is None:
-                                want = out
-                            equal = equal and bool(torch.equal(out, want))
-                            if r == 0:
-                                first = dt
-                            elif r == 1:
-                                second = dt
-                            else:
-                                times.append(dt / TOKENS)
-                    except Exception as e:  # noqa: BLE001 - a way that fails is a row that says so
-                        found[way] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                        continue
-                    finally:
-                        model.forward = original
-                    found[way] = {
-                        "ms_per_token": statistics.median(times) * 1e3,
-                        "first_s": first,
-                        "second_s": second,
-                        "equal": equal,
-                        "repeats_ms_per_token": [round(t * 1e3, 3) for t in times],
-                    }
-                    if forward is graphed:  # what graphtree did for these calls: every forward, all repeats
-                        after = graphtree.stats()
-                        calls = (repeats + 2) * TOKENS
-                        found[way]["replayed"] = (after.replays - before.replays) / calls
-                        found[way]["recordings"] = after.recordings - before.recordings
-                        found[way]["eager"] = sum(after.eager.values()) - sum(before.eager.values())
+                found = _measure(model, ways, inputs, base, kept, repeats, device, graphed)
                 hf = found.get("hf-default", {}).get("ms_per_token")
                 for way, r in found.items():
                     if hf and "ms_per_token" in r:
@@ -153,6 +113,81 @@ def run(families: list[str], repeats: int, small: bool, device: str, save: Any =
         graphtree.reset()
         torch._dynamo.reset()  # (each family compiles its own forward: no recompile limits shared)
     return rows
+
+
+def _measure(
+    model: Any,
+    ways: dict[str, tuple[Any, dict[str, Any]]],
+    inputs: dict[str, torch.Tensor],
+    base: dict[str, Any],
+    kept: Any,
+    repeats: int,
+    device: str,
+    graphed: Any,
+) -> dict[str, dict[str, Any]]:
+    """Each way's first and second calls, one way after another; then ``repeats`` rounds that time
+    one call of every way each, in an order rotated every round (a drifting host weighs on all ways
+    alike). What graphtree did is counted per call, so the two graphed ways are told apart."""
+    original = model.forward
+    want: list[torch.Tensor] = []
+    found: dict[str, dict[str, Any]] = {}
+    done: dict[str, dict[str, Any]] = {}
+
+    def call(way: str) -> float:
+        forward, kw = ways[way]
+        model.forward = forward
+        before = graphtree.stats()
+        try:
+            kept.reset()
+            torch.manual_seed(2)  # sampling draws the same numbers in every way
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model.generate(**inputs, **base, **kw)
+            _sync(device)
+            dt = time.perf_counter() - t0
+        finally:
+            model.forward = original
+        if not want:
+            want.append(out)
+        d = done.setdefault(way, {"equal": True, "calls": 0, "replays": 0, "recordings": 0, "eager": 0})
+        d["equal"] = d["equal"] and bool(torch.equal(out, want[0]))
+        d["calls"] += 1
+        if forward is graphed:
+            after = graphtree.stats()
+            d["replays"] += after.replays - before.replays
+            d["recordings"] += after.recordings - before.recordings
+            d["eager"] += sum(after.eager.values()) - sum(before.eager.values())
+        return dt
+
+    live = []
+    for way in ways:
+        try:
+            found[way] = {"first_s": call(way), "second_s": call(way), "times": []}
+            live.append(way)
+        except Exception as e:  # noqa: BLE001 - a way that fails is a row that says so
+            found[way] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for r in range(repeats):
+        for way in live[r % len(live) :] + live[: r % len(live)]:
+            if "error" in found[way]:
+                continue
+            try:
+                found[way]["times"].append(call(way) / TOKENS)
+            except Exception as e:  # noqa: BLE001
+                found[way] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for way in live:
+        row = found[way]
+        if "error" in row:
+            continue
+        times = row.pop("times")
+        d = done[way]
+        row.update(
+            ms_per_token=statistics.median(times) * 1e3,
+            equal=d["equal"],
+            repeats_ms_per_token=[round(t * 1e3, 3) for t in times],
+        )
+        if ways[way][0] is graphed:  # what graphtree did for these calls: every forward, all of them
+            row.update(replayed=d["replays"] / (d["calls"] * TOKENS), recordings=d["recordings"], eager=d["eager"])
+    return found
 
 
 def _line(r: dict[str, Any]) -> str:
