@@ -82,3 +82,21 @@ def test_mistral_past_its_window_generates_the_same_tokens_as_eager_on_every_cal
     s = graphtree.stats()
     print(f"\nmistral past its window: {s}")
     assert s.replays > 0, s
+
+
+def test_mistral_compiled_inside_the_graphed_call_generates_eagers_tokens():
+    """``graphed(model)`` after ``model.compile()``: the compiled code reads the cache's length
+    through dynamo, and must read the device length while graphtree has the int moved (on a CPU
+    check it read 0: masks at offset 0, logits off by up to 0.28)."""
+    model = _mistral(4096)
+    inputs = _padded(1)
+    kw = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "cache_implementation": "static"}
+    with torch.inference_mode():
+        want = model.generate(**inputs, **kw, disable_compile=True)
+        model.model.compile(backend="eager")  # dynamo traces the decoder; no inductor compile time
+        model.forward = graphtree.graphed(model.forward)
+        for _ in range(4):
+            assert torch.equal(model.generate(**inputs, **kw), want)
+    s = graphtree.stats()
+    print(f"\nmistral compiled inside: {s}")
+    assert s.replays > 0, s
