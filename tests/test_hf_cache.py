@@ -202,3 +202,18 @@ def test_code_dynamo_traces_inside_a_moved_call_reads_the_device_length_and_nest
     shifted.restore()
     assert layer.get_seq_length() == 3 and layer.cumulative_length_int == 3 and traced(layer) == 3
     assert not hasattr(layer, hf_cache.MOVED)
+
+
+def test_a_dynamic_cache_gets_one_hint_naming_the_fix(caplog):
+    """transformers' default cache grows every step: nothing to replay. The user is told once, with the
+    argument that makes generate() graphable; a static cache gets no such line."""
+    model = _model("llama")
+    layouts = CacheLayouts(model)
+    ids = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
+    with caplog.at_level("WARNING", logger="graphtree"):
+        layouts.before_call({**ids, "past_key_values": transformers.StaticCache(config=model.config, max_cache_len=8)})
+        assert not caplog.records
+        for _ in range(3):
+            layouts.before_call({**ids, "past_key_values": transformers.DynamicCache(config=model.config)})
+    (record,) = caplog.records
+    assert "LlamaForCausalLM" in record.getMessage() and 'cache_implementation="static"' in record.getMessage()

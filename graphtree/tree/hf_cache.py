@@ -51,12 +51,15 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import weakref
 from typing import Any, NamedTuple
 
 import torch
+
+log = logging.getLogger("graphtree")
 
 
 class _Layout(NamedTuple):
@@ -77,12 +80,13 @@ class CacheLayouts:
     after the one that filled it (its prefill); decode steps cost one attribute test.
     """
 
-    __slots__ = ("_known", "_model", "_pending")
+    __slots__ = ("_hinted", "_known", "_model", "_pending")
 
     def __init__(self, model: torch.nn.Module | None = None) -> None:
         self._known: dict[tuple[Any, ...], _Layout | None] = {}  # None: seen, cannot be vouched for
         self._model = model
         self._pending: tuple[Any, tuple[Any, ...]] | None = None  # (weak ref to a cache met empty, its kind)
+        self._hinted = False  # the DynamicCache hint, logged once
 
     def before_call(self, kwargs: dict[str, Any]) -> Shifted | None:
         """Learn the layout of ``kwargs["past_key_values"]``, or initialize it early if it is a fresh
@@ -90,6 +94,16 @@ class CacheLayouts:
         module docstring): the caller must then call ``restore()`` on what is returned once the
         call is over, raised or not. Cheap when there is nothing to do."""
         cache: Any = kwargs.get("past_key_values")
+        if not self._hinted and _grows(cache):
+            self._hinted = True
+            name = type(self._model).__name__ if self._model is not None else "the model"
+            log.warning(
+                "graphtree: %s.generate() uses a DynamicCache (transformers' default when no "
+                "cache_implementation is given): it grows by a token every step, a new shape on every call, "
+                "which no CUDA graph can replay, so graphtree runs those steps eagerly. Pass "
+                'cache_implementation="static" to generate() (or past_key_values=StaticCache(...)) to graph them.',
+                name,
+            )
         layers = getattr(cache, "layers", None)
         if not layers or not hasattr(cache, "early_initialization"):
             return None
@@ -220,6 +234,13 @@ def _install(cls: Any) -> None:
         get_seq_length.__wrapped__ = original  # type: ignore[attr-defined]
         cls.get_seq_length = get_seq_length
         _installed.append(cls)
+
+
+def _grows(cache: Any) -> bool:
+    """Whether ``cache`` is a transformers ``DynamicCache`` (keys and values grown by concatenation)."""
+    cu = sys.modules.get("transformers.cache_utils")
+    dynamic = getattr(cu, "DynamicCache", None)
+    return dynamic is not None and isinstance(cache, dynamic)
 
 
 def _tokens(kwargs: dict[str, Any]) -> int | None:
