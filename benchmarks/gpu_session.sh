@@ -75,9 +75,11 @@ for stage in $stages; do
       timeout 560 python3 benchmarks/generate_matrix.py --json "$OUT/generate_matrix.json" 2>&1 | tee "$OUT/generate_matrix.txt" | grep -v '^W1' | tail -70
       ;;
     next)  # what the sixth session left (docs/gpu-notes.md), in one call: the generate scenario with
-           # reduce-overhead in a process of its own, read_call with the C++ walk loaded, the per-call floor
+           # reduce-overhead in a process of its own, read_call with the C++ walk loaded, kernels per
+           # token (graphtree's graph against HF's compiled default), the per-call floor
       timeout 300 python3 -m graphtree bench --scenarios generate --budget 280 --out "$OUT/bench-generate" 2>&1 | tee "$OUT/bench-generate.log" | grep -v '^W1' | tail -25
       timeout 90 python3 benchmarks/forward_cpu.py 2>&1 | tee "$OUT/forward_cpu.txt" | tail -8
+      timeout 90 python3 benchmarks/generate_kernels.py --json "$OUT/generate_kernels.json" 2>&1 | tee "$OUT/generate_kernels.txt" | grep -v '^W1' | tail -6
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/per_call.py --json "$OUT/per_call_after.json" 2>&1 | tail -14
       ;;
     bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
