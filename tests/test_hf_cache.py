@@ -1,6 +1,8 @@
 """graphtree.tree.hf_cache on the CPU: a fresh Hugging Face StaticCache of a kind met before is
 initialized before the call exactly as its own lazy initialization would have done it."""
 
+import sys
+
 import pytest
 import torch
 
@@ -217,3 +219,19 @@ def test_a_dynamic_cache_gets_one_hint_naming_the_fix(caplog):
             layouts.before_call({**ids, "past_key_values": transformers.DynamicCache(config=model.config)})
     (record,) = caplog.records
     assert "LlamaForCausalLM" in record.getMessage() and 'cache_implementation="static"' in record.getMessage()
+
+
+def test_another_transformers_version_keeps_the_length_in_the_key(monkeypatch):
+    """The move rests on transformers 5.17's code, read use by use: another version is left as it is."""
+    from graphtree.tree import hf_cache
+
+    cache = transformers.StaticCache(config=_mistral(4096).config, max_cache_len=16)
+    cache.early_initialization(1, 2, 8, torch.float32, torch.device("cpu"))
+    step = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+    installed = sys.modules["transformers"]  # (not always the module importorskip gave: it is lazy)
+    monkeypatch.setattr(installed, "__version__", "5.18.0")
+    assert hf_cache._shift_sliding(cache.layers, step) is None
+    monkeypatch.setattr(installed, "__version__", "5.17.2")
+    moved = hf_cache._shift_sliding(cache.layers, step)
+    assert moved is not None
+    moved.restore()

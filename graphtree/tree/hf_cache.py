@@ -18,8 +18,8 @@ allocates every layer before the call; graphtree does it for a graphed forward:
 
 What it cannot vouch for it leaves alone: layers that do not support early initialization or are
 not static (a ``DynamicCache``), keys and values of different head dims, layers of different
-lengths than learned, a cache partly initialized, a batch not yet learned, a model cast or moved since, other
-autocast settings. The call then runs as before (its prefill eagerly, with the reason).
+lengths than learned, a cache partly initialized, a batch not yet learned, a model cast or moved
+since, other autocast settings. The call then runs as before (its prefill eagerly, with the reason).
 
 Sliding-window layers (``StaticSlidingWindowLayer``, Mistral's and every model's with
 ``sliding_window``) also count their length in a Python int, ``cumulative_length_int``. It is part
@@ -34,9 +34,11 @@ moves each layer's int to 0 for the call and makes its ``get_seq_length`` return
 device twin, ``cumulative_length`` (what the full-attention ``StaticLayer`` returns, equal to the
 int while the window is not full; HF keeps the two in step) — through a flag on the layer
 (:data:`MOVED`), so that code dynamo traces inside the call reads it too; :meth:`Shifted.restore`
-adds the length back after the call. The decode steps then share one key and one recording. A call past the
-window's end (a full or filling window: there the int decides the branch and the mask's offset)
-is keyed by its length, as before.
+adds the length back after the call. The decode steps then share one key and one recording. A
+call past the window's end (a full or filling window: there the int decides the branch and the
+mask's offset) is keyed by its length, as before. Only the transformers versions whose code was
+read (:data:`READ_IN`) are moved: on another, the int stays in the key (one recording per
+position, slower, never wrong).
 
 Example::
 
@@ -74,9 +76,9 @@ class _Layout(NamedTuple):
 class CacheLayouts:
     """The layouts of the caches a graphed transformers forward has seen filled, by kind.
 
-    A kind is the cache's class, its number of layers, its first layer's length and the call's batch, with what
-    decides the dtype of the keys a layer stores: the model's parameters' dtype and device (a model
-    moved or cast since) and autocast. A layout is learned from a cache met empty, at the call
+    A kind is the cache's class, its number of layers, its first layer's length and the call's
+    batch, with what decides the dtype of the keys a layer stores: the model's parameters' dtype and
+    device (a model moved or cast since) and autocast. A layout is learned from a cache met empty, at the call
     after the one that filled it (its prefill); decode steps cost one attribute test.
     """
 
@@ -185,6 +187,11 @@ MOVED = "_graphtree_length_moved"
 """Set (True) on a layer for the call its length is moved for: its ``get_seq_length`` returns the
 device length then, in eager code and in code dynamo traces alike (a model compiled inside the
 graphed call), and a graphed call nested in that one leaves the layer as the outer call set it."""
+
+READ_IN = ((5, 17),)
+"""transformers versions (major, minor) whose sliding-window layer was read for the move (every use
+of its length; see the module docstring). Another version keeps the length in the key."""
+
 _install_lock = threading.Lock()
 _installed: list[Any] = []  # the class patched, once
 
@@ -195,7 +202,7 @@ def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
     is moved only where it is safe: a layer past its window keeps its length (and so its key)."""
     cu = sys.modules.get("transformers.cache_utils")
     cls = getattr(cu, "StaticSlidingWindowLayer", None)
-    if cls is None:
+    if cls is None or not _read_version():
         return None
     tokens = _tokens(kwargs)
     moved: list[tuple[Any, int]] = []
@@ -234,6 +241,16 @@ def _install(cls: Any) -> None:
         get_seq_length.__wrapped__ = original  # type: ignore[attr-defined]
         cls.get_seq_length = get_seq_length
         _installed.append(cls)
+
+
+def _read_version() -> bool:
+    """Whether the transformers in use is one of :data:`READ_IN`."""
+    version = getattr(sys.modules.get("transformers"), "__version__", "")
+    parts = version.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) in READ_IN
+    except (IndexError, ValueError):
+        return False
 
 
 def _grows(cache: Any) -> bool:
