@@ -100,7 +100,7 @@ class CacheLayouts:
             self._hinted = True
             name = type(self._model).__name__ if self._model is not None else "the model"
             log.warning(
-                "graphtree: %s.generate() uses a DynamicCache (transformers' default when no "
+                "graphtree: %s is called with a DynamicCache (what generate() uses when no "
                 "cache_implementation is given): it grows by a token every step, a new shape on every call, "
                 "which no CUDA graph can replay, so graphtree runs those steps eagerly. Pass "
                 'cache_implementation="static" to generate() (or past_key_values=StaticCache(...)) to graph them.',
