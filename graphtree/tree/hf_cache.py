@@ -53,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -117,7 +118,7 @@ class CacheLayouts:
                 if pending[0]() is cache:  # the cache met empty, filled by the call before
                     self._known.setdefault(pending[1], _learn(layers))
             return _shift_sliding(layers, kwargs)
-        batch = _batch(kwargs)
+        batch = _input_size(kwargs, 0)
         kind = (type(cache), len(layers), getattr(first, "max_cache_len", None), batch, *self._computes_in())
         layout = self._known.get(kind)
         if layout is None:
@@ -204,7 +205,7 @@ def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
     cls = getattr(cu, "StaticSlidingWindowLayer", None)
     if cls is None or not _read_version():
         return None
-    tokens = _tokens(kwargs)
+    tokens = _input_size(kwargs, 1)
     moved: list[tuple[Any, int]] = []
     for lay in layers:
         if type(lay) is not cls or not lay.is_initialized or getattr(lay, MOVED, False):
@@ -245,7 +246,11 @@ def _install(cls: Any) -> None:
 
 def _read_version() -> bool:
     """Whether the transformers in use is one of :data:`READ_IN`."""
-    version = getattr(sys.modules.get("transformers"), "__version__", "")
+    return _is_read(getattr(sys.modules.get("transformers"), "__version__", ""))
+
+
+@functools.cache
+def _is_read(version: str) -> bool:  # (parsed once per version string, not on every decode step)
     parts = version.split(".")
     try:
         return (int(parts[0]), int(parts[1])) in READ_IN
@@ -260,17 +265,10 @@ def _grows(cache: Any) -> bool:
     return dynamic is not None and isinstance(cache, dynamic)
 
 
-def _tokens(kwargs: dict[str, Any]) -> int | None:
+def _input_size(kwargs: dict[str, Any], dim: int) -> int | None:
+    """Size ``dim`` of the call's ``input_ids`` (else ``inputs_embeds``): 0 the batch, 1 the tokens."""
     for name in ("input_ids", "inputs_embeds"):
         x = kwargs.get(name)
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
-            return int(x.shape[1])
-    return None
-
-
-def _batch(kwargs: dict[str, Any]) -> int | None:
-    for name in ("input_ids", "inputs_embeds"):
-        x = kwargs.get(name)
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            return int(x.shape[0])
+        if isinstance(x, torch.Tensor) and x.dim() > dim:
+            return int(x.shape[dim])
     return None
