@@ -11,21 +11,23 @@ from graphtree.tree.hf_cache import CacheLayouts
 transformers = pytest.importorskip("transformers")
 
 
+_SIZES = {  # a 2-layer Llama-shaped model (Mistral's adds a sliding window)
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg2 = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4)
         return transformers.GPT2LMHeadModel(cfg2).eval()
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SIZES)).eval()
 
 
 def _layouts(cache) -> list:
@@ -110,17 +112,7 @@ def test_another_batch_length_or_model_dtype_is_left_alone():
 
 def _mistral(window: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=window,
-    )
-    return transformers.MistralForCausalLM(cfg).eval()
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**_SIZES, sliding_window=window)).eval()
 
 
 @pytest.mark.parametrize("window", [4096, 9])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
-def tiny_model(kind: str, device: str = "cuda") -> torch.nn.Module:
+def tiny_model(kind: str, device: str = "cuda", **config: Any) -> torch.nn.Module:
     """A 2-layer GPT-2, Llama or Mistral (the Llama's shape, with sliding-window attention), vocab 256,
-    seeded, in eval mode on ``device``; greedy ``generate()`` with pad token 0."""
+    seeded, in eval mode on ``device``; greedy ``generate()`` with pad token 0. ``config``: more
+    settings of a Llama's or Mistral's config (``sliding_window=8``)."""
     import transformers
 
     torch.manual_seed(0)
@@ -25,9 +28,9 @@ def tiny_model(kind: str, device: str = "cuda") -> torch.nn.Module:
             "max_position_embeddings": 128,
         }
         if kind == "llama":
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, **config))
         else:
-            model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes))
+            model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, **config))
     model.generation_config.pad_token_id = 0
     model.generation_config.do_sample = False
     return model.to(device).eval()

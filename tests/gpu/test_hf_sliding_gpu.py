@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_hf import tiny_model
 
 import graphtree
 
@@ -22,20 +23,7 @@ def _fresh():
 
 
 def _mistral(window: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.MistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        sliding_window=window,
-    )
-    model = transformers.MistralForCausalLM(cfg)
-    model.generation_config.pad_token_id = 0
-    return model.to(DEV).eval()
+    return tiny_model("mistral", sliding_window=window)
 
 
 def _padded(batch: int) -> dict[str, torch.Tensor]:
