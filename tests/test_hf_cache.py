@@ -134,7 +134,7 @@ def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_genera
         cache = kwargs["past_key_values"]
         lay = cache.layers[0]
         before = lay.cumulative_length_int
-        shifted = layouts.before_call(kwargs)
+        moved_lengths = layouts.before_call(kwargs)
         if not lay.is_initialized:  # allocated in the call (nothing learned yet): left as it is
             lazy.append(before)
         key = read_object(cache, HeldTensors())  # the cache's part of the call's key
@@ -143,8 +143,8 @@ def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_genera
         try:
             return original(**kwargs)
         finally:
-            if shifted is not None:
-                shifted.restore()
+            if moved_lengths is not None:
+                moved_lengths.restore()
             seen.append((kwargs["input_ids"].shape[1], before, *during, lay.cumulative_length_int, key))
 
     kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "cache_implementation": "static"}
@@ -188,12 +188,12 @@ def test_code_dynamo_traces_inside_a_moved_call_reads_the_device_length_and_nest
     step = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
     traced = torch.compile(lambda lay: lay.get_seq_length() + 0, backend="eager", fullgraph=True)
     assert traced(layer) == 3  # not moved: the int, as transformers wrote it
-    shifted = hf_cache._shift_sliding(cache.layers, step)
-    assert shifted is not None and layer.cumulative_length_int == 0
+    moved_lengths = hf_cache._move_lengths(cache.layers, step)
+    assert moved_lengths is not None and layer.cumulative_length_int == 0
     assert isinstance(traced(layer), torch.Tensor) and int(traced(layer)) == 3  # the device length
-    assert hf_cache._shift_sliding(cache.layers, step) is None  # nested: already moved, left alone
+    assert hf_cache._move_lengths(cache.layers, step) is None  # nested: already moved, left alone
     assert isinstance(layer.get_seq_length(), torch.Tensor)
-    shifted.restore()
+    moved_lengths.restore()
     assert layer.get_seq_length() == 3 and layer.cumulative_length_int == 3 and traced(layer) == 3
     assert not hasattr(layer, hf_cache.MOVED)
 
@@ -222,8 +222,8 @@ def test_another_transformers_version_keeps_the_length_in_the_key(monkeypatch):
     step = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
     installed = sys.modules["transformers"]  # (not always the module importorskip gave: it is lazy)
     monkeypatch.setattr(installed, "__version__", "5.18.0")
-    assert hf_cache._shift_sliding(cache.layers, step) is None
+    assert hf_cache._move_lengths(cache.layers, step) is None
     monkeypatch.setattr(installed, "__version__", "5.17.2")
-    moved = hf_cache._shift_sliding(cache.layers, step)
+    moved = hf_cache._move_lengths(cache.layers, step)
     assert moved is not None
     moved.restore()

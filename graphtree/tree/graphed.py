@@ -161,12 +161,12 @@ class GraphedCallable:
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
             if self._hf_caches is not None and kwargs:
-                shifted = self._hf_caches.before_call(kwargs)
-                if shifted is not None:  # sliding-window lengths moved for the call (hf_cache.py)
+                moved_lengths = self._hf_caches.before_call(kwargs)
+                if moved_lengths is not None:  # sliding-window lengths moved for the call (hf_cache.py)
                     try:
                         return self._run(args, kwargs)
                     finally:
-                        shifted.restore()
+                        moved_lengths.restore()
             return self._run(args, kwargs)
         except Exception as e:
             if self.debug is not None:

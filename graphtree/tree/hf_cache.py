@@ -33,7 +33,7 @@ of a call made without ``position_ids``. So, for such a call, :meth:`CacheLayout
 moves each layer's int to 0 for the call and makes its ``get_seq_length`` return the layer's
 device twin, ``cumulative_length`` (what the full-attention ``StaticLayer`` returns, equal to the
 int while the window is not full; HF keeps the two in step) — through a flag on the layer
-(:data:`MOVED`), so that code dynamo traces inside the call reads it too; :meth:`Shifted.restore`
+(:data:`MOVED`), so that code dynamo traces inside the call reads it too; :meth:`MovedLengths.restore`
 adds the length back after the call. The decode steps then share one key and one recording. A
 call past the window's end (a full or filling window: there the int decides the branch and the
 mask's offset) is keyed by its length, as before. Only the transformers versions whose code was
@@ -43,12 +43,12 @@ position, slower, never wrong).
 Example::
 
     layouts = CacheLayouts(model)
-    shifted = layouts.before_call(kwargs)  # in graphed.__call__, for a transformers model's forward
+    moved_lengths = layouts.before_call(kwargs)  # in graphed.__call__, for a transformers model's forward
     try:
         out = run(kwargs)
     finally:
-        if shifted is not None:
-            shifted.restore()
+        if moved_lengths is not None:
+            moved_lengths.restore()
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class CacheLayouts:
         self._pending: tuple[Any, tuple[Any, ...]] | None = None  # (weak ref to a cache met empty, its kind)
         self._hinted = False  # the DynamicCache hint, logged once
 
-    def before_call(self, kwargs: dict[str, Any]) -> Shifted | None:
+    def before_call(self, kwargs: dict[str, Any]) -> MovedLengths | None:
         """Learn the layout of ``kwargs["past_key_values"]``, or initialize it early if it is a fresh
         cache of a kind already learned; move its sliding-window lengths for the call (see the
         module docstring): the caller must then call ``restore()`` on what is returned once the
@@ -117,7 +117,7 @@ class CacheLayouts:
                 self._pending = None
                 if pending[0]() is cache:  # the cache met empty, filled by the call before
                     self._known.setdefault(pending[1], _learn(layers))
-            return _shift_sliding(layers, kwargs)
+            return _move_lengths(layers, kwargs)
         batch = _input_size(kwargs, 0)
         kind = (type(cache), len(layers), getattr(first, "max_cache_len", None), batch, *self._computes_in())
         layout = self._known.get(kind)
@@ -134,7 +134,7 @@ class CacheLayouts:
         if [getattr(lay, "max_cache_len", None) for lay in layers] != layout.lengths:
             return None
         cache.early_initialization(layout.batch, layout.heads, layout.head_dims, layout.dtype, layout.device)
-        return _shift_sliding(layers, kwargs)
+        return _move_lengths(layers, kwargs)
 
     def _computes_in(self) -> tuple[Any, ...]:
         p = next(self._model.parameters(), None) if self._model is not None else None
@@ -168,7 +168,7 @@ def _learn(layers: list[Any]) -> _Layout | None:
     return _Layout(int(keys0.shape[0]), heads, dims, lengths, keys0.dtype, keys0.device)
 
 
-class Shifted:
+class MovedLengths:
     """Sliding-window layers whose Python length was moved to 0 for one call; :meth:`restore` after it."""
 
     __slots__ = ("_layers",)
@@ -197,7 +197,7 @@ _install_lock = threading.Lock()
 _installed: list[Any] = []  # the class patched, once
 
 
-def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
+def _move_lengths(layers: list[Any], kwargs: dict[str, Any]) -> MovedLengths | None:
     """Move to 0 the Python length of each ``StaticSlidingWindowLayer`` the call's tokens still fit in
     (see the module docstring); ``None`` when there is none. A cache mixing such layers with others
     is moved only where it is safe: a layer past its window keeps its length (and so its key)."""
@@ -223,7 +223,7 @@ def _shift_sliding(layers: list[Any], kwargs: dict[str, Any]) -> Shifted | None:
     for lay, _ in moved:
         lay.cumulative_length_int = 0
         setattr(lay, MOVED, True)
-    return Shifted(moved)
+    return MovedLengths(moved)
 
 
 def _install(cls: Any) -> None:
