@@ -448,6 +448,16 @@ def readable_storage(t: Any) -> torch.UntypedStorage | None:
     return st
 
 
+def storage_ptr(st: torch.UntypedStorage) -> int:
+    """``st.data_ptr()``, or 0 for a storage Python cannot read: a wrapper subclass's, such as the
+    functional collectives' ``_wrap_tensor_autograd`` handles (found on the H100 under torch 2.11:
+    dispatch modes that read every storage raised there)."""
+    try:
+        return int(st.data_ptr())
+    except RuntimeError:
+        return 0
+
+
 class StateWatch(TorchDispatchMode):
     """While active, notes what the operations of a warm-up or capture do to memory.
 
@@ -486,7 +496,7 @@ class StateWatch(TorchDispatchMode):
                     continue
                 val = kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else kwargs.get(arg.name))
                 if isinstance(val, torch.Tensor) and val.layout is _strided and not val.is_nested:
-                    idx = self.watched.get(val.untyped_storage().data_ptr())
+                    idx = self.watched.get(storage_ptr(val.untyped_storage()))
                     if idx is not None and idx not in self.written:
                         self.written.append(idx)
         given: set[int] = set()  # storages the operation was given: what it returns of them is not new
@@ -494,7 +504,7 @@ class StateWatch(TorchDispatchMode):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
                     st = t.untyped_storage()
-                    ptr = st.data_ptr()
+                    ptr = storage_ptr(st)
                     given.add(ptr)
                     if self._track_reads and ptr and ptr not in self.read:
                         self.read[ptr] = (weak_ref(st), st.nbytes())
@@ -505,7 +515,7 @@ class StateWatch(TorchDispatchMode):
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
                 st = t.untyped_storage()
-                ptr = st.data_ptr()
+                ptr = storage_ptr(st)
                 if ptr and ptr not in given:
                     old = self.made.get(ptr)
                     if old is None or weak_expired(old):
@@ -654,3 +664,29 @@ def torch_profiler_active() -> bool:
         return bool(torch._C._autograd._profiler_enabled())
     except Exception:  # noqa: BLE001 - a moved private API means no profiler we can see
         return False
+
+
+# --- torch.distributed: the process groups of collectives, and the store ranks agree through ----
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group a functional collective names (``distributed_c10d._resolve_process_group``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    resolve = getattr(c10d, "_resolve_process_group", None)
+    if resolve is None:
+        raise PrivateAPIMissing(f"torch {torch.__version__} has no distributed_c10d._resolve_process_group")
+    return resolve(name)
+
+
+def default_store() -> Any:
+    """The store ``init_process_group`` made (every rank of the job reaches it), or None."""
+    from torch.distributed import distributed_c10d as c10d
+
+    get = getattr(c10d, "_get_default_store", None)
+    if get is None:
+        raise PrivateAPIMissing(f"torch {torch.__version__} has no distributed_c10d._get_default_store")
+    try:
+        return get()
+    except (RuntimeError, ValueError):  # no default process group
+        return None

@@ -31,6 +31,7 @@ from graphtree.tree.inputs import (
     unflatten,
     watch_parameter_changes,
 )
+from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
@@ -54,6 +55,7 @@ def _check_options(
     name: str | None,
     debug: str | os.PathLike[str] | None = None,
     max_break_values: int = MAX_VALUES,
+    lockstep_timeout: float = LOCKSTEP_TIMEOUT,
 ) -> None:
     """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
     if buckets is not None:
@@ -66,6 +68,8 @@ def _check_options(
     ):
         if type(value) is not int or value < 0:
             raise ValueError(f"{option} must be a non-negative int, got {value!r}")
+    if isinstance(lockstep_timeout, bool) or not isinstance(lockstep_timeout, (int, float)) or not lockstep_timeout > 0:
+        raise ValueError(f"lockstep_timeout must be a positive number of seconds, got {lockstep_timeout!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     if debug is not None and (not isinstance(debug, (str, os.PathLike)) or not os.fspath(debug)):
@@ -103,10 +107,11 @@ class GraphedCallable:
         name: str | None = None,
         debug: str | os.PathLike[str] | None = None,
         max_break_values: int = MAX_VALUES,
+        lockstep_timeout: float = LOCKSTEP_TIMEOUT,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values)
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout)
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         self.fn = fn
         self.id = next(_ids)
@@ -118,6 +123,10 @@ class GraphedCallable:
         self.warmup = warmup
         self.max_rerecords = max_rerecords
         self.max_break_values = max_break_values
+        self.lockstep_timeout = float(lockstep_timeout)
+        # The process groups of the collectives it calls, and the ranks' agreements (tree/lockstep.py)
+        self._groups: dict[str, tuple[int, ...]] = {}
+        self._lockstep: Lockstep | None = None
         self.disabled_reason: str | None = None
         # Signatures never to graph, with the reason (a host sync, a mutated input, a failed
         # capture, the re-record limit, ...): other signatures of the function still are.
@@ -225,6 +234,14 @@ class GraphedCallable:
     def give_up(self, key: Any, reason: str) -> None:
         """Run calls with signature ``key`` eagerly from now on, for the reason given."""
         self.given_up[key] = reason
+
+    def lockstep(self, groups: dict[str, tuple[int, ...]] | None = None) -> Lockstep | None:
+        """The agreements among ranks this function's recordings need, or None when it calls no
+        collective; ``groups``: the process groups a warm-up saw it use (name -> global ranks)."""
+        if groups and not groups.keys() <= self._groups.keys():
+            self._groups.update(groups)
+            self._lockstep = for_groups(self.name, self._groups, self.lockstep_timeout)
+        return self._lockstep
 
     def note_kept_state(self, key: Any) -> bool:
         """Count a warm-up of ``key`` that kept tensors it allocated; True once that looks
@@ -479,6 +496,7 @@ def graphed(
     name: str | None = None,
     debug: str | os.PathLike[str] | None = None,
     max_break_values: int = MAX_VALUES,
+    lockstep_timeout: float = LOCKSTEP_TIMEOUT,
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
@@ -509,6 +527,10 @@ def graphed(
             host read may give (each gets recordings of its own for what follows it) before the
             signature runs eagerly (default 8, ``graphtree.tree.breaks.MAX_VALUES``); 0 runs a
             call that reads a value on the host eagerly, as before breaks.
+        lockstep_timeout: for a function that calls ``torch.distributed`` collectives, seconds a
+            rank waits for the other ranks of their groups to agree to record it or to run it
+            eagerly (``graphtree.tree.lockstep``; default 600, torch.distributed's own default),
+            after which it raises ``LockstepTimeout`` naming the ranks that did not come.
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function by import path or by value, a model with its weights, random states,
             versions, traceback; see :func:`graphtree.debug.dump_on_error`) before the error
@@ -551,10 +573,11 @@ def graphed(
             name=name,
             debug=debug,
             max_break_values=max_break_values,
+            lockstep_timeout=lockstep_timeout,
         )
         return GraphedModule(f, call) if isinstance(f, torch.nn.Module) else call
 
     if fn is None:  # as a decorator with options: @graphed(buckets=[...])
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values)
+        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout)
         return make
     return make(fn)

@@ -37,6 +37,7 @@ from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
+from graphtree.tree.lockstep import Vote, environment_problem
 from graphtree.tree.node import Node, Root, below, signature
 from graphtree.tree.pool import Pool
 from graphtree.tree.replay_error import explain, is_cuda_error
@@ -418,9 +419,14 @@ class TreeManager:
         self.counters.warmups += 1
         gc.churn.warmed_up()
         key = (gc.id, call.key)
-        if done.give_up:
-            gc.give_up(call.key, done.give_up)
-        elif done.kept:  # it allocated state (a cache filled on first use): warm up again next time
+        give_up, again = done.give_up, bool(done.kept)
+        lockstep = gc.lockstep(done.groups)
+        if lockstep is not None:  # it calls collectives: its ranks decide together (tree/lockstep.py)
+            give_up, again = lockstep.agree("warm-up", give_up or environment_problem(), again)
+            self.counters.agreements += 1
+        if give_up:
+            gc.give_up(call.key, give_up)
+        elif again:  # it allocated state (a cache filled on first use): warm up again next time
             if gc.note_kept_state(call.key):
                 gc.give_up(call.key, KEEPS_STATE.format(name=gc.name))
         else:
@@ -431,11 +437,19 @@ class TreeManager:
         self._sync_bookkeeping()
         key = (gc.id, call.key)
         siblings = [] if prefix else self._alive_siblings(key)  # a new value's recording is no re-recording
+        reason = None
         if len(siblings) > gc.max_rerecords:
             reason = (
                 f"re-record limit reached: recorded {len(siblings)} times at the same place "
                 f"(in-place inputs or parameters keep moving, or held outputs keep changing)"
             )
+        lockstep = gc.lockstep()
+        captured = None
+        if lockstep is not None:  # every rank records this call, or none does (tree/lockstep.py)
+            reason = lockstep.agree("record", reason)[0]
+            self.counters.agreements += 1
+            captured = Vote(lockstep, "capture")
+        if reason is not None:
             gc.give_up(call.key, reason)
             return gc.run_eager(call, reason)
         if not prefix:  # object tensors into memory the callable's other recordings keep (tree/adoption.py)
@@ -457,8 +471,13 @@ class TreeManager:
                 stream=self.stream,
                 device=self.device,
                 prefix=prefix,
+                captured=captured,
             )
         except CaptureFailed as e:
+            if captured is not None:
+                if not captured.cast:  # the other ranks learn that this one failed
+                    captured(str(e))
+                self.counters.agreements += 1
             gc.give_up(call.key, str(e))
             if e.pool_tainted:
                 self._retire_pool()
@@ -480,6 +499,8 @@ class TreeManager:
             self._retire_pool(quiet=True)
             raise
         gc.churn.recorded()
+        if captured is not None:
+            self.counters.agreements += 1
         if siblings:
             self.counters.rerecordings += 1
         if not prefix:  # (a new value's recording is found through the first segment it shares)

@@ -10,6 +10,7 @@ What a capture produces is handed to :class:`~graphtree.tree.node.Node`'s constr
 
 from __future__ import annotations
 
+import contextlib
 import gc as _collector
 import itertools
 import threading
@@ -27,6 +28,7 @@ from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, param_epoch, tensor_kind
+from graphtree.tree.lockstep import Vote, watch_collectives
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import copied_inputs, place_inputs, state_watch
@@ -87,10 +89,11 @@ def _no_autocast_cache() -> Iterator[None]:
 class WarmUp:
     """The result of one warm-up run: its outputs, and what it showed about the signature."""
 
-    def __init__(self, out: Any, give_up: str | None, kept: int) -> None:
+    def __init__(self, out: Any, give_up: str | None, kept: int, groups: dict[str, tuple[int, ...]]) -> None:
         self.out = out
         self.give_up = give_up  # a reason never to graph this signature, or None
         self.kept = kept  # storages the function made and kept beyond its outputs (state it allocated)
+        self.groups = groups  # the process groups of the collectives it called: name -> global ranks
 
 
 def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
@@ -108,6 +111,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
     reads = WarmUpReads(count_reads=gc.max_break_values > 0)
     sync = SyncWatch(tracker, gc.name, allowed=reads)
+    collectives = watch_collectives()  # (None without torch.distributed)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
@@ -119,6 +123,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
             sync,
             tracker,
             reads,
+            collectives or contextlib.nullcontext(),
             watch,
         ):
             out = gc.fn(*args, **kwargs)
@@ -131,7 +136,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     finally:
         current.wait_stream(stream)
         watch.close()
-    return WarmUp(out, reason, kept)
+    return WarmUp(out, reason, kept, collectives.groups if collectives else {})
 
 
 def _unsafe_reason(name: str, op: str) -> str | None:
@@ -171,6 +176,7 @@ def record(
     stream: torch.cuda.Stream,
     device: int,
     prefix: list[tuple[Segment, Any]] | None = None,
+    captured: Vote | None = None,
 ) -> tuple[Node, Any]:
     """Capture one call of ``gc`` as a child of ``parent`` (the last node of ``path``).
 
@@ -179,7 +185,9 @@ def record(
     graph cannot hold; an exception of the function itself propagates unchanged, and nothing
     of the failed capture stays behind. A host read of a scalar ends a segment of the recording
     (:mod:`graphtree.tree.breaks`); with ``prefix`` (the segments a replay ran before it read a
-    value never recorded, and the values read), the new node extends that recording.
+    value never recorded, and the values read), the new node extends that recording. With
+    ``captured`` (a function that calls collectives: :mod:`graphtree.tree.lockstep`), the ranks
+    agree that each captured before the graph first runs; one that did not makes all fail.
     """
     # Outputs of the path the caller holds are read in place and kept out of this graph's
     # memory; those that are dead must stay dead for the graph to be replayed.
@@ -305,6 +313,10 @@ def record(
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
             raise CaptureFailed(_KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
+        other = captured(None) if captured is not None else None  # every rank captured, or none keeps it
+        if other is not None:
+            del out, owning, graph
+            raise CaptureFailed(f"`{gc.name}` is not recorded on any rank: {other}")
         in_pool = pool.address_test()
         outputs, out_leaves = OutputPlan.from_recording(out, graph_leaves, in_pool, gc.name, call.bucket, _pad_dim(gc))
         externals = _externals(gc, watch, graph_leaves, statics, in_pool)

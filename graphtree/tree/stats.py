@@ -25,7 +25,9 @@ class Stats:
     addresses (a fresh cache) that moved into the recording's memory instead of a new recording
     (:mod:`graphtree.tree.adoption`; the replays are counted in ``replays``). ``kept_bytes`` is the
     memory of those objects' tensors the recordings keep for the next one (outside the pools: a
-    cache's worth per layout, whether or not the caller still holds it too).
+    cache's worth per layout, whether or not the caller still holds it too). ``agreements`` counts
+    the votes ranks took together for functions that call ``torch.distributed`` collectives, after
+    each warm-up and around each capture (:mod:`graphtree.tree.lockstep`).
 
     Example::
 
@@ -41,6 +43,7 @@ class Stats:
     replaced: int = 0
     values: int = 0
     adopted: int = 0
+    agreements: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     pool_bytes: int = 0
     kept_bytes: int = 0
@@ -60,7 +63,9 @@ class Stats:
             + "), "
             f"{self.replays} replays"
             + (f" ({self.adopted} adopting a new object's tensors)" if self.adopted else "")
-            + f", {self.warmups} warm-ups; eager runs: {eager}; "
+            + f", {self.warmups} warm-ups"
+            + (f" ({self.agreements} agreements among ranks)" if self.agreements else "")
+            + f"; eager runs: {eager}; "
             f"pool {self.pool_bytes / 2**20:.1f} MiB in {self.trees} tree(s)"
             + (f", {self.kept_bytes / 2**20:.1f} MiB of objects' tensors kept" if self.kept_bytes else "")
         )
@@ -70,7 +75,17 @@ class Stats:
 class Counters:
     """Mutable counters one tree (or the process, for calls with no tree) keeps."""
 
-    __slots__ = ("adopted", "eager", "recordings", "replaced", "replays", "rerecordings", "values", "warmups")
+    __slots__ = (
+        "adopted",
+        "agreements",
+        "eager",
+        "recordings",
+        "replaced",
+        "replays",
+        "rerecordings",
+        "values",
+        "warmups",
+    )
 
     def __init__(self) -> None:
         self.recordings = 0
@@ -79,6 +94,7 @@ class Counters:
         self.rerecordings = 0
         self.replaced = 0  # dead recordings replaced (everything they read in place had died)
         self.values = 0  # recordings for a new value at a host read (tree/breaks.py)
+        self.agreements = 0  # votes among ranks (tree/lockstep.py)
         self.adopted = 0  # replays that moved a new object's tensors into the recording's (tree/adoption.py)
         self.eager: Counter[str] = Counter()
 
@@ -90,6 +106,7 @@ class Counters:
         s.replaced += self.replaced
         s.values += self.values
         s.adopted += self.adopted
+        s.agreements += self.agreements
         for k, v in self.eager.items():
             s.eager[k] = s.eager.get(k, 0) + v
 

@@ -1,0 +1,233 @@
+"""Lock-step recording for functions that call collectives: every rank of their process groups warms
+up, records and falls back at the same calls.
+
+A graph that holds an NCCL collective is a collective when it replays, and capturing one can be
+collective too (NCCL registers the graph's buffers with its peers). A rank that records while
+another runs eagerly, or that falls back while another replays, would leave the other waiting for
+an operation that never comes, or, with NCCL's buffer registration, hang the capture. So the
+decisions a tree makes alone for other functions are agreed for these: after each warm-up (graph
+this signature, warm up again, or give it up), before a capture (the re-record limit) and after it
+(did it succeed). Each rank writes its vote in the job's store (``init_process_group``'s); each then
+reads every vote of the group, and one rank's reason to fall back makes all fall back, with that
+reason. Replays are not agreed: they are as many on every rank as the calls are.
+
+A rank that does not come to an agreement within ``lockstep_timeout`` seconds (it raised, called the
+function with another signature, or called something else) makes the others raise
+:class:`LockstepTimeout`, naming it: never a hang. Replaying, warm-up and eager runs each run a
+collective exactly once, so ranks in different modes still meet as NCCL expects (with
+``NCCL_GRAPH_MIXING_SUPPORT``, on by default).
+
+Example::
+
+    watch = CollectiveWatch()
+    with watch:
+        fn(x)                       # notes the groups of the collectives fn calls
+    reason, again = Lockstep("fn", ranks=(0, 1), rank=0, store=store, timeout=60).agree("warm-up", None)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphtree import _torch
+
+LOCKSTEP_TIMEOUT = 600.0
+"""Seconds a rank waits for the others to agree by default: torch.distributed's default timeout."""
+
+_NAMESPACES = ("c10d", "_c10d_functional")
+_GROUP_ARGUMENTS = ("process_group", "group_name")
+
+
+class LockstepTimeout(RuntimeError):
+    """Ranks of a collective function's groups did not all come to an agreement within the timeout."""
+
+
+class LockstepMismatch(RuntimeError):
+    """Ranks came to the same agreement for different functions or steps: their calls differ."""
+
+
+class CollectiveWatch(TorchDispatchMode):
+    """In a warm-up: the process groups (name and global ranks) of the collectives the function calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: dict[str, tuple[int, ...]] = {}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in _NAMESPACES:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.name in _GROUP_ARGUMENTS:
+                    found = _group_of(args[i] if i < len(args) else kwargs.get(arg.name))
+                    if found is not None:
+                        self.groups[found[0]] = found[1]
+                        if str(func) not in self.ops:
+                            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _group_of(arg: Any) -> tuple[str, tuple[int, ...]] | None:
+    """The name and global ranks of the process group a collective's argument names, or None: a
+    ``c10d`` operation (``dist.all_reduce`` and friends) gives the dispatcher its group as a
+    ``ScriptObject``, a functional one (``torch.distributed._functional_collectives``) its name."""
+    import torch.distributed as dist
+
+    group: Any = None
+    if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
+        group = dist.ProcessGroup.unbox(arg)
+    elif isinstance(arg, str):
+        group = _torch.resolve_process_group(arg)
+    elif isinstance(arg, dist.ProcessGroup):
+        group = arg
+    if group is None:
+        return None
+    return str(group.group_name), tuple(dist.get_process_group_ranks(group))
+
+
+def watch_collectives() -> CollectiveWatch | None:
+    """A :class:`CollectiveWatch` for a warm-up, or None where no process group exists (no collective
+    can run: warm-ups are spared the dispatch mode)."""
+    import torch.distributed as dist
+
+    return CollectiveWatch() if dist.is_available() and dist.is_initialized() else None
+
+
+def environment_problem() -> str | None:
+    """Why this process's environment keeps NCCL collectives out of graphs, or None."""
+    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").strip() not in ("", "0"):
+        return (
+            "TORCH_NCCL_BLOCKING_WAIT is set: every collective waits for its result on the host, "
+            "which a graph cannot record (unset it)"
+        )
+    if os.environ.get("NCCL_GRAPH_MIXING_SUPPORT", "1").strip() == "0":
+        return (
+            "NCCL_GRAPH_MIXING_SUPPORT=0: graphtree runs a function's collectives eagerly (warm-ups) and "
+            "from graphs on the same communicators, which NCCL then does not allow (unset it)"
+        )
+    return None
+
+
+_counters: defaultdict[tuple[tuple[int, ...], str, int], int] = defaultdict(int)
+_counters_lock = threading.Lock()
+
+
+def _next_number(ranks: tuple[int, ...], rank: int) -> int:
+    """The number of this thread's next agreement among ``ranks``: the same on every rank when their
+    calls are the same (threads are told apart by name, as the same program names them alike; the
+    rank is in the key only for tests that play several ranks in one process)."""
+    with _counters_lock:
+        key = (ranks, threading.current_thread().name, rank)
+        _counters[key] += 1
+        return _counters[key]
+
+
+class Lockstep:
+    """The agreements of one graphed function among the ranks of its collectives' groups.
+
+    ``store``: any ``torch.distributed.Store`` every rank reaches (the default store in a job;
+    a ``HashStore`` shared by threads in tests). ``timeout``: seconds to wait for the other ranks.
+    """
+
+    def __init__(self, name: str, ranks: tuple[int, ...], rank: int, store: Any, timeout: float) -> None:
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not one of the group's ranks {list(ranks)}")
+        self.name = name
+        self.ranks = ranks
+        self.rank = rank
+        self.store = store
+        self.timeout = timeout
+
+    def agree(self, stage: str, reason: str | None, again: bool = False) -> tuple[str | None, bool]:
+        """Vote at ``stage`` and read every rank's vote: ``reason``, why this rank cannot go on (or
+        None); ``again``, that it must do this step once more (a warm-up that kept state). Returns
+        the first reason in rank order (prefixed with its rank when it is another's) or None, and
+        whether any rank asked for ``again``.
+
+        Raises :class:`LockstepTimeout` naming the ranks that did not vote in time, and
+        :class:`LockstepMismatch` when a rank voted for another function or stage.
+        """
+        number = _next_number(self.ranks, self.rank)
+        thread = threading.current_thread().name
+        prefix = f"graphtree/lockstep/{','.join(map(str, self.ranks))}/{thread}/{number}"
+        keys = [f"{prefix}/{r}" for r in self.ranks]
+        mine = {"name": self.name, "stage": stage, "reason": reason, "again": again}
+        self.store.set(keys[self.ranks.index(self.rank)], json.dumps(mine))
+        missing = self._wait(keys)
+        if missing:
+            raise LockstepTimeout(
+                f"graphtree: rank(s) {missing} did not come to agreement {number} ({stage} of `{self.name}`) "
+                f"within {self.timeout:g} s. Every rank of the groups {list(self.ranks)} must call `{self.name}` "
+                f"with the same signatures in the same order, and none may raise in it; a rank that replays "
+                f"while another records cannot follow (graphed(..., lockstep_timeout=) sets the wait)"
+            )
+        first: str | None = None
+        anyone_again = False
+        for r, raw in zip(self.ranks, self.store.multi_get(keys)):
+            vote = json.loads(raw)
+            if (vote["name"], vote["stage"]) != (self.name, stage):
+                raise LockstepMismatch(
+                    f"graphtree: at agreement {number} among ranks {list(self.ranks)}, rank {r} was at "
+                    f"{vote['stage']} of `{vote['name']}` and rank {self.rank} at {stage} of `{self.name}`: "
+                    f"the ranks' calls of graphed functions differ"
+                )
+            if first is None and vote["reason"] is not None:
+                first = vote["reason"] if r == self.rank else f"rank {r}: {vote['reason']}"
+            anyone_again = anyone_again or bool(vote["again"])
+        return first, anyone_again
+
+    def _wait(self, keys: list[str]) -> list[int]:
+        """Wait until every key is in the store, or ``timeout`` seconds; the ranks still missing then.
+
+        Polled with ``check`` (one short round trip at a time), not the store's blocking ``wait``: in a
+        job the default store's client is shared with ProcessGroupNCCL's monitor thread. On two H100s
+        (torch 2.11) a rank whose ``wait`` was to time out never came back, where the same agreement
+        over gloo on the CPU raised in time; the blocking wait on the shared client is the suspect."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0002
+        while not self.store.check(keys):
+            if time.monotonic() >= deadline:
+                return [r for r, k in zip(self.ranks, keys) if not self.store.check([k])]
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return []
+
+
+class Vote:
+    """One rank's vote at one stage of a recording, cast at most once: the capture votes that it
+    succeeded, and the manager casts the reason of a capture that failed before it could."""
+
+    def __init__(self, lockstep: Lockstep, stage: str) -> None:
+        self.lockstep = lockstep
+        self.stage = stage
+        self.cast = False
+
+    def __call__(self, reason: str | None) -> str | None:
+        """Vote ``reason`` (None: this rank goes on); the first rank's reason to stop, or None."""
+        self.cast = True
+        return self.lockstep.agree(self.stage, reason)[0]
+
+
+def for_groups(name: str, groups: dict[str, tuple[int, ...]], timeout: float) -> Lockstep:
+    """The :class:`Lockstep` of a function whose collectives use ``groups``, on the job's default
+    store. Raises ``RuntimeError`` naming what is missing when there is none."""
+    import torch.distributed as dist
+
+    store = _torch.default_store()
+    if store is None or not dist.is_initialized():
+        raise RuntimeError(
+            f"graphtree: `{name}` calls collectives, but torch.distributed has no default process group "
+            "and store to agree through: call torch.distributed.init_process_group() first"
+        )
+    ranks = tuple(sorted({r for group in groups.values() for r in group}))
+    return Lockstep(name, ranks, dist.get_rank(), store, timeout)
