@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -81,6 +81,13 @@ for stage in $stages; do
       timeout 90 python3 benchmarks/forward_cpu.py 2>&1 | tee "$OUT/forward_cpu.txt" | tail -8
       timeout 90 python3 benchmarks/generate_kernels.py --json "$OUT/generate_kernels.json" 2>&1 | tee "$OUT/generate_kernels.txt" | grep -v '^W1' | tail -6
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/per_call.py --json "$OUT/per_call_after.json" 2>&1 | tail -14
+      ;;
+    collectives)  # issue 31: collectives inside recordings under torchrun (two ranks where two GPUs are),
+                  # then the tensor-parallel timings on every GPU of the machine
+      timeout -s INT -k 20 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_collectives_gpu.py 2>&1 | tee "$OUT/collectives.log" | grep -v '^W1' | tail -30
+      NGPU=$(nvidia-smi -L | wc -l)
+      timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/tp_step.py --bench \
+        --json "$OUT/tp_bench_${NGPU}gpu.json" 2>&1 | tee "$OUT/tp_bench.log" | grep -v '^W1' | grep -E '^\{|Error|error' | tail -20
       ;;
     bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
       timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tee "$OUT/bench-breaks.log" | tail -25

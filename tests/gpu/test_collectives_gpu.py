@@ -1,0 +1,81 @@
+"""NCCL collectives inside recordings (issue 31), under torchrun: one GPU (a world of one) and, where
+the machine has them, two. benchmarks/tp_step.py --check does the work; each rank prints its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.own_process  # every check runs in torchrun's processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "functional_all_reduce"]
+
+
+def _torchrun(nproc: int, out: Path, timeout: float = 240) -> tuple[list[dict[str, Any]], float, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(ROOT, "benchmarks", "tp_step.py"), "--check", "--out", str(out)]  # fmt: skip
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    wall = time.monotonic() - t0
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    ranks = [json.loads((out / f"check-rank{r}.json").read_text()) for r in range(nproc)]
+    assert [r["rank"] for r in ranks] == list(range(nproc)), log[-6000:]
+    return ranks, wall, log
+
+
+def _graphed_and_equal(case: dict[str, Any], calls: int) -> None:
+    assert case["equal"] == [True] * calls, case
+    assert case["recordings"] == 1 and case["replays"] == calls - 2 and case["eager"] == {}, case
+    # after the warm-up, before the capture, after it
+    assert case["agreements"] == 3, case
+
+
+def _check_rank(r: dict[str, Any]) -> None:
+    assert [c["name"] for c in r["collectives"]] == COLLECTIVES
+    for case in r["collectives"]:
+        _graphed_and_equal(case, 6)
+    _graphed_and_equal(r["mlp"], 6)
+    decode = r["decode"]
+    assert decode["equal"] == [True] * 24, decode
+    assert decode["recordings"] == 1 and decode["replays"] == 22 and decode["eager"] == {}, decode
+    assert decode["max_diff_to_whole_model"] < 1e-3, decode  # the split model computes the whole one's logits
+
+
+def test_each_collective_the_parallel_mlp_and_decode_step_replay_equal_to_eager_in_a_world_of_one(
+    tmp_path: Path,
+) -> None:
+    (rank,), _wall, _log = _torchrun(1, tmp_path)
+    print(f"\nworld of one on {rank['device']}: {rank['stats']}")
+    _check_rank(rank)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one host")
+def test_two_ranks_replay_together_fall_back_together_and_a_rank_that_cannot_follow_raises(tmp_path: Path) -> None:
+    ranks, wall, _log = _torchrun(2, tmp_path)
+    for r in ranks:
+        print(f"\nrank {r['rank']} of 2 on {r['device']}: {r['stats']}")
+        _check_rank(r)
+        # rank 1 alone copied a result to the host: every rank ran it eagerly, rank 1's reason given
+        forced = r["forced_fallback"]
+        assert forced["equal"] == [True] * 4 and forced["recordings"] == 0, forced
+        assert forced["agreements"] == 1, forced  # one warm-up's vote; then eager, with no vote
+        (reason,) = forced["eager"]
+        assert "synchronizes with the host" in reason and forced["eager"][reason] == 3, forced
+        assert reason.startswith("rank 1: ") == (r["rank"] == 0), reason
+    follow0, follow1 = ranks[0]["cannot_follow"], ranks[1]["cannot_follow"]
+    assert follow1["outcome"] == "skipped"
+    assert follow0["outcome"] == "LockstepTimeout", follow0
+    assert "rank(s) [1]" in follow0["message"] and "lockstep_timeout" in follow0["message"]
+    assert follow0["timeout"] <= follow0["waited_s"] < follow0["timeout"] + 10, follow0
+    print(f"torchrun of two ranks: {wall:.1f} s; rank 0 waited {follow0['waited_s']} s for rank 1")
