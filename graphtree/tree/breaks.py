@@ -400,17 +400,17 @@ class Breaks(TorchDispatchMode):
         if not self.enabled or not self.open or not is_read(func, args, kwargs):
             if self.open and not self.changes_state and _mutable(func):
                 self.changes_state = any(
-                    t.untyped_storage().data_ptr() not in self.made for t in _written(func, args, kwargs)
+                    _torch.storage_ptr(t.untyped_storage()) not in self.made for t in _written(func, args, kwargs)
                 )
             out = func(*args, **kwargs)
             outs = out if isinstance(out, (list, tuple)) else (out,)
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
-                    self.trace.append(t.data_ptr())
+                    self.trace.append(_torch.storage_ptr(t.untyped_storage()) and t.data_ptr())
             if self.open:
                 for t, fresh in zip(outs, _fresh_returns(func)):
                     if fresh and isinstance(t, torch.Tensor):  # (a view shares its input's storage: not made here)
-                        self.made.add(t.untyped_storage().data_ptr())
+                        self.made.add(_torch.storage_ptr(t.untyped_storage()))
             if self.sites.on and self.open:
                 self.sites.after_op(torch.cuda.current_stream().cuda_stream)
             return out
