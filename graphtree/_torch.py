@@ -265,33 +265,6 @@ def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True
     return removed
 
 
-_wait_watchers: list[Callable[[torch.cuda.Stream], None]] = []
-
-
-def watch_event_waits(note: Callable[[torch.cuda.Stream], None]) -> None:
-    """Call ``note(stream)`` after every ``torch.cuda.Event.wait`` (which ``Stream.wait_event`` and
-    ``Stream.wait_stream`` go through) with the stream made to wait: how a capture learns which side
-    streams joined it (a fork). Installed once per process; ``note`` must be cheap when it has nothing
-    to do. ``torch.Event`` (the device-generic API) and direct ``cudaStreamWaitEvent`` calls are not seen.
-    """
-    if note in _wait_watchers:
-        return
-    _wait_watchers.append(note)
-    if len(_wait_watchers) > 1:
-        return
-    wait = torch.cuda.Event.wait
-
-    def watched(self: torch.cuda.Event, stream: Any = None) -> None:
-        if stream is None:
-            stream = torch.cuda.current_stream()
-        wait(self, stream)
-        for watcher in _wait_watchers:
-            watcher(stream)
-
-    functools.update_wrapper(watched, wait)
-    torch.cuda.Event.wait = watched  # type: ignore[method-assign]
-
-
 def stream_capturing(stream: torch.cuda.Stream) -> bool:
     """Whether ``stream`` is capturing into a CUDA graph now."""
     with torch.cuda.stream(stream):
@@ -677,6 +650,26 @@ def resolve_process_group(name: str) -> Any:
     if resolve is None:
         raise PrivateAPIMissing(f"torch {torch.__version__} has no distributed_c10d._resolve_process_group")
     return resolve(name)
+
+
+def grad_off_inside(fn: Any) -> bool:
+    """Whether ``fn`` (a function, bound method or module) runs with autograd off whatever the
+    caller's mode: wrapped by ``@torch.no_grad()`` or ``@torch.inference_mode()`` (the wrapper
+    ``torch.utils._contextlib.context_decorator`` makes, its context in the closure cell ``ctx_factory``)."""
+    if isinstance(fn, torch.nn.Module):
+        fn = getattr(fn, "forward", None)
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_name != "decorate_context":
+        return False
+    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
+    try:
+        owner = getattr(cells["ctx_factory"].cell_contents, "__self__", None)
+    except (KeyError, ValueError):
+        return False
+    if isinstance(owner, torch.inference_mode):
+        return bool(getattr(owner, "mode", False))
+    return isinstance(owner, torch.no_grad)
 
 
 def default_store() -> Any:

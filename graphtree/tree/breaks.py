@@ -61,6 +61,33 @@ MAX_READ_ELEMENTS = 256
 a larger one cannot be keyed and makes the signature eager, as before."""
 
 
+_wait_watchers: list[Callable[[torch.cuda.Stream], None]] = []
+
+
+def _watch_event_waits(note: Callable[[torch.cuda.Stream], None]) -> None:
+    """Call ``note(stream)`` after every ``torch.cuda.Event.wait`` (which ``Stream.wait_event`` and
+    ``Stream.wait_stream`` go through) with the stream made to wait: how a capture learns which side
+    streams joined it (a fork). Installed once per process; ``note`` must be cheap when it has nothing
+    to do. ``torch.Event`` (the device-generic API) and direct ``cudaStreamWaitEvent`` calls are not seen.
+    """
+    if note in _wait_watchers:
+        return
+    _wait_watchers.append(note)
+    if len(_wait_watchers) > 1:
+        return
+    wait = torch.cuda.Event.wait
+
+    def watched(self: torch.cuda.Event, stream: Any = None) -> None:
+        if stream is None:
+            stream = torch.cuda.current_stream()
+        wait(self, stream)
+        for watcher in _wait_watchers:
+            watcher(stream)
+
+    functools.update_wrapper(watched, wait)
+    torch.cuda.Event.wait = watched  # type: ignore[method-assign]
+
+
 def is_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``func(*args, **kwargs)`` reads a CUDA tensor on the host: a scalar, or a copy of a
     small tensor to the CPU."""
@@ -279,7 +306,7 @@ class Breaks(TorchDispatchMode):
         self.changes_state = False  # the segment under capture wrote memory the call did not allocate
         self.origin: torch.cuda.Stream | None = None  # the stream the captures begin on
         self.forked: dict[int, torch.cuda.Stream] = {}  # side streams made to wait during a capture
-        _torch.watch_event_waits(_on_wait)
+        _watch_event_waits(_on_wait)
 
     def begin(self) -> None:
         self.origin = torch.cuda.current_stream()
@@ -299,7 +326,7 @@ class Breaks(TorchDispatchMode):
         return joined
 
     def note_wait(self, stream: torch.cuda.Stream) -> None:
-        """A stream was made to wait on an event (see :func:`graphtree._torch.watch_event_waits`): if
+        """A stream was made to wait on an event (see :func:`_watch_event_waits`): if
         the event was the capture's, that stream is forked into it now."""
         origin = self.origin
         raw = getattr(stream, "cuda_stream", None)  # (a torch.Stream has none: not a CUDA one)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphtree import _events
+from graphtree import _events, _torch
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
@@ -135,6 +135,8 @@ class GraphedCallable:
         self._kept_state: dict[Any, int] = {}
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)
+        # @torch.no_grad() / @torch.inference_mode() on it: no autograd graph, whatever the caller's mode
+        self._grad_off_inside = _torch.grad_off_inside(fn)
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
         self._hf_caches: CacheLayouts | None = None
         if self._module is not None:
@@ -190,7 +192,11 @@ class GraphedCallable:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
-        if torch.is_grad_enabled() and (call.needs_grad or (self._has_state and self._params_need_grad())):
+        if (
+            torch.is_grad_enabled()
+            and not self._grad_off_inside
+            and (call.needs_grad or (self._has_state and self._params_need_grad()))
+        ):
             return self._eager(args, kwargs, "autograd")
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
         # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()

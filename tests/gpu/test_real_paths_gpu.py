@@ -341,3 +341,39 @@ def test_a_module_that_changes_its_own_python_attribute_runs_eagerly_not_stale()
             torch.testing.assert_close(g(x), model.lin(x) * i)
             assert model.calls == i
     assert "changes the Python attribute `calls` of its module" in " ".join(graphtree.stats().eager), graphtree.stats()
+
+
+def test_a_method_decorated_with_no_grad_is_graphed_when_called_with_grad_on():
+    """The demo's TinyGPT.decode_step turns grad off inside (@torch.no_grad()), its parameters require
+    grad and callers leave grad on: graphtree read that as a training call and ran every step eagerly
+    ("autograd"; found graphing the tensor-parallel decode step on two H100s)."""
+    from graphtree.demo.gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, max_seq=16)
+    eager_model, model = (TinyGPT(cfg, batch=2, device="cuda", seed=1) for _ in range(2))
+    assert torch.is_grad_enabled() and all(p.requires_grad for p in model.parameters())
+    step = graphtree.graphed(model.decode_step)
+    for p in range(6):
+        tokens = torch.full((2, 1), p + 3, device="cuda")
+        pos = torch.tensor(p, device="cuda")
+        want, got = eager_model.decode_step(tokens, pos), step(tokens, pos)
+        assert torch.equal(want, got) and not got.requires_grad
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays == 4 and s.eager == {}, s
+
+
+def test_a_function_that_turns_grad_on_inside_no_grad_is_not_recorded():
+    """Its output requires grad: a replay would hand it back without its history, so it runs eagerly."""
+    w = torch.randn(8, 8, device="cuda", requires_grad=True)
+
+    @torch.no_grad()
+    def f(x):
+        with torch.enable_grad():
+            return x @ w
+
+    g = graphtree.graphed(f)
+    for _ in range(3):
+        out = g(torch.randn(4, 8, device="cuda"))
+        assert out.requires_grad and out.grad_fn is not None
+    s = graphtree.stats()
+    assert s.recordings == 0 and any("requires grad" in k for k in s.eager), s
