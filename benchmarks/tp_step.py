@@ -112,7 +112,7 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, Any]:
     results["collectives"] = [_compare(f.__name__, f, lambda c: (_inputs(c, rank, shape, device),)) for f in ops]
 
     full = TinyGPT(GPTConfig(n_layer=4, d_model=512, n_head=8, vocab=4096, max_seq=64), batch=2, device=device)
-    full.requires_grad_(False)  # inference: parameters that require grad send a call to eager ("autograd")
+    full.requires_grad_(False)  # inference weights
     blk = cast(_Block, full.blocks[0])
     mlp = ParallelMLP(blk.fc, blk.fc_out, group)
     results["mlp"] = _compare("tp_mlp", mlp, lambda c: (_inputs(c, 7, (16, 512), device),))

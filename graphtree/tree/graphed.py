@@ -558,7 +558,8 @@ def graphed(
     a *new* tensor while the old one stays alive cannot be seen: the replay keeps reading the
     old one. Update such tensors in place (``W.copy_(new)``), mark them with
     :func:`mark_static` and pass them as arguments, or keep them in a module. Under autograd
-    (grad mode on and an input or parameter requiring grad) the call runs eagerly.
+    (grad mode on and an input or parameter requiring grad) the call runs eagerly, unless the
+    function turns grad off itself (``@torch.no_grad()``, ``@torch.inference_mode()``).
 
     Example::
 
