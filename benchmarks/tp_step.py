@@ -130,6 +130,13 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, Any]:
     torch.cuda.synchronize()
     results["decode"] = {"equal": equal, "max_diff_to_whole_model": max(close)} | _delta(before, graphtree.stats())
 
+    g = graphtree.graphed(all_reduce, name="no_warm_up", warmup=0)  # a capture no warm-up agreed on: eager
+    before = graphtree.stats()
+    unagreed = [
+        bool(torch.equal(all_reduce(x.clone()), g(x))) for x in (_inputs(c, rank, shape, device) for c in range(3))
+    ]
+    results["no_warm_up"] = {"equal": unagreed} | _delta(before, graphtree.stats())
+
     if world > 1:
         results["forced_fallback"] = forced_fallback(rank, device)
         results["cannot_follow"] = cannot_follow(rank, device)

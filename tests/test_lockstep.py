@@ -172,9 +172,20 @@ _GLOO = textwrap.dedent(
         y = fc.all_reduce(t, "sum", dist.group.WORLD)
         z = y + 1
     ls = for_groups("f", watch.groups, 5.0)
+    from graphtree.tree.lockstep import UnagreedCollective
+    before = t.clone()
+    try:
+        with CollectiveWatch(known={}):  # a capture no warm-up agreed on: stopped before it runs
+            dist.all_reduce(t)
+        refused = ""
+    except UnagreedCollective as e:
+        refused = str(e)
+    with CollectiveWatch(known=ls.groups):  # the groups agreed on pass
+        dist.all_reduce(t, group=sub)
     print(json.dumps({"groups": {k: list(v) for k, v in watch.groups.items()}, "ops": watch.ops,
                       "plain": plain.groups, "ranks": list(ls.ranks), "rank": ls.rank,
-                      "agree": ls.agree("warm-up", None), "sum": float(z.sum())}))
+                      "agree": ls.agree("warm-up", None), "sum": float(z.sum()), "refused": refused,
+                      "untouched": bool(torch.equal(before, t))}))
     dist.destroy_process_group()
     """
 )
@@ -209,6 +220,7 @@ def test_the_watch_finds_the_groups_of_c10d_and_functional_collectives_on_a_gloo
     assert any("_c10d_functional.all_reduce" in op for op in got["ops"])
     assert got["ranks"] == [0] and got["rank"] == 0 and got["agree"] == [None, False]
     assert got["sum"] == 4 * (1 + 1)  # all-reduce over one rank leaves ones; +1
+    assert "c10d.allreduce_" in got["refused"] and "warmup=1" in got["refused"] and got["untouched"]
 
 
 class _Wrapper(torch.Tensor):

@@ -54,13 +54,23 @@ class LockstepMismatch(RuntimeError):
     """Ranks came to the same agreement for different functions or steps: their calls differ."""
 
 
-class CollectiveWatch(TorchDispatchMode):
-    """In a warm-up: the process groups (name and global ranks) of the collectives the function calls."""
+class UnagreedCollective(RuntimeError):
+    """A capture met a collective on a group its ranks had not agreed to record (raised before it runs)."""
 
-    def __init__(self) -> None:
+
+class CollectiveWatch(TorchDispatchMode):
+    """In a warm-up: the process groups (name and global ranks) of the collectives the function calls.
+
+    In a capture (``known``: the groups agreed on, empty for a function no warm-up saw call one): a
+    collective on any other group raises :class:`UnagreedCollective` before it runs, since its ranks
+    did not agree to capture it (a first call recorded with ``warmup=0``, a branch no warm-up took).
+    """
+
+    def __init__(self, known: dict[str, tuple[int, ...]] | None = None) -> None:
         super().__init__()
         self.groups: dict[str, tuple[int, ...]] = {}
         self.ops: list[str] = []
+        self.known = known
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -71,6 +81,12 @@ class CollectiveWatch(TorchDispatchMode):
                 if arg.name in _GROUP_ARGUMENTS:
                     found = _group_of(args[i] if i < len(args) else kwargs.get(arg.name))
                     if found is not None:
+                        if self.known is not None and found[0] not in self.known:
+                            raise UnagreedCollective(
+                                f"it calls {func} on process group {found[0]} (ranks {list(found[1])}), which no "
+                                f"warm-up saw: the ranks must agree before such a capture (warm it up first: "
+                                f"graphed(..., warmup=1), the default)"
+                            )
                         self.groups[found[0]] = found[1]
                         if str(func) not in self.ops:
                             self.ops.append(str(func))
@@ -95,12 +111,12 @@ def _group_of(arg: Any) -> tuple[str, tuple[int, ...]] | None:
     return str(group.group_name), tuple(dist.get_process_group_ranks(group))
 
 
-def watch_collectives() -> CollectiveWatch | None:
-    """A :class:`CollectiveWatch` for a warm-up, or None where no process group exists (no collective
-    can run: warm-ups are spared the dispatch mode)."""
+def watch_collectives(known: dict[str, tuple[int, ...]] | None = None) -> CollectiveWatch | None:
+    """A :class:`CollectiveWatch` for a warm-up (or, with ``known``, a capture), or None where no process
+    group exists (no collective can run: warm-ups and captures are spared the dispatch mode)."""
     import torch.distributed as dist
 
-    return CollectiveWatch() if dist.is_available() and dist.is_initialized() else None
+    return CollectiveWatch(known) if dist.is_available() and dist.is_initialized() else None
 
 
 def environment_problem() -> str | None:
@@ -137,11 +153,21 @@ class Lockstep:
 
     ``store``: any ``torch.distributed.Store`` every rank reaches (the default store in a job;
     a ``HashStore`` shared by threads in tests). ``timeout``: seconds to wait for the other ranks.
+    ``groups``: the process groups whose collectives the ranks agree to capture (name -> ranks).
     """
 
-    def __init__(self, name: str, ranks: tuple[int, ...], rank: int, store: Any, timeout: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        ranks: tuple[int, ...],
+        rank: int,
+        store: Any,
+        timeout: float,
+        groups: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not one of the group's ranks {list(ranks)}")
+        self.groups = dict(groups or {})  # the process groups agreed on: name -> global ranks
         self.name = name
         self.ranks = ranks
         self.rank = rank
@@ -230,4 +256,4 @@ def for_groups(name: str, groups: dict[str, tuple[int, ...]], timeout: float) ->
             "and store to agree through: call torch.distributed.init_process_group() first"
         )
     ranks = tuple(sorted({r for group in groups.values() for r in group}))
-    return Lockstep(name, ranks, dist.get_rank(), store, timeout)
+    return Lockstep(name, ranks, dist.get_rank(), store, timeout, groups)

@@ -28,7 +28,7 @@ from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.inputs import Call, param_epoch, tensor_kind
-from graphtree.tree.lockstep import Vote, watch_collectives
+from graphtree.tree.lockstep import UnagreedCollective, Vote, watch_collectives
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import copied_inputs, place_inputs, state_watch
@@ -221,6 +221,8 @@ def record(
             enabled=gc.max_break_values > 0,
         )
         tracker = OpTracker()
+        lockstep = gc.lockstep()  # a collective on a group its ranks did not agree on stops the capture
+        collectives = watch_collectives(lockstep.groups if lockstep is not None else {})
         node_id = next_node_id()
         _events.publish("record_begin", name=gc.name, node=node_id)
         t0 = time.perf_counter()
@@ -247,7 +249,7 @@ def record(
                     ended = began and _torch.end_open_capture(breaks.graph, stream)
                 else:
                     try:
-                        with tracker, breaks, watch:
+                        with tracker, breaks, collectives or contextlib.nullcontext(), watch:
                             out = gc.fn(*args, **kwargs)
                         if len(breaks.segments) < len(prefix or ()):
                             raise BreakFailed("running it again for a new value did not read the values it had read")
@@ -276,7 +278,7 @@ def record(
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
                 raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
-        if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed)):
+        if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
             del args, kwargs, graph_leaves, owning, graph, breaks
             raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
         if user_error is not None:

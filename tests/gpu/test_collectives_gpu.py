@@ -50,6 +50,11 @@ def _check_rank(r: dict[str, Any]) -> None:
     assert decode["equal"] == [True] * 24, decode
     assert decode["recordings"] == 1 and decode["replays"] == 22 and decode["eager"] == {}, decode
     assert decode["max_diff_to_whole_model"] < 1e-3, decode  # the split model computes the whole one's logits
+    # recorded with no warm-up: its collective stops the capture before it runs, and it runs eagerly
+    unagreed = r["no_warm_up"]
+    assert unagreed["equal"] == [True] * 3 and unagreed["recordings"] == 0, unagreed
+    (reason,) = unagreed["eager"]
+    assert "no warm-up saw" in reason and unagreed["eager"][reason] == 3, unagreed
 
 
 def test_each_collective_the_parallel_mlp_and_decode_step_replay_equal_to_eager_in_a_world_of_one(
