@@ -271,3 +271,18 @@ def test_a_process_that_keeps_no_bytecode_is_told_what_it_costs_and_the_fix(tmp_
     subprocess.run([sys.executable, "-c", "import torch"], env=env, check=True)  # writes the cache
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert on.strip() == "torch's is cached", on
+
+
+def test_the_collectives_row_names_an_environment_that_keeps_them_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    d = doctor_mod
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert d._probe_collectives() == [("collectives in graphs", "NCCL available; environment ok")]
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    ((_label, value),) = d._probe_collectives()
+    assert value.startswith("refused here: TORCH_NCCL_BLOCKING_WAIT") and "unset it" in value
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert "no NCCL" in d._probe_collectives()[0][1]

@@ -253,6 +253,18 @@ def _probe_native() -> list[Row]:
     return [("native helpers", _native.status())]
 
 
+def _probe_collectives() -> list[Row]:
+    """Whether functions that call NCCL collectives can be recorded here (graphtree.tree.lockstep)."""
+    import torch.distributed as dist
+
+    from graphtree.tree.lockstep import environment_problem
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return [("collectives in graphs", "no NCCL in this torch build: functions that call collectives run eagerly")]
+    problem = environment_problem()
+    return [("collectives in graphs", f"refused here: {problem}" if problem else "NCCL available; environment ok")]
+
+
 def _probe_sanitizer() -> list[Row]:
     exe = find_cuda_tool("compute-sanitizer")
     return [("compute-sanitizer", exe if exe else "not found (on PATH or in /usr/local/cuda/bin)")]
@@ -422,6 +434,7 @@ _PROBES: tuple[tuple[str, str], ...] = (
     ("_probe_gpus", "GPUs"),
     ("_probe_cupti", "CUPTI (python)"),
     ("_probe_native", "native helpers"),
+    ("_probe_collectives", "collectives in graphs"),
     ("_probe_sanitizer", "compute-sanitizer"),
     ("_probe_cuda_versions", "driver supports CUDA"),
     ("_probe_libraries", "cuDNN"),
