@@ -76,6 +76,19 @@ def test_a_rank_that_never_comes_makes_the_others_raise_within_the_timeout_namin
         assert "rank(s) [2]" in str(out[r]) and "lockstep_timeout" in str(out[r]) and "`f`" in str(out[r])
 
 
+def test_a_rank_that_comes_after_another_stopped_waiting_raises_too() -> None:
+    """Without the mark, the late rank found every vote in the store and went on alone (a review found it)."""
+
+    def body(ls: Lockstep, r: int) -> Any:
+        if r == 1:
+            time.sleep(2.0)  # comes after rank 0's timeout
+        return ls.agree("start", None)
+
+    out = _ranks(2, body, timeout=0.5)
+    assert isinstance(out[0], LockstepTimeout) and "rank(s) [1]" in str(out[0]), out[0]
+    assert isinstance(out[1], LockstepTimeout) and "rank 0 stopped waiting" in str(out[1]), out[1]
+
+
 def test_ranks_at_different_functions_raise_a_mismatch_naming_both() -> None:
     out = _ranks(2, lambda ls, r: ls.agree("warm-up", None), names=["attn", "mlp"])
     for e in out:
@@ -254,6 +267,9 @@ _TWO_RANKS = textwrap.dedent(
     rank = dist.get_rank()
     ls = for_groups("step", {"world": (0, 1)}, 3.0)
     out = {"ok": ls.agree("warm-up", None), "reason": ls.agree("warm-up", "host sync" if rank == 1 else None)}
+    # a 2-D mesh's row and column: each rank's union differs, so the world agrees
+    mesh = for_groups("mesh", {f"row{rank}": (rank,), "column": (0, 1)}, 3.0)
+    out["mesh"] = [list(mesh.ranks), mesh.agree("start", None)]
     if rank == 0:  # rank 1 skips this one
         t0 = time.monotonic()
         try:
@@ -285,5 +301,6 @@ def test_two_processes_agree_through_the_jobs_store_and_a_rank_that_does_not_com
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["ok"] == r1["ok"] == [None, False]
     assert r1["reason"] == ["host sync", False] and r0["reason"] == ["rank 1: host sync", False]
-    assert "rank(s) [1] did not come to agreement 3 (record of `step`) within 3 s" in r0["follow"]
+    assert r0["mesh"] == r1["mesh"] == [[0, 1], [None, False]]
+    assert "rank(s) [1] did not come to agreement 4 (record of `step`) within 3 s" in r0["follow"]
     assert 3.0 <= r0["waited"] < 10, r0

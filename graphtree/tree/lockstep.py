@@ -5,11 +5,12 @@ A graph that holds an NCCL collective is a collective when it replays, and captu
 collective too (NCCL registers the graph's buffers with its peers). A rank that records while
 another runs eagerly, or that falls back while another replays, would leave the other waiting for
 an operation that never comes, or, with NCCL's buffer registration, hang the capture. So the
-decisions a tree makes alone for other functions are agreed for these: after each warm-up (graph
-this signature, warm up again, or give it up), before a capture (the re-record limit) and after it
-(did it succeed). Each rank writes its vote in the job's store (``init_process_group``'s); each then
-reads every vote of the group, and one rank's reason to fall back makes all fall back, with that
-reason. Replays are not agreed: they are as many on every rank as the calls are.
+decisions a tree makes alone for other functions are agreed for these: at a call no recording
+replays (warm up, record, or give up at the re-record limit), after each warm-up (graph this
+signature, warm up again, or give it up) and after a capture (did it succeed). Each rank writes
+its vote in the job's store (``init_process_group``'s); each then reads every vote of the group,
+and one rank's reason to fall back makes all fall back, with that reason. Replays are not agreed:
+they are as many on every rank as the calls are.
 
 A rank that does not come to an agreement within ``lockstep_timeout`` seconds (it raised, called the
 function with another signature, or called something else) makes the others raise
@@ -148,6 +149,13 @@ def _next_number(ranks: tuple[int, ...], rank: int) -> int:
         return _counters[key]
 
 
+_FOLLOW = (
+    "Every rank of {ranks} must call `{name}` with the same signatures in the same order, none may raise "
+    "in it, and all must keep the same outputs of graphed functions alive: a rank that replays while "
+    "another records cannot follow (graphed(..., lockstep_timeout=) sets the wait)"
+)
+
+
 class Lockstep:
     """The agreements of one graphed function among the ranks of its collectives' groups.
 
@@ -187,20 +195,26 @@ class Lockstep:
         thread = threading.current_thread().name
         prefix = f"graphtree/lockstep/{','.join(map(str, self.ranks))}/{thread}/{number}"
         keys = [f"{prefix}/{r}" for r in self.ranks]
-        mine = {"name": self.name, "stage": stage, "reason": reason, "again": again}
-        self.store.set(keys[self.ranks.index(self.rank)], json.dumps(mine))
+        mine = json.dumps({"name": self.name, "stage": stage, "reason": reason, "again": again})
+        own = keys[self.ranks.index(self.rank)]
+        self.store.set(own, mine)
         missing = self._wait(keys)
         if missing:
+            # A rank that comes later must not take this vote as given: it finds the mark and raises too.
+            self.store.compare_set(own, mine, json.dumps({"timed_out": True}))
             raise LockstepTimeout(
                 f"graphtree: rank(s) {missing} did not come to agreement {number} ({stage} of `{self.name}`) "
-                f"within {self.timeout:g} s. Every rank of the groups {list(self.ranks)} must call `{self.name}` "
-                f"with the same signatures in the same order, and none may raise in it; a rank that replays "
-                f"while another records cannot follow (graphed(..., lockstep_timeout=) sets the wait)"
+                f"within {self.timeout:g} s. {_FOLLOW.format(ranks=list(self.ranks), name=self.name)}"
             )
         first: str | None = None
         anyone_again = False
         for r, raw in zip(self.ranks, self.store.multi_get(keys)):
             vote = json.loads(raw)
+            if vote.get("timed_out"):
+                raise LockstepTimeout(
+                    f"graphtree: rank {r} stopped waiting for agreement {number} ({stage} of `{self.name}`) "
+                    f"before rank {self.rank} came. {_FOLLOW.format(ranks=list(self.ranks), name=self.name)}"
+                )
             if (vote["name"], vote["stage"]) != (self.name, stage):
                 raise LockstepMismatch(
                     f"graphtree: at agreement {number} among ranks {list(self.ranks)}, rank {r} was at "
@@ -246,7 +260,9 @@ class Vote:
 
 def for_groups(name: str, groups: dict[str, tuple[int, ...]], timeout: float) -> Lockstep:
     """The :class:`Lockstep` of a function whose collectives use ``groups``, on the job's default
-    store. Raises ``RuntimeError`` naming what is missing when there is none."""
+    store: among the ranks of its one group, or of the whole world where it uses several (each rank
+    of a 2-D mesh sees a different union of its row and column). Raises ``RuntimeError`` naming what
+    is missing when there is no default store."""
     import torch.distributed as dist
 
     store = _torch.default_store()
@@ -255,5 +271,8 @@ def for_groups(name: str, groups: dict[str, tuple[int, ...]], timeout: float) ->
             f"graphtree: `{name}` calls collectives, but torch.distributed has no default process group "
             "and store to agree through: call torch.distributed.init_process_group() first"
         )
-    ranks = tuple(sorted({r for group in groups.values() for r in group}))
-    return Lockstep(name, ranks, dist.get_rank(), store, timeout, groups)
+    if len(groups) == 1:
+        (ranks,) = groups.values()
+    else:  # the union of several groups differs between ranks (a mesh's rows and columns): the world agrees
+        ranks = tuple(range(dist.get_world_size()))
+    return Lockstep(name, tuple(sorted(ranks)), dist.get_rank(), store, timeout, groups)

@@ -223,11 +223,29 @@ class TreeManager:
             reason = gc.given_up.get(call.key)
             if reason is not None:
                 return gc.run_eager(call, reason)
-            if self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup:
+            warm = self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup
+            if gc.lockstep() is not None:  # it calls collectives: its ranks start alike (tree/lockstep.py)
+                return self._start_together(gc, call, warm)
+            if warm:
                 if gc.churn.skip(call.key):  # signatures keep changing: eager, without the checks
                     return gc.run_eager(call, gc.churn.reason(gc.name))
                 return self._warm_up(gc, call)
             return self._record(gc, call)
+
+    def _start_together(self, gc: Callee, call: Call, warm: bool) -> Any:
+        """A call of a function that calls collectives, which no recording replays: its ranks agree
+        to warm up (if any would: one that warmed up another function earlier in its step does),
+        to record, or to run it eagerly for good (one reached the re-record limit). The churn guard
+        is off for such functions: it counts what one rank saw."""
+        lockstep = gc.lockstep()
+        assert lockstep is not None
+        limit = None if warm else self._rerecord_limit(gc, len(self._alive_siblings((gc.id, call.key))))
+        reason, anyone_warms = lockstep.agree("start", limit, again=warm)
+        self.counters.agreements += 1
+        if reason is not None:
+            gc.give_up(call.key, reason)
+            return gc.run_eager(call, reason)
+        return self._warm_up(gc, call) if anyone_warms else self._record(gc, call)
 
     def _replay_segments(self, gc: Callee, call: Call, node: Node) -> Any:
         """Replay a recording broken at host reads (:mod:`graphtree.tree.breaks`): its segments for
@@ -437,21 +455,12 @@ class TreeManager:
         self._sync_bookkeeping()
         key = (gc.id, call.key)
         siblings = [] if prefix else self._alive_siblings(key)  # a new value's recording is no re-recording
-        reason = None
-        if len(siblings) > gc.max_rerecords:
-            reason = (
-                f"re-record limit reached: recorded {len(siblings)} times at the same place "
-                f"(in-place inputs or parameters keep moving, or held outputs keep changing)"
-            )
-        lockstep = gc.lockstep()
-        captured = None
-        if lockstep is not None:  # every rank records this call, or none does (tree/lockstep.py)
-            reason = lockstep.agree("record", reason)[0]
-            self.counters.agreements += 1
-            captured = Vote(lockstep, "capture")
-        if reason is not None:
+        reason = None if prefix else self._rerecord_limit(gc, len(siblings))
+        if reason is not None:  # (for a function that calls collectives, agreed in _start_together)
             gc.give_up(call.key, reason)
             return gc.run_eager(call, reason)
+        lockstep = gc.lockstep()  # every rank keeps its capture, or none does (tree/lockstep.py)
+        captured = Vote(lockstep, "capture") if lockstep is not None else None
         if not prefix:  # object tensors into memory the callable's other recordings keep (tree/adoption.py)
             others = [
                 n.adoption
@@ -509,6 +518,16 @@ class TreeManager:
         self.current = node
         self.counters.recordings += 1
         return out
+
+    @staticmethod
+    def _rerecord_limit(gc: Callee, n: int) -> str | None:
+        """The reason not to record a call again where ``n`` live recordings of it are, or None."""
+        if n <= gc.max_rerecords:
+            return None
+        return (
+            f"re-record limit reached: recorded {n} times at the same place "
+            f"(in-place inputs or parameters keep moving, or held outputs keep changing)"
+        )
 
     def _alive_siblings(self, key: Any) -> list[Node]:
         """The recordings of ``key`` under the current node, dropping dead ones (see

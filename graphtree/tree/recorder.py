@@ -109,7 +109,9 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     args, kwargs = call.arguments()
     tracker = OpTracker()
     # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
-    reads = WarmUpReads(count_reads=gc.max_break_values > 0)
+    # (none for a function that calls collectives: the segment before a read runs them there and
+    # then, and a capture that fails after it would run them again; the read gives it up instead)
+    reads = WarmUpReads(count_reads=gc.max_break_values > 0 and gc.lockstep() is None)
     sync = SyncWatch(tracker, gc.name, allowed=reads)
     collectives = watch_collectives()  # (None without torch.distributed)
     current = torch.cuda.current_stream(device)
@@ -212,16 +214,16 @@ def record(
         before = _writes.values(call.leaves)  # plain values inside object arguments (see writes.py)
         modules = [gc.module(), *(x for x in call.leaves if isinstance(x, torch.nn.Module))]
         modules_before = _writes.module_values(modules)
+        lockstep = gc.lockstep()  # a collective on a group its ranks did not agree on stops the capture
         breaks = Breaks(
             begin=lambda g: begin_capture(g, pool.id, device, watch),
             new_graph=new_graph,
             first_replay=lambda: inputs.copy_in(call.leaves, call.n),
             prefix=prefix,
             placed=[t.data_ptr() for t in graph_leaves if isinstance(t, torch.Tensor) and t.is_cuda],
-            enabled=gc.max_break_values > 0,
+            enabled=gc.max_break_values > 0 and lockstep is None,  # (no breaks with collectives: warm_up)
         )
         tracker = OpTracker()
-        lockstep = gc.lockstep()  # a collective on a group its ranks did not agree on stops the capture
         collectives = watch_collectives(lockstep.groups if lockstep is not None else {})
         node_id = next_node_id()
         _events.publish("record_begin", name=gc.name, node=node_id)
@@ -317,12 +319,13 @@ def record(
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
             raise CaptureFailed(_KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
-        other = captured(None) if captured is not None else None  # every rank captured, or none keeps it
-        if other is not None:
-            del out, owning, graph
-            raise CaptureFailed(f"`{gc.name}` is not recorded on any rank: {other}")
         in_pool = pool.address_test()
         outputs, out_leaves = OutputPlan.from_recording(out, graph_leaves, in_pool, gc.name, call.bucket, _pad_dim(gc))
+        # every rank captured, or none keeps it (after the last check that can fail the capture)
+        other = captured(None) if captured is not None else None
+        if other is not None:
+            del out, owning, graph, outputs, out_leaves
+            raise CaptureFailed(f"`{gc.name}` is not recorded on any rank: {other}")
         externals = _externals(gc, watch, graph_leaves, statics, in_pool)
         # Placeholders go back to the pool before the checkpoint: only replays read them, and a
         # block the checkpoint shows allocated must belong to an output (restoring the checkpoint

@@ -37,7 +37,7 @@ def _torchrun(nproc: int, out: Path, timeout: float = 240) -> tuple[list[dict[st
 def _graphed_and_equal(case: dict[str, Any], calls: int) -> None:
     assert case["equal"] == [True] * calls, case
     assert case["recordings"] == 1 and case["replays"] == calls - 2 and case["eager"] == {}, case
-    # after the warm-up, before the capture, after it
+    # after the first warm-up (which finds the collectives), before the capture and after it
     assert case["agreements"] == 3, case
 
 
@@ -74,7 +74,7 @@ def test_two_ranks_replay_together_fall_back_together_and_a_rank_that_cannot_fol
         # rank 1 alone copied a result to the host: every rank ran it eagerly, rank 1's reason given
         forced = r["forced_fallback"]
         assert forced["equal"] == [True] * 4 and forced["recordings"] == 0, forced
-        assert forced["agreements"] == 1, forced  # one warm-up's vote; then eager, with no vote
+        assert forced["agreements"] == 1, forced  # after its warm-up; then eager, with no vote
         (reason,) = forced["eager"]
         assert "synchronizes with the host" in reason and forced["eager"][reason] == 3, forced
         assert reason.startswith("rank 1: ") == (r["rank"] == 0), reason
