@@ -304,3 +304,30 @@ def test_two_processes_agree_through_the_jobs_store_and_a_rank_that_does_not_com
     assert r0["mesh"] == r1["mesh"] == [[0, 1], [None, False]]
     assert "rank(s) [1] did not come to agreement 4 (record of `step`) within 3 s" in r0["follow"]
     assert 3.0 <= r0["waited"] < 10, r0
+
+
+def test_every_rank_takes_the_same_decision_for_any_votes() -> None:
+    """Random votes over many agreements: each rank's outcome is the same decision (the reason's text
+    differs only by its rank prefix), as the tree's lock-step needs."""
+    import random
+
+    rng = random.Random(7)
+    n, rounds = 4, 40
+    plan = [
+        [(rng.choice([None, None, None, f"reason {r}"]), rng.random() < 0.3) for r in range(n)] for _ in range(rounds)
+    ]
+
+    def body(ls: Lockstep, r: int) -> Any:
+        return [ls.agree("warm-up", *votes[r]) for votes in plan]
+
+    out = _ranks(n, body, timeout=20.0)
+    for k, votes in enumerate(plan):
+        first = next(((r, why) for r, (why, _) in enumerate(votes) if why is not None), None)
+        again = any(a for _, a in votes)
+        for r in range(n):
+            reason, got_again = out[r][k]
+            assert got_again == again
+            if first is None:
+                assert reason is None
+            else:
+                assert reason == (first[1] if first[0] == r else f"rank {first[0]}: {first[1]}")
