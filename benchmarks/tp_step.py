@@ -230,9 +230,11 @@ def bench(rank: int, world: int, device: torch.device, steps: int, repeats: int)
     rows: list[dict[str, Any]] = []
     for case, (make, args) in cases.items():
         ways: dict[str, Callable[..., Any]] = {}
-        first: dict[str, float] = {}
+        first: dict[str, list[float]] = {}  # seconds: making it (a hand capture captures), then each first call
         for way in ("eager", "graphtree", "reduce-overhead", "torch.cuda.graph"):
             fn = make()
+            dist.barrier()
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
             try:
                 if way == "graphtree":
@@ -241,14 +243,19 @@ def bench(rank: int, world: int, device: torch.device, steps: int, repeats: int)
                     fn = torch.compile(fn, mode="reduce-overhead")
                 elif way == "torch.cuda.graph":
                     fn = _hand_graph(fn, args)
+                marks = [time.perf_counter()]
                 for _ in range(3):
                     fn(*args)
-                torch.cuda.synchronize()
+                    torch.cuda.synchronize()
+                    marks.append(time.perf_counter())
             except Exception as e:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
                 rows.append({"case": case, "way": way, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 continue
-            first[way] = time.perf_counter() - t0
+            first[way] = [b - a for a, b in zip([t0, *marks], marks)]
             ways[way] = fn
+        # the graphtree way's agreements: how much of its first calls waited on the other ranks
+        lockstep = getattr(ways.get("graphtree"), "graphed_callable", ways.get("graphtree"))
+        agree_s = getattr(getattr(lockstep, "lockstep", lambda: None)(), "seconds", None)
         times: dict[str, list[float]] = {w: [] for w in ways}
         for r in range(repeats):  # interleaved: each round times every way, in a rotated order
             order = list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]
@@ -263,7 +270,9 @@ def bench(rank: int, world: int, device: torch.device, steps: int, repeats: int)
                     "way": way,
                     "ms_per_step": round(med, 4),
                     "vs_eager": round(med / eager, 3),
-                    "first_three_calls_s": round(first[way], 3),
+                    "first_three_calls_s": round(sum(first[way]), 3),
+                    "making_then_each_first_call_s": [round(t, 4) for t in first[way]],
+                    **({"agreements_s": round(agree_s, 4)} if way == "graphtree" and agree_s is not None else {}),
                     "rounds_ms": [round(t, 4) for t in ts],
                 }
             )

@@ -181,6 +181,7 @@ class Lockstep:
         self.rank = rank
         self.store = store
         self.timeout = timeout
+        self.seconds = 0.0  # spent in agree() (voting and waiting for the others), for benchmarks
 
     def agree(self, stage: str, reason: str | None, again: bool = False) -> tuple[str | None, bool]:
         """Vote at ``stage`` and read every rank's vote: ``reason``, why this rank cannot go on (or
@@ -191,6 +192,13 @@ class Lockstep:
         Raises :class:`LockstepTimeout` naming the ranks that did not vote in time, and
         :class:`LockstepMismatch` when a rank voted for another function or stage.
         """
+        start = time.monotonic()
+        try:
+            return self._agree(stage, reason, again)
+        finally:
+            self.seconds += time.monotonic() - start
+
+    def _agree(self, stage: str, reason: str | None, again: bool) -> tuple[str | None, bool]:
         number = _next_number(self.ranks, self.rank)
         thread = threading.current_thread().name
         prefix = f"graphtree/lockstep/{','.join(map(str, self.ranks))}/{thread}/{number}"
