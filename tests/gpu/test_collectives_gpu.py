@@ -28,9 +28,9 @@ def _torchrun(nproc: int, out: Path, timeout: float = 240) -> tuple[list[dict[st
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     wall = time.monotonic() - t0
     log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
+    assert p.returncode == 0, log[-20000:]
     ranks = [json.loads((out / f"check-rank{r}.json").read_text()) for r in range(nproc)]
-    assert [r["rank"] for r in ranks] == list(range(nproc)), log[-6000:]
+    assert [r["rank"] for r in ranks] == list(range(nproc)), log[-20000:]
     return ranks, wall, log
 
 
