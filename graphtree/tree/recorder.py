@@ -158,7 +158,7 @@ def _output_reason(out: Any) -> str | None:
             kind = tensor_kind(t)
             if kind is not None:
                 return f"output {i} is {kind}: graphtree graphs dense CUDA tensors"
-            if t.requires_grad:  # a replay would hand it back without its autograd history
+            if t.grad_fn is not None:  # a replay would hand it back without its autograd history
                 return f"autograd: output {i} requires grad (the function builds an autograd graph)"
     return None
 
