@@ -1,6 +1,6 @@
 """Collectives inside recordings (issue 31): checks and timings under ``torchrun``.
 
-    torchrun --nproc-per-node 2 benchmarks/tp_step.py --check --out DIR   # DIR/check-rankN.json
+    torchrun --nproc-per-node 2 benchmarks/tp_step.py --check --out DIR   # DIR/rankN.json
     torchrun --nproc-per-node 2 benchmarks/tp_step.py --bench --json out.json
 
 ``--check``: each collective (all-reduce, all-gather, reduce-scatter, broadcast, a functional
@@ -8,7 +8,7 @@ all-reduce) in a graphed function, the tensor-parallel MLP and decode step of
 :mod:`graphtree.demo.tp`, all equal to the same code run eagerly on every call; with two or more
 ranks also a fallback forced on rank 1 (a host copy there only: every rank falls back, with rank 1's
 reason) and a rank that cannot follow (rank 1 skips a call: rank 0 raises ``LockstepTimeout`` within
-its ``lockstep_timeout``). With ``--out DIR`` each rank writes its results to ``DIR/check-rankN.json``,
+its ``lockstep_timeout``). With ``--out DIR`` each rank writes its results to ``DIR/rankN.json``,
 which tests/gpu/test_collectives_gpu.py reads.
 
 ``--bench``: time per step of the tensor-parallel decode step and MLP: eager, graphtree,
@@ -65,10 +65,11 @@ def _delta(before: graphtree.Stats, after: graphtree.Stats) -> dict[str, Any]:
 
 
 def _compare(
-    name: str, fn: Callable[..., torch.Tensor], make: Callable[[int], tuple[Any, ...]], calls: int = 6
+    name: str, fn: Callable[..., torch.Tensor], make: Callable[[int], tuple[Any, ...]], calls: int = 6, **options: Any
 ) -> dict[str, Any]:
-    """``fn`` graphed against ``fn`` eager on ``calls`` calls: equal each time, and what the tree did."""
-    g = graphtree.graphed(fn, name=name)
+    """``fn`` graphed (with ``options``) against ``fn`` eager on ``calls`` calls: equal each time, and
+    what the tree did."""
+    g = graphtree.graphed(fn, name=name, **options)
     before = graphtree.stats()
     equal = []
     for call in range(calls):
@@ -130,12 +131,10 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, Any]:
     torch.cuda.synchronize()
     results["decode"] = {"equal": equal, "max_diff_to_whole_model": max(close)} | _delta(before, graphtree.stats())
 
-    g = graphtree.graphed(all_reduce, name="no_warm_up", warmup=0)  # a capture no warm-up agreed on: eager
-    before = graphtree.stats()
-    unagreed = [
-        bool(torch.equal(all_reduce(x.clone()), g(x))) for x in (_inputs(c, rank, shape, device) for c in range(3))
-    ]
-    results["no_warm_up"] = {"equal": unagreed} | _delta(before, graphtree.stats())
+    # a capture no warm-up agreed on: eager
+    results["no_warm_up"] = _compare(
+        "no_warm_up", all_reduce, lambda c: (_inputs(c, rank, shape, device),), calls=3, warmup=0
+    )
 
     if world > 1:
         results["forced_fallback"] = forced_fallback(rank, device)
@@ -296,7 +295,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None, help="rank 0 writes the bench's rows here")
     ap.add_argument("--stuck-after", type=float, default=150.0, help="--check: seconds before a rank is stuck")
-    ap.add_argument("--out", default=None, help="--check: each rank writes check-rank{N}.json into this folder")
+    ap.add_argument("--out", default=None, help="--check: each rank writes rank{N}.json into this folder")
     a = ap.parse_args()
     rank, world, device = _setup(eager_init=not a.check)
     if a.check:  # a rank stuck past this prints every thread's stack and exits: a failure that says where
@@ -305,7 +304,7 @@ def main() -> None:
         if a.check:
             result = check(rank, world, device)
             if a.out:  # one file per rank: the ranks' prints interleave
-                with open(os.path.join(a.out, f"check-rank{rank}.json"), "w") as f:
+                with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
                     json.dump(result, f)
             print(f"TP_CHECK rank {rank}: {result['stats']}", flush=True)
         if a.bench:

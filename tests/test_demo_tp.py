@@ -3,14 +3,11 @@ whole model computes (the GPU test graphs them: tests/gpu/test_collectives_gpu.p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from gt_ranks import run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -49,14 +46,7 @@ _RANK = textwrap.dedent(
 def test_two_gloo_ranks_compute_the_whole_models_logits(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    p = subprocess.run(
-        [*run, str(script), str(tmp_path)], check=False, capture_output=True, text=True, timeout=240, env=env
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks, _log = run_ranks([str(script), str(tmp_path)], nproc=2, out=tmp_path, timeout=240)
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["heads"] == 2 and r["cache"] == [2, 2, 2, 16, 16]  # half the heads, half the cache

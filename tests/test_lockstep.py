@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from gt_ranks import run_ranks
 
 import graphtree
 from graphtree.tree import lockstep
@@ -288,17 +289,9 @@ _TWO_RANKS = textwrap.dedent(
 
 
 def test_two_processes_agree_through_the_jobs_store_and_a_rank_that_does_not_come_times_out(tmp_path: Any) -> None:
-    import json
-
     script = tmp_path / "ranks.py"
     script.write_text(_TWO_RANKS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    p = subprocess.run(
-        [*run, str(script), str(tmp_path)], check=False, capture_output=True, text=True, timeout=120, env=env
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    (r0, r1), _log = run_ranks([str(script), str(tmp_path)], nproc=2, out=tmp_path, timeout=120)
     assert r0["ok"] == r1["ok"] == [None, False]
     assert r1["reason"] == ["host sync", False] and r0["reason"] == ["rank 1: host sync", False]
     assert r0["mesh"] == r1["mesh"] == [[0, 1], [None, False]]

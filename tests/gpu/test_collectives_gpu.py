@@ -3,16 +3,14 @@ the machine has them, two. benchmarks/tp_step.py --check does the work; each ran
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gt_ranks import run_ranks
 
 pytestmark = pytest.mark.own_process  # every check runs in torchrun's processes
 
@@ -21,15 +19,10 @@ COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "funct
 
 
 def _torchrun(nproc: int, out: Path, timeout: float = 240) -> tuple[list[dict[str, Any]], float, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "benchmarks", "tp_step.py"), "--check", "--out", str(out)]  # fmt: skip
     t0 = time.monotonic()
-    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    script = [os.path.join(ROOT, "benchmarks", "tp_step.py"), "--check", "--out", str(out)]
+    ranks, log = run_ranks(script, nproc, out, timeout)
     wall = time.monotonic() - t0
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-20000:]
-    ranks = [json.loads((out / f"check-rank{r}.json").read_text()) for r in range(nproc)]
     assert [r["rank"] for r in ranks] == list(range(nproc)), log[-20000:]
     return ranks, wall, log
 
