@@ -37,6 +37,7 @@ import torch.distributed._functional_collectives as fc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import graphtree
+from graphtree import _torch
 from graphtree.demo.gpt import GPTConfig, TinyGPT, _Block
 from graphtree.demo.tp import ParallelGPT, ParallelMLP
 from graphtree.tree.lockstep import LockstepTimeout
@@ -50,6 +51,11 @@ def _setup(eager_init: bool) -> tuple[int, int, torch.device]:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device if eager_init else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _phase(rank: int, what: str) -> None:
+    """Where this rank is, on stderr: a rank that stops is found by its last phase."""
+    print(f"TP_PHASE rank {rank} {time.monotonic():.1f}: {what}", file=sys.stderr, flush=True)
 
 
 def _inputs(call: int, rank: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -110,7 +116,11 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, Any]:
 
     results: dict[str, Any] = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(device)}
     ops = [all_reduce, all_gather, reduce_scatter, broadcast, functional_all_reduce]
-    results["collectives"] = [_compare(f.__name__, f, lambda c: (_inputs(c, rank, shape, device),)) for f in ops]
+    results["collectives"] = []
+    for f in ops:
+        _phase(rank, f.__name__)
+        results["collectives"].append(_compare(f.__name__, f, lambda c: (_inputs(c, rank, shape, device),)))
+    _phase(rank, "mlp")
 
     full = TinyGPT(GPTConfig(n_layer=4, d_model=512, n_head=8, vocab=4096, max_seq=64), batch=2, device=device)
     full.requires_grad_(False)  # inference weights
@@ -118,6 +128,7 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, Any]:
     mlp = ParallelMLP(blk.fc, blk.fc_out, group)
     results["mlp"] = _compare("tp_mlp", mlp, lambda c: (_inputs(c, 7, (16, 512), device),))
 
+    _phase(rank, "decode")
     eager_tp, graphed_tp = ParallelGPT(full, group), ParallelGPT(full, group)
     step = graphtree.graphed(graphed_tp.decode_step, name="tp_decode_step")
     before = graphtree.stats()
@@ -132,13 +143,17 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, Any]:
     results["decode"] = {"equal": equal, "max_diff_to_whole_model": max(close)} | _delta(before, graphtree.stats())
 
     # a capture no warm-up agreed on: eager
+    _phase(rank, "no_warm_up")
     results["no_warm_up"] = _compare(
         "no_warm_up", all_reduce, lambda c: (_inputs(c, rank, shape, device),), calls=3, warmup=0
     )
 
     if world > 1:
+        _phase(rank, "forced_fallback")
         results["forced_fallback"] = forced_fallback(rank, device)
+        _phase(rank, "cannot_follow")
         results["cannot_follow"] = cannot_follow(rank, device)
+    _phase(rank, "checks done")
     results["stats"] = str(graphtree.stats())
     return results
 
@@ -294,12 +309,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None, help="rank 0 writes the bench's rows here")
-    ap.add_argument("--stuck-after", type=float, default=150.0, help="--check: seconds before a rank is stuck")
+    ap.add_argument("--stuck-after", type=float, default=150.0, help="seconds before a rank counts as stuck")
     ap.add_argument("--out", default=None, help="--check: each rank writes rank{N}.json into this folder")
     a = ap.parse_args()
     rank, world, device = _setup(eager_init=not a.check)
-    if a.check:  # a rank stuck past this prints every thread's stack and exits: a failure that says where
-        faulthandler.dump_traceback_later(a.stuck_after, exit=True)
+    # A rank stuck past --stuck-after writes every thread's stack (to OUT/rankN.stuck with --out,
+    # else stderr) and again every --stuck-after seconds: a failure that says where.
+    stuck = open(os.path.join(a.out, f"rank{rank}.stuck"), "w") if a.out else sys.stderr  # noqa: SIM115
+    faulthandler.dump_traceback_later(a.stuck_after, repeat=True, file=stuck)
     try:
         if a.check:
             result = check(rank, world, device)
@@ -315,7 +332,15 @@ def main() -> None:
                 if a.json:
                     with open(a.json, "w") as f:
                         json.dump(out, f, indent=1)
+        _phase(rank, "barrier")
         dist.barrier()
+        # NCCL cannot destroy a communicator while a CUDA graph that captured its collectives lives
+        # (pytorch/pytorch#115388): graphtree drops its own recordings in destroy_process_group;
+        # reduce-overhead's graphs go with torch.compile's caches.
+        _torch.reset_compiled()
+        _phase(rank, "destroy_process_group")
+        dist.destroy_process_group()
+        _phase(rank, "done")
         faulthandler.cancel_dump_traceback_later()
     except BaseException:  # noqa: BLE001 - Ctrl-C too: any rank that stops must not hang the others
         # A rank that fails leaves collectives in flight, and tearing its group down then waits for
@@ -323,7 +348,6 @@ def main() -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -237,6 +237,43 @@ def test_the_watch_finds_the_groups_of_c10d_and_functional_collectives_on_a_gloo
     assert "c10d.allreduce_" in got["refused"] and "warmup=1" in got["refused"] and got["untouched"]
 
 
+_TEARDOWN = textwrap.dedent(
+    """
+    import sys, torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from graphtree.tree.lockstep import release_before_teardown
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+    calls = []
+    def release():
+        calls.append(dist.is_initialized())  # run before the group goes
+        print("released", dist.is_initialized(), flush=True)
+    release_before_teardown(release)
+    release_before_teardown(release)  # once is enough
+    assert dist.destroy_process_group is distributed_c10d.destroy_process_group
+    assert dist.destroy_process_group.__name__ == "destroy_process_group"
+    dist.destroy_process_group()
+    print("destroyed", dist.is_initialized(), calls, flush=True)
+    """
+)
+
+
+def test_recordings_are_released_before_destroy_process_group_and_at_exit() -> None:
+    """NCCL cannot destroy a communicator while a graph that captured one of its collectives lives
+    (pytorch#115388: the bench hung at its last line on two H200s): the release runs first."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run(
+        [sys.executable, "-c", _TEARDOWN, str(_free_port())],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    # once before destroy_process_group (the group still there), once at exit (none left)
+    assert p.stdout.splitlines() == ["released True", "destroyed False [True]", "released False"], p.stdout
+
+
 class _Wrapper(torch.Tensor):
     """A wrapper subclass (no storage of its own), as the functional collectives' handles are."""
 

@@ -28,17 +28,23 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import logging
 import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphtree import _torch
+
+log = logging.getLogger("graphtree")
 
 LOCKSTEP_TIMEOUT = 600.0
 """Seconds a rank waits for the others to agree by default: torch.distributed's default timeout."""
@@ -284,3 +290,48 @@ def for_groups(name: str, groups: dict[str, tuple[int, ...]], timeout: float) ->
     else:  # the union of several groups differs between ranks (a mesh's rows and columns): the world agrees
         ranks = tuple(range(dist.get_world_size()))
     return Lockstep(name, tuple(sorted(ranks)), dist.get_rank(), store, timeout, groups)
+
+
+_teardown_lock = threading.Lock()
+_releases: list[Callable[[], None]] = []
+
+
+def release_before_teardown(release: Callable[[], None]) -> None:
+    """Have ``release`` (which must free every CUDA graph that captured a collective) run before
+    ``torch.distributed.destroy_process_group`` and at exit; installed once, on the first capture
+    of a collective.
+
+    NCCL cannot destroy a communicator while a CUDA graph that captured one of its collectives
+    exists: ``ncclCommDestroy`` waits for the graph to go, and the program hangs at its last line
+    (pytorch/pytorch#115388; two H100s, torch 2.11). A program would have to know to drop its
+    recordings first; graphtree does it for it. ``destroy_process_group`` stays torch's own
+    function, wrapped: the wrapper runs ``release`` and then it, with the same arguments.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    with _teardown_lock:
+        if release in _releases:
+            return
+        _releases.append(release)
+        if len(_releases) > 1:
+            return
+        original = c10d.destroy_process_group
+
+        @functools.wraps(original)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            _run_releases("destroy_process_group")
+            return original(*args, **kwargs)
+
+        destroy_process_group.__graphtree_wraps__ = original  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group
+        dist.destroy_process_group = destroy_process_group
+        atexit.register(_run_releases, "exit")
+
+
+def _run_releases(when: str) -> None:
+    for release in list(_releases):
+        try:
+            release()
+        except Exception as e:  # noqa: BLE001 - teardown goes on: the communicator's own error says more
+            log.warning("graphtree: dropping the recordings that hold collectives before %s failed: %s", when, e)

@@ -37,7 +37,7 @@ from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
-from graphtree.tree.lockstep import Vote, environment_problem
+from graphtree.tree.lockstep import Vote, environment_problem, release_before_teardown
 from graphtree.tree.node import Node, Root, below, signature
 from graphtree.tree.pool import Pool
 from graphtree.tree.replay_error import explain, is_cuda_error
@@ -510,6 +510,7 @@ class TreeManager:
         gc.churn.recorded()
         if captured is not None:
             self.counters.agreements += 1
+            release_before_teardown(_drop_before_teardown)
         if siblings:
             self.counters.rerecordings += 1
         if not prefix:  # (a new value's recording is found through the first segment it shares)
@@ -564,8 +565,10 @@ class TreeManager:
             stack.extend(kids)
         return out
 
-    def reset(self) -> None:
-        """Invalidate held outputs, drop every recording and give the pool's memory back."""
+    def reset(self, free_memory: bool = True) -> None:
+        """Invalidate held outputs, drop every recording and (``free_memory``) give the pool's
+        memory back, which waits for the device: not at teardown, where a peer's collective may
+        never end."""
         with self.lock:
             for r, msg in self._held_outputs():
                 _torch.invalidate_storage(r, msg.replace("a new step began", "graphtree.reset() was called"))
@@ -577,8 +580,9 @@ class TreeManager:
             # the recordings dropped link to each other (a node and its children): only the
             # collector frees them, and their pool with them; until it runs, the memory stays
             _collector.collect()
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            if free_memory:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
 
 
 def _age(node: Node) -> int:
@@ -637,6 +641,13 @@ def reset() -> None:
     for m in managers():
         m.reset()
     _untreed.__init__()  # type: ignore[misc]
+
+
+def _drop_before_teardown() -> None:
+    """Every recording dropped, as :func:`reset` does, before the process groups go (a graph that
+    captured a collective keeps NCCL from destroying its communicator: tree/lockstep.py)."""
+    for m in managers():
+        m.reset(free_memory=False)
 
 
 def stats() -> Stats:

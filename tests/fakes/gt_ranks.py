@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,21 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: graphtree importab
 
 def run_ranks(script: list[str], nproc: int, out: Path, timeout: float) -> tuple[list[dict[str, Any]], str]:
     """Run ``script`` (its path and arguments) as ``nproc`` ranks (``torchrun --standalone``) and
-    return each rank's results, in rank order, and the job's output; assert that the job succeeded,
-    showing the end of its output otherwise."""
+    return each rank's results, in rank order, and the job's output; assert that the job succeeded
+    in ``timeout`` seconds, showing the end of its output otherwise, and each rank's stacks where it
+    wrote them (``OUT/rankN.stuck``). A job past its time is killed whole: torchrun and its ranks."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
-    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-20000:]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
+    )
+    try:
+        log, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the ranks too: a rank left behind keeps its GPU
+        log, _ = p.communicate()
+        log += f"\n[killed after {timeout:g} s]"
+    if p.returncode != 0:
+        stacks = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(out.glob("rank*.stuck")))
+        raise AssertionError(log[-20000:] + stacks)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], log
