@@ -276,6 +276,11 @@ def test_a_contender_whose_own_process_dies_is_a_failed_row_naming_the_signal(mo
     assert not row.ok and row.contender == "compile-reduce-overhead" and row.scenario == "generate"
     assert "killed by SIGSEGV" in row.error, row.error
     assert seen["env"][generate.ONLY] == "compile-reduce-overhead"
+    # inductor's static launcher segfaulted (H100, torch 2.11): off in that process, unless the user chose
+    assert seen["env"]["TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER"] == "0"
+    monkeypatch.setenv("TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER", "1")
+    generate.in_own_process("compile-reduce-overhead", ctx)
+    assert seen["env"]["TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER"] == "1"
     assert seen["cmd"][seen["cmd"].index("--contenders") + 1] == "compile-reduce-overhead" and "--quick" in seen["cmd"]
     assert any("Segmentation fault" in m for m in logged), logged
 

@@ -15,10 +15,13 @@ Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticC
 graphtree moves it into the memory of the decode step's recording, one device copy, instead of
 recording again: ``graphtree.tree.adoption``) and ``one cache`` (one
 ``StaticCache`` passed as ``past_key_values`` and reset between calls: every decode step replays).
-``compile-reduce-overhead`` runs in a Python process of its own (:func:`in_own_process`): on an
-H100 (torch 2.11) it segfaulted inside inductor's kernel launcher in the process where HF's default had
-compiled the same forward, and took the whole benchmark down with it. A process that dies is a
-failed row naming the signal; the others' rows stand.
+``compile-reduce-overhead`` runs in a Python process of its own (:func:`in_own_process`), with
+inductor's static CUDA launcher off (``TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0`` unless set): on an
+H100 (torch 2.11) the static launcher segfaulted on its first ``generate()`` with a fresh cache, in
+a process of its own too, and took the benchmark down with it. Triton's own launcher raises
+instead (``TypeError: Pointer argument must be either uint64 or have data_ptr method``), which
+fails that case's row and leaves the ``one cache`` case to run. A process that dies is a failed row
+naming the signal; the others' rows stand.
 
 Reported: time per generated token (a whole ``generate()`` call / tokens), the first call's time
 (warm-up and recording), for graphtree the share of decode steps that replayed, and graphtree's
@@ -275,7 +278,7 @@ def in_own_process(name: str, ctx: Ctx) -> list[Result]:
         ctx.log(f"generate: {name} in a process of its own ({left} s)")
         try:
             proc = subprocess.run(
-                cmd, check=False, env={**os.environ, ONLY: name}, capture_output=True, text=True, timeout=left + 60
+                cmd, check=False, env=_own_env(name), capture_output=True, text=True, timeout=left + 60
             )
         except subprocess.TimeoutExpired:
             return [
@@ -292,6 +295,12 @@ def in_own_process(name: str, ctx: Ctx) -> list[Result]:
     for r in rows:
         r.note = f"{r.note}; run in a process of its own" if r.note else "run in a process of its own"
     return rows
+
+
+def _own_env(name: str) -> dict[str, str]:
+    """The environment of contender ``name``'s own process: it alone runs, and inductor launches
+    its kernels through Triton's launcher unless the caller chose (the module docstring says why)."""
+    return {"TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": "0", **os.environ, ONLY: name}
 
 
 def exit_reason(returncode: int) -> str:

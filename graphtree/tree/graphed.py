@@ -32,6 +32,7 @@ from graphtree.tree.inputs import (
     watch_parameter_changes,
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups
+from graphtree.tree.parts import MIN_PART_OPS, Parts, small_part_reason
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
@@ -108,10 +109,14 @@ class GraphedCallable:
         debug: str | os.PathLike[str] | None = None,
         max_break_values: int = MAX_VALUES,
         lockstep_timeout: float = LOCKSTEP_TIMEOUT,
+        parts: bool = True,
+        min_ops: int = 0,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout)
+        if not isinstance(parts, bool):
+            raise ValueError(f"parts must be True or False, got {parts!r}")
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         self.fn = fn
         self.id = next(_ids)
@@ -139,11 +144,18 @@ class GraphedCallable:
         self._grad_off_inside = _torch.grad_off_inside(fn)
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
         self._hf_caches: CacheLayouts | None = None
+        # A module's signature that cannot be graphed runs with its submodules graphed (tree/parts.py);
+        # a part whose warm-up runs fewer than min_ops operations is not worth a graph
+        self._parts: Parts | None = None
+        self.min_ops = min_ops
+        self._small = False
         if self._module is not None:
             watch_parameter_changes()
             own = fn is self._module or getattr(fn, "__self__", None) is self._module
             if own and _no_auto_compile(self._module):
                 self._hf_caches = CacheLayouts(self._module)
+            if own and parts:
+                self._parts = Parts(self._module, self.name, self._make_part)
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())
@@ -229,9 +241,43 @@ class GraphedCallable:
         return self.fn(*args, **kwargs)
 
     def run_eager(self, call: Call, reason: str) -> Any:
-        """Run the function as plain PyTorch on a call's arguments, counting ``reason``."""
+        """Run the function as plain PyTorch on a call's arguments, counting ``reason``; a module's
+        signature given up runs with the module's parts graphed (tree/parts.py)."""
         args, kwargs = call.arguments()
-        return self._eager(args, kwargs, reason)
+        if self._parts is None or call.key not in self.given_up:
+            return self._eager(args, kwargs, reason)
+        _manager.count_eager(self.name, reason)
+        return self._parts.run(self.fn, args, kwargs)
+
+    def _make_part(self, fn: Callable[..., Any], name: str) -> GraphedCallable:
+        """A part of this module, graphed with this callable's options (tree/parts.py)."""
+        return GraphedCallable(
+            fn,
+            warmup=self.warmup,
+            max_rerecords=self.max_rerecords,
+            name=name,
+            max_break_values=self.max_break_values,
+            lockstep_timeout=self.lockstep_timeout,
+            min_ops=MIN_PART_OPS,
+        )
+
+    def parts(self) -> list[str]:
+        """The names of the submodules put in this module's place while a signature of it that
+        cannot be graphed runs, each followed by its own parts (a part that cannot be graphed
+        whole runs with parts too); empty until such a call ran (:mod:`graphtree.tree.parts`)."""
+        return self._parts.names() if self._parts is not None else []
+
+    def size_reason(self, ops: int) -> str | None:
+        """Why a warm-up that ran ``ops`` torch operations is not worth a graph, or None: only a
+        part graphtree chose itself has a floor (``min_ops``)."""
+        if ops >= self.min_ops:
+            return None
+        self._small = True
+        return small_part_reason(self.name, ops)
+
+    def too_small(self) -> bool:
+        """A warm-up ran too few operations for a graph to gain (see :meth:`size_reason`)."""
+        return self._small
 
     def disable(self, reason: str) -> None:
         """Run eagerly from now on, for the reason given (shown in ``stats()`` and logged once)."""
@@ -503,6 +549,7 @@ def graphed(
     debug: str | os.PathLike[str] | None = None,
     max_break_values: int = MAX_VALUES,
     lockstep_timeout: float = LOCKSTEP_TIMEOUT,
+    parts: bool = True,
 ) -> Any:
     """Record ``fn`` as CUDA graphs on first use and replay them afterwards.
 
@@ -537,6 +584,11 @@ def graphed(
             rank waits for the other ranks of their groups to agree to record it or to run it
             eagerly (``graphtree.tree.lockstep``; default 600, torch.distributed's own default),
             after which it raises ``LockstepTimeout`` naming the ranks that did not come.
+        parts: for a module (or its bound ``forward``): a signature that cannot be graphed whole
+            (its own code uploads host values, has data-dependent shapes, ...) runs eagerly with
+            each of its submodules graphed in their place, down the tree of modules, those of
+            fewer than 16 operations left alone (``graphtree.tree.parts``; ``GraphedCallable.parts()``
+            names them). False runs such a signature wholly eagerly.
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function by import path or by value, a model with its weights, random states,
             versions, traceback; see :func:`graphtree.debug.dump_on_error`) before the error
@@ -581,10 +633,13 @@ def graphed(
             debug=debug,
             max_break_values=max_break_values,
             lockstep_timeout=lockstep_timeout,
+            parts=parts,
         )
         return GraphedModule(f, call) if isinstance(f, torch.nn.Module) else call
 
     if fn is None:  # as a decorator with options: @graphed(buckets=[...])
         _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout)
+        if not isinstance(parts, bool):
+            raise ValueError(f"parts must be True or False, got {parts!r}")
         return make
     return make(fn)

@@ -437,7 +437,7 @@ class TreeManager:
         self.counters.warmups += 1
         gc.churn.warmed_up()
         key = (gc.id, call.key)
-        give_up, again = done.give_up, bool(done.kept)
+        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept)
         lockstep = gc.lockstep(done.groups)
         if lockstep is not None:  # it calls collectives: its ranks decide together (tree/lockstep.py)
             give_up, again = lockstep.agree("warm-up", give_up or environment_problem(), again)

@@ -89,11 +89,14 @@ def _no_autocast_cache() -> Iterator[None]:
 class WarmUp:
     """The result of one warm-up run: its outputs, and what it showed about the signature."""
 
-    def __init__(self, out: Any, give_up: str | None, kept: int, groups: dict[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self, out: Any, give_up: str | None, kept: int, groups: dict[str, tuple[int, ...]], ops: int = 0
+    ) -> None:
         self.out = out
         self.give_up = give_up  # a reason never to graph this signature, or None
         self.kept = kept  # storages the function made and kept beyond its outputs (state it allocated)
         self.groups = groups  # the process groups of the collectives it called: name -> global ranks
+        self.ops = ops  # torch operations it called
 
 
 def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
@@ -138,7 +141,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     finally:
         current.wait_stream(stream)
         watch.close()
-    return WarmUp(out, reason, kept, collectives.groups if collectives else {})
+    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, tracker.calls)
 
 
 def _unsafe_reason(name: str, op: str) -> str | None:

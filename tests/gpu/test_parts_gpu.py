@@ -1,0 +1,76 @@
+"""A module that cannot be graphed whole runs with its parts graphed (graphtree.tree.parts): its own
+code eagerly, each submodule worth a graph replayed in its place. Each call compared with eager.
+The detector graphed whole is in test_profile_gpu.py (it profiles the share of GPU time replayed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphtree
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    graphtree.reset()
+    yield
+    graphtree.reset()
+
+
+class _Heavy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(64, 64), nn.ReLU())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.seq(x)
+
+
+class _Filter(nn.Module):
+    """A heavy submodule, then a data-dependent shape in the module's own code, then a small one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heavy = _Heavy()
+        self.small = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.heavy(x)
+        keep = y[y.sum(1) > 0]  # rows kept depend on the values: no graph can hold this
+        return self.small(keep)
+
+
+def _calls(model: nn.Module, g: nn.Module, n: int = 6) -> list[bool]:
+    equal = []
+    with torch.inference_mode():
+        for i in range(n):
+            graphtree.mark_step()
+            x = torch.randn(32, 64, device=DEV, generator=torch.Generator(DEV).manual_seed(i))
+            equal.append(bool(torch.equal(g(x), model(x))))
+    return equal
+
+
+def test_a_module_with_a_data_dependent_shape_runs_with_its_heavy_part_replayed():
+    model = _Filter().to(DEV).eval()
+    g = graphtree.graphed(model)
+    assert _calls(model, g) == [True] * 6
+    s = graphtree.stats()
+    # call 1: the module's warm-up finds the shape; 2: the parts warm up; 3: record; 4-6: replay
+    assert s.recordings == 1 and s.replays == 3, s
+    assert g.graphed_callable.parts() == ["_Filter.heavy"]  # the small one left for good
+    (own,) = [r for r in s.eager if "fewer than" not in r]  # the module's own reason, every call but the first
+    assert "_Filter" in own and s.eager[own] == 5, s.eager
+    (small,) = [r for r in s.eager if "fewer than 16" in r]
+    assert "`_Filter.small` runs 1 torch operations" in small and s.eager[small] == 1, s.eager
+    assert "forward" not in model.small.__dict__ and "forward" not in model.heavy.__dict__  # put back
+
+
+def test_parts_false_runs_such_a_module_wholly_eagerly():
+    model = _Filter().to(DEV).eval()
+    g = graphtree.graphed(model, parts=False)
+    assert _calls(model, g) == [True] * 6
+    s = graphtree.stats()
+    assert s.recordings == 0 and s.replays == 0 and g.graphed_callable.parts() == [], s

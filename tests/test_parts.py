@@ -1,0 +1,161 @@
+"""A module that cannot be graphed whole runs with its parts graphed (graphtree.tree.parts), on the
+CPU: which submodules are parts, how they are put in place and back, and the size floor. The GPU
+half (a detector graphed whole, a module with a data-dependent shape) is tests/gpu/test_parts_gpu.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import graphtree
+from graphtree.tree.graphed import GraphedCallable
+from graphtree.tree.parts import MIN_PART_OPS, Parts, graphable_children
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.act = nn.ReLU()  # no state: not a part
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])  # looked through
+        self.done = graphtree.graphed(nn.Linear(4, 4))  # graphed by the user already: left alone
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.body(x))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.done(x))
+
+
+class _Recorder:
+    """A stand-in for a graphed part: counts its calls and runs the part's own forward."""
+
+    def __init__(self, fn: Any, name: str) -> None:
+        self.fn, self.name, self.calls, self.small = fn, name, 0, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+    def too_small(self) -> bool:
+        return self.small
+
+    def parts(self) -> list[str]:
+        return [f"{self.name}.inner"] if self.name == "Net.body" else []
+
+
+def _parts(net: nn.Module) -> tuple[Parts, dict[str, _Recorder]]:
+    made: dict[str, _Recorder] = {}
+
+    def make(fn: Any, name: str) -> _Recorder:
+        made[name] = _Recorder(fn, name)
+        return made[name]
+
+    return Parts(net, "Net", make), made
+
+
+def test_parts_are_the_children_with_state_through_containers_and_not_those_graphed_already() -> None:
+    names = [name for name, _ in graphable_children(_Net())]
+    assert names == ["body", "blocks.0", "blocks.1", "head"]
+
+
+def test_the_parts_are_in_place_while_the_module_runs_and_put_back_after() -> None:
+    net = _Net()
+    x = torch.randn(3, 4)
+    want = net(x)
+    parts, made = _parts(net)
+    got = parts.run(net, (x,), {})
+    assert torch.equal(got, want)
+    assert sorted(made) == ["Net.blocks.0", "Net.blocks.1", "Net.body", "Net.head"]
+    assert all(r.calls == 1 for r in made.values()), {n: r.calls for n, r in made.items()}
+    # put back: the submodules' forward is their class's again, and calling them reaches no part
+    assert "forward" not in net.body.__dict__ and "forward" not in net.head.__dict__
+    net(x)
+    assert all(r.calls == 1 for r in made.values())
+    assert parts.names() == ["Net.body", "Net.body.inner", "Net.blocks.0", "Net.blocks.1", "Net.head"]
+
+
+def test_a_forward_set_on_the_instance_is_wrapped_and_restored() -> None:
+    net = _Net()
+    seen = []
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape)
+        return nn.Linear.forward(net.head, x)
+
+    net.head.forward = own  # type: ignore[method-assign]
+    parts, made = _parts(net)
+    parts.run(net, (torch.randn(2, 4),), {})
+    assert made["Net.head"].fn is own and seen == [torch.Size([2, 4])]
+    assert net.head.__dict__["forward"] is own
+
+
+def test_parts_are_put_back_when_the_module_raises_and_too_small_ones_leave_for_good() -> None:
+    net = _Net()
+    parts, made = _parts(net)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        parts.run(net, (torch.randn(2, 5),), {})
+    assert not any("forward" in m.__dict__ for m in (net.body, net.head, *net.blocks))
+    made["Net.head"].small = True
+    parts.run(net, (torch.randn(2, 4),), {})
+    assert "Net.head" not in parts.names() and len(parts.names()) == 4
+
+
+def test_two_threads_running_the_module_keep_the_parts_until_the_last_one_ends() -> None:
+    net = _Net()
+    parts, made = _parts(net)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        release.wait(10)
+        return net(x)
+
+    t = threading.Thread(target=parts.run, args=(slow, (torch.randn(1, 4),), {}))
+    t.start()
+    assert inside.wait(10)
+    parts.run(net, (torch.randn(1, 4),), {})  # ends first: the other call still has its parts
+    assert "forward" in net.body.__dict__
+    release.set()
+    t.join(10)
+    assert "forward" not in net.body.__dict__ and made["Net.body"].calls == 2
+
+
+def test_a_given_up_signature_of_a_module_runs_with_its_parts_and_others_do_not() -> None:
+    net = _Net()
+    gc = GraphedCallable(net, name="Net")
+    x = torch.randn(2, 4)
+    call = SimpleNamespace(key=("k",), arguments=lambda: ((x,), {}))
+    before = len(gc.parts())
+    gc.run_eager(call, "churn")  # not given up (the churn guard's eager run): no parts
+    assert before == 0 and gc.parts() == []
+    gc.give_up(("k",), "uploads host values")
+    assert torch.equal(gc.run_eager(call, "uploads host values"), net(x))
+    assert gc.parts() == ["Net.body", "Net.blocks.0", "Net.blocks.1", "Net.head"]
+    assert graphtree.stats().eager.get("uploads host values", 0) >= 1
+
+
+def test_a_part_has_a_size_floor_and_a_function_the_user_graphed_has_none() -> None:
+    part = GraphedCallable(nn.Linear(2, 2), name="Net.head", min_ops=MIN_PART_OPS)
+    assert part.size_reason(MIN_PART_OPS) is None and not part.too_small()
+    reason = part.size_reason(1)
+    assert reason is not None and "`Net.head` runs 1 torch operations" in reason and part.too_small()
+    assert GraphedCallable(lambda x: x).size_reason(0) is None
+
+
+def test_parts_false_keeps_the_whole_module_eager_and_the_option_is_checked() -> None:
+    net = _Net()
+    gc = GraphedCallable(net, name="Net", parts=False)
+    gc.give_up(("k",), "r")
+    gc.run_eager(SimpleNamespace(key=("k",), arguments=lambda: ((torch.randn(1, 4),), {})), "r")
+    assert gc.parts() == [] and "forward" not in net.body.__dict__
+    with pytest.raises(ValueError, match="parts must be True or False"):
+        graphtree.graphed(net, parts="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="parts must be True or False"):
+        graphtree.graphed(parts=1)  # type: ignore[arg-type]
