@@ -5,6 +5,7 @@ half (a detector graphed whole, a module with a data-dependent shape) is tests/g
 from __future__ import annotations
 
 import threading
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,8 +62,13 @@ def _parts(net: nn.Module) -> tuple[Parts, dict[str, _Recorder]]:
 
 
 def test_parts_are_the_children_with_state_through_containers_and_not_those_graphed_already() -> None:
-    names = [name for name, _ in graphable_children(_Net())]
+    net = _Net()
+    names = [name for name, _ in graphable_children(net)]
     assert names == ["body", "blocks.0", "blocks.1", "head"]
+    with warnings.catch_warnings():  # (torch 2.13 deprecates TorchScript; models still carry it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        net.head = torch.jit.script(nn.Linear(4, 2))  # TorchScript's forward is no attribute to set
+    assert [name for name, _ in graphable_children(net)] == ["body", "blocks.0", "blocks.1"]
 
 
 def test_the_parts_are_in_place_while_the_module_runs_and_put_back_after() -> None:

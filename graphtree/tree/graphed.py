@@ -247,7 +247,8 @@ class GraphedCallable:
         if self._parts is None or call.key not in self.given_up:
             return self._eager(args, kwargs, reason)
         _manager.count_eager(self.name, reason)
-        return self._parts.run(self.fn, args, kwargs)
+        with _manager.one_step():  # a part called twice keeps its first output for the module's code
+            return self._parts.run(self.fn, args, kwargs)
 
     def _make_part(self, fn: Callable[..., Any], name: str) -> GraphedCallable:
         """A part of this module, graphed with this callable's options (tree/parts.py)."""

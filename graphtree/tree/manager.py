@@ -21,10 +21,11 @@ outputs are cloned first, so feeding an output back in works.
 
 from __future__ import annotations
 
+import contextlib
 import gc as _collector
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
 
@@ -113,6 +114,18 @@ def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -
     return explain(e, recording=name, previous=previous, debug_dir=debug, during=during)
 
 
+@contextlib.contextmanager
+def one_step() -> Iterator[None]:
+    """In the calling thread, calls made inside the block start no step by themselves: a function
+    called twice in it keeps its first output (a module running with its parts graphed calls a
+    shared submodule twice: tree/parts.py). Steps marked with :func:`mark_step` still start."""
+    _tls.one_step = getattr(_tls, "one_step", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.one_step -= 1
+
+
 def begin_internal_step() -> None:
     """Start a new step in the calling thread's trees without turning off automatic steps."""
     for m in getattr(_tls, "managers", {}).values():
@@ -176,7 +189,7 @@ class TreeManager:
             leaves = call.leaves
             if (
                 self.step_requested
-                or (not self.user_steps and gc.id in self.called)
+                or (not self.user_steps and gc.id in self.called and not getattr(_tls, "one_step", 0))
                 or len(self.path) >= MAX_PATH_DEPTH
             ):
                 if len(self.path) >= MAX_PATH_DEPTH and not self.step_requested:

@@ -13,7 +13,8 @@ graphed callable of the submodule's own ``forward`` (``nn.Module.__call__`` look
 on the instance, so hooks still run around it); the attribute is taken away again when the last
 such call ends, leaving the submodule as it was. Containers without a ``forward`` of their own
 (``ModuleList``, ``ModuleDict``) are looked through; leaves without parameters or buffers (an
-activation, a dropout) are left alone, and so is a submodule the user graphed already.
+activation, a dropout) are left alone, and so are a submodule the user graphed already and a
+TorchScript module.
 
 A part is kept only if a graph can gain on it: one whose warm-up ran fewer than
 :data:`MIN_PART_OPS` torch operations (a single linear layer) is given up with that reason and
@@ -56,8 +57,8 @@ def graphable_children(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
     parameters or buffers, nor modules graphed already."""
     for name, child in module.named_children():
         path = f"{prefix}{name}"
-        if getattr(child, "graphed_callable", None) is not None:  # a GraphedModule: graphed already
-            continue
+        if getattr(child, "graphed_callable", None) is not None or isinstance(child, torch.jit.ScriptModule):
+            continue  # graphed already (a GraphedModule), or TorchScript's (its forward is no attribute to set)
         if type(child).forward is torch.nn.Module.forward:  # a container: ModuleList, ModuleDict
             yield from graphable_children(child, f"{path}.")
             continue

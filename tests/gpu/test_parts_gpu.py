@@ -75,3 +75,31 @@ def test_parts_false_runs_such_a_module_wholly_eagerly():
     assert _calls(model, g) == [True] * 6
     s = graphtree.stats()
     assert s.recordings == 0 and s.replays == 0 and g.graphed_callable.parts() == [], s
+
+
+class _Twice(nn.Module):
+    """One submodule called on two inputs (a siamese encoder), then a data-dependent shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = _Heavy()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        d = self.enc(a) - self.enc(b)  # the first output is still read after the second call
+        return d[d.sum(1) > 0]
+
+
+def test_a_part_called_twice_in_one_call_keeps_its_first_output_without_mark_step():
+    """Without mark_step a function's second call starts a new step, which invalidates the first
+    call's outputs: the module's own code would have read an overwritten output. The calls of a
+    module's parts are one step per call of the module (manager.one_step)."""
+    model = _Twice().to(DEV).eval()
+    g = graphtree.graphed(model)
+    with torch.inference_mode():
+        for i in range(6):
+            gen = torch.Generator(DEV).manual_seed(i)
+            a, b = (torch.randn(32, 64, device=DEV, generator=gen) for _ in range(2))
+            assert torch.equal(g(a, b), model(a, b)), i
+    s = graphtree.stats()
+    # call 1: the module's warm-up; 2: both calls of the part warm up; 3: both record; 4-6: replay
+    assert s.recordings == 2 and s.replays == 6, s
