@@ -639,6 +639,14 @@ def torch_profiler_active() -> bool:
         return False
 
 
+def global_module_hooks() -> bool:
+    """Whether a global module hook is registered (``register_module_forward_hook`` and the like):
+    it runs around every module's call, which a replay of a module does not make."""
+    m = torch.nn.modules.module
+    kinds = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
+    return any(getattr(m, f"_global_{kind}", None) for kind in kinds)
+
+
 # --- torch.distributed: the process groups of collectives, and the store ranks agree through ----
 
 

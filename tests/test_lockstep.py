@@ -361,3 +361,35 @@ def test_every_rank_takes_the_same_decision_for_any_votes() -> None:
                 assert reason is None
             else:
                 assert reason == (first[1] if first[0] == r else f"rank {first[0]}: {first[1]}")
+
+
+def test_the_teardown_drop_keeps_the_counters_and_does_not_wait_for_a_busy_tree(caplog: Any, monkeypatch: Any) -> None:
+    """Before destroy_process_group (tree/teardown.py): every recording goes, stats() still tells
+    the run, and a tree another thread holds (a call waiting on a peer) cannot hang the exit."""
+    from graphtree.tree import manager, teardown
+    from graphtree.tree.manager import TreeManager
+
+    m = TreeManager(0)
+    m.counters.replays = 5
+    assert m.drop("torch.distributed's process groups were torn down", wait=0.1)
+    assert m.counters.replays == 5
+    held, done = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with m.lock:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=busy, name="busy")
+    t.start()
+    assert held.wait(10)
+    monkeypatch.setattr(teardown, "WAIT", 0.2)
+    monkeypatch.setattr(manager, "managers", lambda: [m])
+    try:
+        t0 = time.monotonic()
+        teardown.drop_all()
+        assert time.monotonic() - t0 < 5
+        assert any("kept its recordings through the teardown" in r.getMessage() for r in caplog.records)
+    finally:
+        done.set()
+        t.join(10)

@@ -37,6 +37,9 @@ class _Net(nn.Module):
 class _Recorder:
     """A stand-in for a graphed part: counts its calls and runs the part's own forward."""
 
+    graphtree_callable = True
+    is_part = True
+
     def __init__(self, fn: Any, name: str) -> None:
         self.fn, self.name, self.calls, self.small = fn, name, 0, False
 
@@ -149,10 +152,14 @@ def test_a_given_up_signature_of_a_module_runs_with_its_parts_and_others_do_not(
 
 def test_a_part_has_a_size_floor_and_a_function_the_user_graphed_has_none() -> None:
     part = GraphedCallable(nn.Linear(2, 2), name="Net.head", min_ops=MIN_PART_OPS)
+    assert part.is_part and not part.too_small()
+    reason = part.size_reason(2)
+    assert reason is not None and "`Net.head` runs 2 operator(s), fewer than 16" in reason and part.too_small()
+    # another signature (an early return was the small one) big enough: the part stays
     assert part.size_reason(MIN_PART_OPS) is None and not part.too_small()
-    reason = part.size_reason(1)
-    assert reason is not None and "`Net.head` runs 1 torch operations" in reason and part.too_small()
-    assert GraphedCallable(lambda x: x).size_reason(0) is None
+    assert part.size_reason(1) is not None and not part.too_small()
+    user = GraphedCallable(lambda x: x)
+    assert not user.is_part and user.size_reason(0) is None
 
 
 def test_parts_false_keeps_the_whole_module_eager_and_the_option_is_checked() -> None:
@@ -165,3 +172,49 @@ def test_parts_false_keeps_the_whole_module_eager_and_the_option_is_checked() ->
         graphtree.graphed(net, parts="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="parts must be True or False"):
         graphtree.graphed(parts=1)  # type: ignore[arg-type]
+
+
+def test_what_is_graphed_compiled_or_hooked_inside_is_no_part() -> None:
+    net = _Net()
+    net.head.forward = graphtree.graphed(net.head.forward)  # type: ignore[method-assign]  # the user's
+    net.blocks[0] = torch.compile(nn.Linear(4, 4))  # torch.compile's module: left as compiled
+    seen = []
+    net.body[2].register_forward_hook(lambda m, i, o: seen.append(o.shape))  # a replay would skip it
+    names = [name for name, _ in graphable_children(net)]
+    assert names == ["body.0", "body.2", "blocks.1"], names  # body looked through: its hook stays live
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        parts, made = _parts(net)
+        parts.run(lambda x: x, (torch.randn(1, 4),), {})  # (net itself would compile blocks.0)
+        assert made == {} and parts.names() == []  # a global hook runs around every module: no parts
+    finally:
+        handle.remove()
+
+
+def test_a_submodule_two_levels_share_gets_each_levels_forward_back_in_order() -> None:
+    """T5 shares its embedding between the model and its decoder: the decoder's parts must wrap the
+    class's forward, not the model's part of it, and give the model's part back when they end."""
+    emb = nn.Linear(4, 4)
+    dec = nn.Module()
+    dec.emb = emb
+    top = nn.Module()
+    top.emb, top.dec = emb, dec
+    outer, outer_made = _parts(top)
+    inner, inner_made = _parts(dec)
+    during = {}
+
+    def top_forward(x: torch.Tensor) -> torch.Tensor:
+        def dec_forward(y: torch.Tensor) -> torch.Tensor:
+            return emb(emb(y))
+
+        y = inner.run(dec_forward, (emb(x),), {})
+        during["after inner"] = emb.__dict__.get("forward")
+        return y
+
+    outer.run(top_forward, (torch.randn(1, 4),), {})
+    assert outer.names() == ["Net.emb"]  # reached twice (itself, and through dec): one part
+    assert inner_made["Net.emb"].fn.__func__ is nn.Linear.forward  # not the outer part
+    assert during["after inner"] is outer_made["Net.emb"]  # the outer part back while the top runs
+    assert "forward" not in emb.__dict__  # and nothing once both ended
+    assert outer_made["Net.emb"].calls == 1 and inner_made["Net.emb"].calls == 2
+    assert sorted(outer_made) == ["Net.emb"]

@@ -474,6 +474,7 @@ class WarmUpReads(TorchDispatchMode):
         self.count_reads = count_reads  # False: breaks at host reads are off; eager parts still pass
         self.pending = 0
         self.inside = 0  # calls of graphtree.eager functions under way: their syncs are theirs
+        self.ops = 0  # operators dispatched (not metadata queries): a part too small to graph (tree/parts.py)
 
     def allow(self) -> bool:
         """Whether the synchronisation warned about now is one of these reads or inside an eager
@@ -498,6 +499,7 @@ class WarmUpReads(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        self.ops += 1
         if self.count_reads and is_read(func, args, kwargs):
             self.pending += 1
         return func(*args, **kwargs)

@@ -43,15 +43,13 @@ class CaptureFailed(RuntimeError):
 
 
 class OpTracker(TorchFunctionMode):
-    """Remembers the last torch operation called, to name it if the capture fails, and counts them."""
+    """Remembers the last torch operation called, to name it if the capture fails."""
 
     def __init__(self) -> None:
         super().__init__()
         self.last: str = ""
-        self.calls = 0  # torch operations called (a part of a module too small to graph: tree/parts.py)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.calls += 1
         self.last = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
         return func(*args, **(kwargs or {}))
 

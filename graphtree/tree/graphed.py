@@ -31,8 +31,9 @@ from graphtree.tree.inputs import (
     unflatten,
     watch_parameter_changes,
 )
-from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups
-from graphtree.tree.parts import MIN_PART_OPS, Parts, small_part_reason
+from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
+from graphtree.tree.parts import MIN_PART_OPS, Parts, own_copies, small_part_reason
+from graphtree.tree.teardown import drop_all
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
@@ -97,6 +98,8 @@ def mark_static(t: torch.Tensor) -> torch.Tensor:
 class GraphedCallable:
     """A callable whose calls run as replays of CUDA graphs (see :func:`graphed`)."""
 
+    graphtree_callable = True  # (how tree/parts.py knows one among a module's attributes)
+
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -148,7 +151,8 @@ class GraphedCallable:
         # a part whose warm-up runs fewer than min_ops operations is not worth a graph
         self._parts: Parts | None = None
         self.min_ops = min_ops
-        self._small = False
+        self._small = False  # a warm-up ran fewer than min_ops operators, and none ran more
+        self._big_enough = False
         if self._module is not None:
             watch_parameter_changes()
             own = fn is self._module or getattr(fn, "__self__", None) is self._module
@@ -248,7 +252,10 @@ class GraphedCallable:
             return self._eager(args, kwargs, reason)
         _manager.count_eager(self.name, reason)
         with _manager.one_step():  # a part called twice keeps its first output for the module's code
-            return self._parts.run(self.fn, args, kwargs)
+            out = self._parts.run(self.fn, args, kwargs)
+            # what the module returns is the caller's, as from an eager run: never a part's output,
+            # which the part's next replay would overwrite
+            return own_copies(out)
 
     def _make_part(self, fn: Callable[..., Any], name: str) -> GraphedCallable:
         """A part of this module, graphed with this callable's options (tree/parts.py)."""
@@ -268,17 +275,23 @@ class GraphedCallable:
         whole runs with parts too); empty until such a call ran (:mod:`graphtree.tree.parts`)."""
         return self._parts.names() if self._parts is not None else []
 
+    @property
+    def is_part(self) -> bool:
+        """Made by graphtree as a part of a module graphed in parts (tree/parts.py)."""
+        return self.min_ops > 0
+
     def size_reason(self, ops: int) -> str | None:
-        """Why a warm-up that ran ``ops`` torch operations is not worth a graph, or None: only a
+        """Why a warm-up that dispatched ``ops`` operators is not worth a graph, or None: only a
         part graphtree chose itself has a floor (``min_ops``)."""
         if ops >= self.min_ops:
+            self._big_enough = True
             return None
         self._small = True
         return small_part_reason(self.name, ops)
 
     def too_small(self) -> bool:
-        """A warm-up ran too few operations for a graph to gain (see :meth:`size_reason`)."""
-        return self._small
+        """Every warm-up so far ran too few operators for a graph to gain (see :meth:`size_reason`)."""
+        return self._small and not self._big_enough
 
     def disable(self, reason: str) -> None:
         """Run eagerly from now on, for the reason given (shown in ``stats()`` and logged once)."""
@@ -294,6 +307,7 @@ class GraphedCallable:
         if groups and not groups.keys() <= self._groups.keys():
             self._groups.update(groups)
             self._lockstep = for_groups(self.name, self._groups, self.lockstep_timeout)
+            release_before_teardown(drop_all)  # its captures would hang destroy_process_group (teardown.py)
         return self._lockstep
 
     def note_kept_state(self, key: Any) -> bool:

@@ -298,8 +298,8 @@ _releases: list[Callable[[], None]] = []
 
 def release_before_teardown(release: Callable[[], None]) -> None:
     """Have ``release`` (which must free every CUDA graph that captured a collective) run before
-    ``torch.distributed.destroy_process_group`` and at exit; installed once, on the first capture
-    of a collective.
+    ``torch.distributed.destroy_process_group`` and at exit; installed once, when a warm-up first
+    finds a graphed function calling collectives (``GraphedCallable.lockstep``).
 
     NCCL cannot destroy a communicator while a CUDA graph that captured one of its collectives
     exists: ``ncclCommDestroy`` waits for the graph to go, and the program hangs at its last line

@@ -38,7 +38,7 @@ from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
-from graphtree.tree.lockstep import Vote, environment_problem, release_before_teardown
+from graphtree.tree.lockstep import Vote, environment_problem
 from graphtree.tree.node import Node, Root, below, signature
 from graphtree.tree.pool import Pool
 from graphtree.tree.replay_error import explain, is_cuda_error
@@ -118,8 +118,10 @@ def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -
 def one_step() -> Iterator[None]:
     """In the calling thread, calls made inside the block start no step by themselves: a function
     called twice in it keeps its first output (a module running with its parts graphed calls a
-    shared submodule twice: tree/parts.py). Steps marked with :func:`mark_step` still start."""
-    _tls.one_step = getattr(_tls, "one_step", 0) + 1
+    shared submodule twice: tree/parts.py). Past ``MAX_PATH_DEPTH`` graphed calls in the step, the
+    block's further calls run eagerly instead of starting one. Steps marked with :func:`mark_step`
+    still start."""
+    _tls.one_step = _tls.__dict__.get("one_step", 0) + 1
     try:
         yield
     finally:
@@ -186,10 +188,12 @@ class TreeManager:
     def call(self, gc: Callee, call: Call) -> Any:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
         with self.lock:
+            if len(self.path) >= MAX_PATH_DEPTH and _tls.__dict__.get("one_step", 0):  # (no step mid-call)
+                return gc.run_eager(call, _DEEP.format(n=MAX_PATH_DEPTH))
             leaves = call.leaves
             if (
                 self.step_requested
-                or (not self.user_steps and gc.id in self.called and not getattr(_tls, "one_step", 0))
+                or (not self.user_steps and gc.id in self.called and not _tls.__dict__.get("one_step", 0))
                 or len(self.path) >= MAX_PATH_DEPTH
             ):
                 if len(self.path) >= MAX_PATH_DEPTH and not self.step_requested:
@@ -523,7 +527,6 @@ class TreeManager:
         gc.churn.recorded()
         if captured is not None:
             self.counters.agreements += 1
-            release_before_teardown(_drop_before_teardown)
         if siblings:
             self.counters.rerecordings += 1
         if not prefix:  # (a new value's recording is found through the first segment it shares)
@@ -578,24 +581,32 @@ class TreeManager:
             stack.extend(kids)
         return out
 
-    def reset(self, free_memory: bool = True) -> None:
-        """Invalidate held outputs, drop every recording and (``free_memory``) give the pool's
-        memory back, which waits for the device: not at teardown, where a peer's collective may
-        never end."""
+    def reset(self) -> None:
+        """Drop every recording (:meth:`drop`), start the counters again and give the pool's memory back."""
         with self.lock:
-            for r, msg in self._held_outputs():
-                _torch.invalidate_storage(r, msg.replace("a new step began", "graphtree.reset() was called"))
-            self._clear()
+            self.drop("graphtree.reset() was called")
             self.user_steps = False
             self.warmed = {}
-            self._pool = None
             self.counters = Counters()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def drop(self, why: str, wait: float = -1) -> bool:
+        """Invalidate held outputs (saying ``why``) and drop every recording, without waiting for the
+        device; False when another thread held the tree for ``wait`` seconds (-1: however long)."""
+        if not self.lock.acquire(timeout=wait):
+            return False
+        try:
+            for r, msg in self._held_outputs():
+                _torch.invalidate_storage(r, msg.replace("a new step began", why))
+            self._clear()
+            self._pool = None
             # the recordings dropped link to each other (a node and its children): only the
             # collector frees them, and their pool with them; until it runs, the memory stays
             _collector.collect()
-            if free_memory:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
+        finally:
+            self.lock.release()
+        return True
 
 
 def _age(node: Node) -> int:
@@ -607,6 +618,11 @@ def _held_in(path: list[Node]) -> list[tuple[int, str]]:
     """(weak ref, message) of the outputs of ``path`` the caller still holds."""
     return [pair for node in path for pair in node.held_outputs()]
 
+
+_DEEP = (
+    "more than {n} graphed calls in one call of a module graphed in parts: the rest of that call runs "
+    "its parts eagerly (graphtree.tree.manager.MAX_PATH_DEPTH)"
+)
 
 KEEPS_STATE = (
     "`{name}` keeps tensors it allocates beyond its outputs on every call (a cache created "
@@ -656,11 +672,10 @@ def reset() -> None:
     _untreed.__init__()  # type: ignore[misc]
 
 
-def _drop_before_teardown() -> None:
-    """Every recording dropped, as :func:`reset` does, before the process groups go (a graph that
-    captured a collective keeps NCCL from destroying its communicator: tree/lockstep.py)."""
-    for m in managers():
-        m.reset(free_memory=False)
+def step_outputs() -> set[int]:
+    """The storages (``StorageImpl`` addresses) of outputs of the calling thread's current steps
+    that the caller still holds: memory the next replay of their recordings overwrites."""
+    return {r for m in getattr(_tls, "managers", {}).values() for r, _ in _held_in(m.path)}
 
 
 def stats() -> Stats:

@@ -16,10 +16,13 @@ such call ends, leaving the submodule as it was. Containers without a ``forward`
 activation, a dropout) are left alone, and so are a submodule the user graphed already and a
 TorchScript module.
 
-A part is kept only if a graph can gain on it: one whose warm-up ran fewer than
-:data:`MIN_PART_OPS` torch operations (a single linear layer) is given up with that reason and
-taken out, so that later calls reach it with no cost at all. Its outputs follow every rule of a
-graphed call (they are overwritten by a later replay of the part; reading one after that raises).
+A part is kept only if a graph can gain on it: one whose warm-ups all dispatched fewer than
+:data:`MIN_PART_OPS` operators (a single linear layer) is given up with that reason and taken out,
+so that later calls reach it with no cost at all. The module's code reads its parts' outputs as a
+graphed call's (overwritten by the part's next replay); what the module returns is copied out of
+them (:func:`own_copies`), so that its caller gets what an eager run gave.
+A submodule with hooks below it is looked through (a replay would not run them), and with any
+global module hook registered no part is made.
 
 Example::
 
@@ -32,35 +35,53 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from graphtree import _torch
+from graphtree.tree import manager as _manager
+
 MIN_PART_OPS = 16
-"""Torch operations a part's warm-up must run for graphtree to keep it graphed: below this, the
-replay's own cost (a few microseconds on the host) is not won back by fewer launches."""
+"""Operators (views included, metadata queries not) a part's warm-up must dispatch for graphtree to
+keep it graphed: below this, the replay's own cost (a few microseconds on the host) is not won back
+by fewer launches."""
 
 _ABSENT = object()
 
 
 def small_part_reason(name: str, ops: int) -> str:
-    """Why a part of ``ops`` operations is not graphed."""
+    """Why a part that dispatched ``ops`` operators is not graphed."""
     return (
-        f"`{name}` runs {ops} torch operations, fewer than {MIN_PART_OPS}: a graph of it would not gain "
+        f"`{name}` runs {ops} operator(s), fewer than {MIN_PART_OPS}: a graph of it would not gain "
         f"(graphtree graphed it as a part of a module that cannot be graphed whole)"
     )
 
 
-def graphable_children(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+def graphable_children(
+    module: torch.nn.Module, prefix: str = "", seen: set[int] | None = None
+) -> Iterator[tuple[str, torch.nn.Module]]:
     """The submodules of ``module`` worth graphing in its place, with their dotted names: its direct
-    children, through containers that have no ``forward`` of their own; not leaves without
-    parameters or buffers, nor modules graphed already."""
+    children, through containers that have no ``forward`` of their own and through modules with
+    hooks inside (a replay would skip those hooks); not leaves without parameters or buffers, nor
+    modules graphed already (a ``GraphedModule``, a ``forward`` the user graphed), compiled
+    (``torch.compile``'s module) or scripted."""
+    seen = {id(module)} if seen is None else seen
     for name, child in module.named_children():
+        if id(child) in seen:  # a module reached twice (shared, or its container's too) is one part
+            continue
+        seen.add(id(child))
         path = f"{prefix}{name}"
-        if getattr(child, "graphed_callable", None) is not None or isinstance(child, torch.jit.ScriptModule):
-            continue  # graphed already (a GraphedModule), or TorchScript's (its forward is no attribute to set)
-        if type(child).forward is torch.nn.Module.forward:  # a container: ModuleList, ModuleDict
-            yield from graphable_children(child, f"{path}.")
+        own = child.__dict__.get("forward")
+        if (
+            getattr(child, "graphed_callable", None) is not None
+            or (getattr(own, "graphtree_callable", False) and not getattr(own, "is_part", False))
+            or "_orig_mod" in child._modules  # torch.compile's OptimizedModule
+            or isinstance(child, torch.jit.ScriptModule)  # its forward is no attribute to set
+        ):
+            continue
+        if (type(child).forward is torch.nn.Module.forward and own is None) or _hooks_inside(child):
+            yield from graphable_children(child, f"{path}.", seen)  # a container, or hooks to keep running
             continue
         if not _has_state(child):
             continue  # an activation, a dropout: nothing a graph gains
@@ -71,6 +92,15 @@ def _has_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` has submodules, parameters or buffers of its own."""
     return any(True for _ in module.children()) or any(
         True for _ in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+    )
+
+
+def _hooks_inside(module: torch.nn.Module) -> bool:
+    """Whether a module below ``module`` (not itself: its own hooks run around the part) has forward
+    hooks, which a replay of ``module`` would not run."""
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        for m in itertools.islice(module.modules(), 1, None)
     )
 
 
@@ -87,18 +117,23 @@ class Parts:
         self._make = make
         self._lock = threading.Lock()
         self._depth = 0  # calls running with the parts in place (threads, or the module re-entered)
-        self._parts: list[tuple[torch.nn.Module, Any, Any]] | None = None  # (part, own forward, graphed)
+        self._parts: list[tuple[torch.nn.Module, Any]] | None = None  # (submodule, its graphed callable)
+        self._before: list[Any] = []  # what each submodule's instance ``forward`` was when put in place
 
     def names(self) -> list[str]:
         """The parts' names, each followed by those of its own parts (after the first run; parts
         found too small are gone)."""
-        return [name for _, _, g in self._parts or [] for name in (g.name, *g.parts())]
+        return [name for _, g in self._parts or [] for name in (g.name, *g.parts())]
 
-    def _build(self) -> list[tuple[torch.nn.Module, Any, Any]]:
-        parts = []
+    def _build(self) -> list[tuple[torch.nn.Module, Any]]:
+        parts: list[tuple[torch.nn.Module, Any]] = []
+        if _torch.global_module_hooks():  # every module's call runs them: a replay would not
+            return parts
         for path, child in graphable_children(self.module):
-            own = child.__dict__.get("forward", _ABSENT)  # an instance forward someone set: wrap that
-            parts.append((child, own, self._make(child.forward, f"{self.name}.{path}")))
+            own = child.__dict__.get("forward")  # an instance forward someone set: graph that one,
+            mine = own is None or getattr(own, "graphtree_callable", False)  # not another module's part of it
+            fn: Callable[..., Any] = type(child).forward.__get__(child) if mine else cast(Callable[..., Any], own)
+            parts.append((child, self._make(fn, f"{self.name}.{path}")))
         return parts
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -107,7 +142,8 @@ class Parts:
             if self._parts is None:
                 self._parts = self._build()
             if self._depth == 0:
-                for child, _own, g in self._parts:
+                self._before = [child.__dict__.get("forward", _ABSENT) for child, _ in self._parts]
+                for child, g in self._parts:
                     child.__dict__["forward"] = g
             self._depth += 1
         try:
@@ -119,13 +155,29 @@ class Parts:
                     self._put_back()
 
     def _put_back(self) -> None:
-        """Every part as it was; the ones found too small leave the list for good."""
+        """Every submodule's ``forward`` as it was when put in place (a module that shares one with
+        another graphed in parts gets that one's part back until it ends); the parts found too small
+        leave the list for good."""
         kept = []
-        for child, own, g in self._parts or []:
-            if own is _ABSENT:
+        for (child, g), before in reversed(list(zip(self._parts or [], self._before))):
+            if before is _ABSENT:
                 child.__dict__.pop("forward", None)
             else:
-                child.__dict__["forward"] = own
+                child.__dict__["forward"] = before
             if not g.too_small():
-                kept.append((child, own, g))
-        self._parts = kept
+                kept.append((child, g))
+        self._parts, self._before = kept[::-1], []
+
+
+def own_copies(out: Any) -> Any:
+    """``out`` with each CUDA tensor whose memory is a held output of the calling thread's current
+    step replaced by a copy: what a module graphed in parts returns is its caller's, as from an
+    eager run, and not the memory its part's next replay writes."""
+    held = _manager.step_outputs()
+    if not held:
+        return out
+    leaves, spec = _torch.tree_flatten(out)
+    shared = [isinstance(t, torch.Tensor) and t.is_cuda and _torch.storage_id(t) in held for t in leaves]
+    if not any(shared):
+        return out
+    return _torch.tree_unflatten([t.clone() if s else t for t, s in zip(leaves, shared)], spec)

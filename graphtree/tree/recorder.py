@@ -96,7 +96,7 @@ class WarmUp:
         self.give_up = give_up  # a reason never to graph this signature, or None
         self.kept = kept  # storages the function made and kept beyond its outputs (state it allocated)
         self.groups = groups  # the process groups of the collectives it called: name -> global ranks
-        self.ops = ops  # torch operations it called
+        self.ops = ops  # operators it dispatched (views included, metadata queries not)
 
 
 def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
@@ -141,7 +141,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     finally:
         current.wait_stream(stream)
         watch.close()
-    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, tracker.calls)
+    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops)
 
 
 def _unsafe_reason(name: str, op: str) -> str | None:

@@ -103,3 +103,59 @@ def test_a_part_called_twice_in_one_call_keeps_its_first_output_without_mark_ste
     s = graphtree.stats()
     # call 1: the module's warm-up; 2: both calls of the part warm up; 3: both record; 4-6: replay
     assert s.recordings == 2 and s.replays == 6, s
+
+
+class _Returns(nn.Module):
+    """Returns its heavy part's output itself, beside a data-dependent selection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heavy = _Heavy()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.heavy(x)
+        return y, y[y.sum(1) > 0]
+
+
+def test_what_the_module_returns_stays_the_callers_across_calls_as_eager():
+    """`preds.append(model(x))` worked eagerly: a part's output returned by the module is copied out
+    of the part's memory (its next replay would overwrite it, and reading it would raise)."""
+    model = _Returns().to(DEV).eval()
+    g = graphtree.graphed(model)
+    got, want = [], []
+    with torch.inference_mode():
+        for i in range(6):
+            x = torch.randn(32, 64, device=DEV, generator=torch.Generator(DEV).manual_seed(i))
+            got.append(g(x))
+            want.append(model(x))
+    assert all(torch.equal(a, b) for gw, ww in zip(got, want) for a, b in zip(gw, ww))
+    assert graphtree.stats().replays >= 3
+
+
+class _Deep(nn.Module):
+    """70 heavy blocks in a row, then a data-dependent selection: more part calls in one call than a
+    step holds (manager.MAX_PATH_DEPTH)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Heavy() for _ in range(70))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = x = self.blocks[0](x)
+        for b in self.blocks[1:]:
+            x = b(x)
+        y = x + first  # the first block's output, read after the 64th call
+        return y[y.sum(1) > 0]
+
+
+def test_past_the_depth_of_a_step_the_rest_of_the_call_runs_its_parts_eagerly():
+    model = _Deep().to(DEV).eval()
+    g = graphtree.graphed(model)
+    with torch.inference_mode():
+        for i in range(4):
+            x = torch.randn(16, 64, device=DEV, generator=torch.Generator(DEV).manual_seed(i))
+            assert torch.equal(g(x), model(x)), i
+    s = graphtree.stats()
+    deep = [r for r in s.eager if "more than 64 graphed calls" in r]
+    assert deep and s.eager[deep[0]] >= 6, s.eager
+    assert s.replays >= 64, s
