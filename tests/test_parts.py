@@ -15,7 +15,7 @@ from torch import nn
 
 import graphtree
 from graphtree.tree.graphed import GraphedCallable
-from graphtree.tree.parts import MIN_PART_OPS, Parts, graphable_children
+from graphtree.tree.parts import MIN_PART_OPS, Parts, graphable_children, hooks_reason
 
 
 class _Net(nn.Module):
@@ -218,3 +218,23 @@ def test_a_submodule_two_levels_share_gets_each_levels_forward_back_in_order() -
     assert "forward" not in emb.__dict__  # and nothing once both ended
     assert outer_made["Net.emb"].calls == 1 and inner_made["Net.emb"].calls == 2
     assert sorted(outer_made) == ["Net.emb"]
+
+
+def test_a_part_runs_eagerly_on_a_call_where_hooks_appeared_below_it() -> None:
+    """Hugging Face registers output recorders on modules during a call: a part made before them
+    must not replay past them."""
+    net = _Net()
+    part = GraphedCallable(net, name="Net")._make_part(net.body.forward, "Net.body")
+    x = torch.randn(2, 4)
+    before = dict(graphtree.stats().eager)
+    seen = []
+    handle = net.body[2].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    try:
+        assert torch.equal(part(x), net.body(x))
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # the hook ran in the part's call too
+    grown = {r: n - before.get(r, 0) for r, n in graphtree.stats().eager.items() if n != before.get(r, 0)}
+    assert list(grown) == [hooks_reason("Net.body")] and "a replay would not run them" in hooks_reason("x")
+    part(x)  # without the hook: on to the tree (here, no CUDA)
+    assert graphtree.stats().eager.get("no CUDA", 0) >= 1

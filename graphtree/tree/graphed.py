@@ -32,7 +32,7 @@ from graphtree.tree.inputs import (
     watch_parameter_changes,
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
-from graphtree.tree.parts import MIN_PART_OPS, Parts, own_copies, small_part_reason
+from graphtree.tree.parts import MIN_PART_OPS, Parts, hooks_below, hooks_reason, own_copies, small_part_reason
 from graphtree.tree.teardown import drop_all
 
 _ids = itertools.count(1)
@@ -259,7 +259,7 @@ class GraphedCallable:
 
     def _make_part(self, fn: Callable[..., Any], name: str) -> GraphedCallable:
         """A part of this module, graphed with this callable's options (tree/parts.py)."""
-        return GraphedCallable(
+        return GraphedPart(
             fn,
             warmup=self.warmup,
             max_rerecords=self.max_rerecords,
@@ -409,6 +409,18 @@ def _wrap_for_compile() -> None:
 # torch._dynamo is loaded, else the moment the program imports it. The wrapper imports
 # torch._dynamo (1.1 s on the H100 host), which a program that never compiles must not pay.
 call_after_import("torch._dynamo", _wrap_for_compile)
+
+
+class GraphedPart(GraphedCallable):
+    """A submodule graphtree graphed in a module's place (tree/parts.py). On a call where a module
+    below it has hooks, or a global module hook is registered (since it was made: Hugging Face
+    registers output recorders during a call), it runs eagerly: a replay would not run them."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module
+        if module is not None and (_torch.global_module_hooks() or hooks_below(module)):
+            return self._eager(args, kwargs, hooks_reason(self.name))
+        return super().__call__(*args, **kwargs)
 
 
 class GraphedModule(torch.nn.Module):

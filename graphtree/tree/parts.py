@@ -22,7 +22,8 @@ so that later calls reach it with no cost at all. The module's code reads its pa
 graphed call's (overwritten by the part's next replay); what the module returns is copied out of
 them (:func:`own_copies`), so that its caller gets what an eager run gave.
 A submodule with hooks below it is looked through (a replay would not run them), and with any
-global module hook registered no part is made.
+global module hook registered no part is made; a part on a call where such hooks have appeared
+since (Hugging Face registers output recorders during a call) runs eagerly.
 
 Example::
 
@@ -48,6 +49,11 @@ keep it graphed: below this, the replay's own cost (a few microseconds on the ho
 by fewer launches."""
 
 _ABSENT = object()
+
+
+def hooks_reason(name: str) -> str:
+    """Why a part runs eagerly on a call where hooks are registered below it (or globally)."""
+    return f"`{name}` has module hooks below it (or global ones) on this call: a replay would not run them"
 
 
 def small_part_reason(name: str, ops: int) -> str:
@@ -80,7 +86,7 @@ def graphable_children(
             or isinstance(child, torch.jit.ScriptModule)  # its forward is no attribute to set
         ):
             continue
-        if (type(child).forward is torch.nn.Module.forward and own is None) or _hooks_inside(child):
+        if (type(child).forward is torch.nn.Module.forward and own is None) or hooks_below(child):
             yield from graphable_children(child, f"{path}.", seen)  # a container, or hooks to keep running
             continue
         if not _has_state(child):
@@ -95,7 +101,7 @@ def _has_state(module: torch.nn.Module) -> bool:
     )
 
 
-def _hooks_inside(module: torch.nn.Module) -> bool:
+def hooks_below(module: torch.nn.Module) -> bool:
     """Whether a module below ``module`` (not itself: its own hooks run around the part) has forward
     hooks, which a replay of ``module`` would not run."""
     return any(
