@@ -32,7 +32,7 @@ from graphtree.tree.inputs import (
     watch_parameter_changes,
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
-from graphtree.tree.parts import MIN_PART_OPS, Parts, hooks_below, hooks_reason, own_copies, small_part_reason
+from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
 from graphtree.tree.teardown import drop_all
 
 _ids = itertools.count(1)
@@ -416,9 +416,12 @@ class GraphedPart(GraphedCallable):
     below it has hooks, or a global module hook is registered (since it was made: Hugging Face
     registers output recorders during a call), it runs eagerly: a replay would not run them."""
 
+    def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
+        super().__init__(fn, **options)
+        self._hooks = HooksBelow(self._module) if self._module is not None else None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module
-        if module is not None and (_torch.global_module_hooks() or hooks_below(module)):
+        if self._hooks is not None and (self._hooks() or _torch.global_module_hooks()):
             return self._eager(args, kwargs, hooks_reason(self.name))
         return super().__call__(*args, **kwargs)
 
