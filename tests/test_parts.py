@@ -174,21 +174,25 @@ def test_parts_false_keeps_the_whole_module_eager_and_the_option_is_checked() ->
         graphtree.graphed(parts=1)  # type: ignore[arg-type]
 
 
+class _Decorated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @graphtree.graphed
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
 def test_what_is_graphed_compiled_or_hooked_inside_is_no_part() -> None:
     net = _Net()
     net.head.forward = graphtree.graphed(net.head.forward)  # type: ignore[method-assign]  # the user's
+    net.extra = _Decorated()  # @graphed on forward in its class: the user's too
     net.blocks[0] = torch.compile(nn.Linear(4, 4))  # torch.compile's module: left as compiled
     seen = []
     net.body[2].register_forward_hook(lambda m, i, o: seen.append(o.shape))  # a replay would skip it
     names = [name for name, _ in graphable_children(net)]
     assert names == ["body.0", "body.2", "blocks.1"], names  # body looked through: its hook stays live
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
-    try:
-        parts, made = _parts(net)
-        parts.run(lambda x: x, (torch.randn(1, 4),), {})  # (net itself would compile blocks.0)
-        assert made == {} and parts.names() == []  # a global hook runs around every module: no parts
-    finally:
-        handle.remove()
 
 
 def test_a_submodule_two_levels_share_gets_each_levels_forward_back_in_order() -> None:
@@ -238,3 +242,39 @@ def test_a_part_runs_eagerly_on_a_call_where_hooks_appeared_below_it() -> None:
     assert list(grown) == [hooks_reason("Net.body")] and "a replay would not run them" in hooks_reason("x")
     part(x)  # without the hook: on to the tree (here, no CUDA)
     assert graphtree.stats().eager.get("no CUDA", 0) >= 1
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:  # a global hook (FlopCounterMode registers some) for one call: that call runs eagerly
+        n = graphtree.stats().eager.get(hooks_reason("Net.body"), 0)
+        part(x)
+        assert graphtree.stats().eager[hooks_reason("Net.body")] == n + 1
+    finally:
+        handle.remove()
+
+
+def test_two_modules_sharing_a_submodule_in_two_threads_leave_it_as_it_was() -> None:
+    emb = nn.Linear(4, 4)
+    dec, top = nn.Module(), nn.Module()
+    dec.emb = top.emb = emb
+    inner, inner_made = _parts(dec)
+    outer, outer_made = _parts(top)
+    in_a, in_b, b_done = threading.Event(), threading.Event(), threading.Event()
+
+    def a_body() -> None:  # thread A: the decoder's parts in place first, taken off first
+        in_a.set()
+        in_b.wait(10)
+
+    def b_body() -> None:  # thread B: the model's parts on top, taken off last
+        in_b.set()
+        b_done.wait(10)
+
+    a = threading.Thread(target=inner.run, args=(a_body, (), {}))
+    a.start()
+    assert in_a.wait(10)
+    b = threading.Thread(target=outer.run, args=(b_body, (), {}))
+    b.start()
+    a.join(10)
+    assert emb.__dict__["forward"] is outer_made["Net.emb"]  # B's part stays while B runs
+    b_done.set()
+    b.join(10)
+    assert "forward" not in emb.__dict__
+    assert inner_made["Net.emb"].fn.__func__ is nn.Linear.forward is outer_made["Net.emb"].fn.__func__

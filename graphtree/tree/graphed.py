@@ -156,7 +156,7 @@ class GraphedCallable:
         if self._module is not None:
             watch_parameter_changes()
             own = fn is self._module or getattr(fn, "__self__", None) is self._module
-            if own and _no_auto_compile(self._module):
+            if own and not min_ops and _no_auto_compile(self._module):  # (not for a part graphtree chose)
                 self._hf_caches = CacheLayouts(self._module)
             if own and parts:
                 self._parts = Parts(self._module, self.name, self._make_part)
@@ -251,11 +251,11 @@ class GraphedCallable:
         if self._parts is None or call.key not in self.given_up:
             return self._eager(args, kwargs, reason)
         _manager.count_eager(self.name, reason)
-        with _manager.one_step():  # a part called twice keeps its first output for the module's code
+        with _manager.one_step() as since:  # a part called twice keeps its first output for the module's code
             out = self._parts.run(self.fn, args, kwargs)
             # what the module returns is the caller's, as from an eager run: never a part's output,
-            # which the part's next replay would overwrite
-            return own_copies(out)
+            # which the part's next replay would overwrite (copied once, by the outermost module)
+            return own_copies(out, since) if since is not None else out
 
     def _make_part(self, fn: Callable[..., Any], name: str) -> GraphedCallable:
         """A part of this module, graphed with this callable's options (tree/parts.py)."""
@@ -421,7 +421,12 @@ class GraphedPart(GraphedCallable):
         self._hooks = HooksBelow(self._module) if self._module is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._hooks is not None and (self._hooks() or _torch.global_module_hooks()):
+        if (
+            self._hooks is not None
+            and not user_code.active  # (inside another's warm-up or capture: inline, as any graphed call)
+            and (self._hooks() or _torch.global_module_hooks())
+            and not _is_compiling()
+        ):
             return self._eager(args, kwargs, hooks_reason(self.name))
         return super().__call__(*args, **kwargs)
 
@@ -617,7 +622,7 @@ def graphed(
         parts: for a module (or its bound ``forward``): a signature that cannot be graphed whole
             (its own code uploads host values, has data-dependent shapes, ...) runs eagerly with
             each of its submodules graphed in their place, down the tree of modules, those of
-            fewer than 16 operations left alone (``graphtree.tree.parts``; ``GraphedCallable.parts()``
+            fewer than 16 operators left alone (``graphtree.tree.parts``; ``GraphedCallable.parts()``
             names them). False runs such a signature wholly eagerly.
         debug: a folder: a call that raises writes a dump of itself there (its inputs, the
             function by import path or by value, a model with its weights, random states,

@@ -115,17 +115,17 @@ def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -
 
 
 @contextlib.contextmanager
-def one_step() -> Iterator[None]:
-    """In the calling thread, calls made inside the block start no step by themselves: a function
-    called twice in it keeps its first output (a module running with its parts graphed calls a
-    shared submodule twice: tree/parts.py). Past ``MAX_PATH_DEPTH`` graphed calls in the step, the
-    block's further calls run eagerly instead of starting one. Steps marked with :func:`mark_step`
-    still start."""
-    _tls.one_step = _tls.__dict__.get("one_step", 0) + 1
+def one_step() -> Iterator[dict[int, int] | None]:
+    """Calls in the block (this thread's) start no step by themselves: a function called twice keeps
+    its first output (a module graphed in parts: tree/parts.py); past ``MAX_PATH_DEPTH`` calls in a
+    step they run eagerly instead, but collective ones (ranks decide alike). :func:`mark_step` still
+    starts steps. Yields each tree's path length, for :func:`step_outputs` (None when nested)."""
+    depth = _tls.__dict__.get("one_step", 0)
+    _tls.one_step = depth + 1
     try:
-        yield
+        yield None if depth else {d: len(m.path) for d, m in getattr(_tls, "managers", {}).items()}
     finally:
-        _tls.one_step -= 1
+        _tls.one_step = depth
 
 
 def begin_internal_step() -> None:
@@ -188,8 +188,8 @@ class TreeManager:
     def call(self, gc: Callee, call: Call) -> Any:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
         with self.lock:
-            if len(self.path) >= MAX_PATH_DEPTH and _tls.__dict__.get("one_step", 0):  # (no step mid-call)
-                return gc.run_eager(call, _DEEP.format(n=MAX_PATH_DEPTH))
+            if len(self.path) >= MAX_PATH_DEPTH and _tls.__dict__.get("one_step", 0) and gc.lockstep() is None:
+                return gc.run_eager(call, _DEEP.format(n=MAX_PATH_DEPTH))  # (no step mid-call: one_step)
             leaves = call.leaves
             if (
                 self.step_requested
@@ -197,11 +197,7 @@ class TreeManager:
                 or len(self.path) >= MAX_PATH_DEPTH
             ):
                 if len(self.path) >= MAX_PATH_DEPTH and not self.step_requested:
-                    log.warning(
-                        "graphtree: %d calls without a new step; starting one (call "
-                        "graphtree.mark_step() once per iteration)",
-                        MAX_PATH_DEPTH,
-                    )
+                    log.warning(_NO_STEP, MAX_PATH_DEPTH)
                 leaves = call.leaves = self._new_step(leaves)
             self.called.add(gc.id)
             if not self.warming:
@@ -586,7 +582,6 @@ class TreeManager:
         with self.lock:
             self.drop("graphtree.reset() was called")
             self.user_steps = False
-            self.warmed = {}
             self.counters = Counters()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -601,6 +596,7 @@ class TreeManager:
                 _torch.invalidate_storage(r, msg.replace("a new step began", why))
             self._clear()
             self._pool = None
+            self.warmed = {}  # (a group torn down mid-program: its next calls warm up again, agreeing)
             # the recordings dropped link to each other (a node and its children): only the
             # collector frees them, and their pool with them; until it runs, the memory stays
             _collector.collect()
@@ -619,10 +615,8 @@ def _held_in(path: list[Node]) -> list[tuple[int, str]]:
     return [pair for node in path for pair in node.held_outputs()]
 
 
-_DEEP = (
-    "more than {n} graphed calls in one call of a module graphed in parts: the rest of that call runs "
-    "its parts eagerly (graphtree.tree.manager.MAX_PATH_DEPTH)"
-)
+_NO_STEP = "graphtree: %d calls without a new step; starting one (call graphtree.mark_step() once per iteration)"
+_DEEP = "more than {n} graphed calls in a step, in a call of a module graphed in parts: the rest run eagerly"
 
 KEEPS_STATE = (
     "`{name}` keeps tensors it allocates beyond its outputs on every call (a cache created "
@@ -672,10 +666,15 @@ def reset() -> None:
     _untreed.__init__()  # type: ignore[misc]
 
 
-def step_outputs() -> set[int]:
-    """The storages (``StorageImpl`` addresses) of outputs of the calling thread's current steps
-    that the caller still holds: memory the next replay of their recordings overwrites."""
-    return {r for m in getattr(_tls, "managers", {}).values() for r, _ in _held_in(m.path)}
+def step_outputs(since: dict[int, int]) -> set[int]:
+    """The storages (``StorageImpl`` addresses) of held outputs of recordings this thread's trees ran
+    after ``since`` (path lengths by device, from :func:`one_step`) or retired (a failed capture)."""
+    held: set[int] = set()
+    for d, m in getattr(_tls, "managers", {}).items():
+        start = since.get(d, 0)
+        held.update(r for r, _ in _held_in(m.path[start:] if start <= len(m.path) else m.path))
+        held.update(r for _pool, path in m.retired for r, _ in _held_in(path))
+    return held
 
 
 def stats() -> Stats:

@@ -13,17 +13,17 @@ graphed callable of the submodule's own ``forward`` (``nn.Module.__call__`` look
 on the instance, so hooks still run around it); the attribute is taken away again when the last
 such call ends, leaving the submodule as it was. Containers without a ``forward`` of their own
 (``ModuleList``, ``ModuleDict``) are looked through; leaves without parameters or buffers (an
-activation, a dropout) are left alone, and so are a submodule the user graphed already and a
-TorchScript module.
+activation, a dropout) are left alone, and so are a submodule the user graphed already, a compiled
+and a TorchScript module.
 
 A part is kept only if a graph can gain on it: one whose warm-ups all dispatched fewer than
 :data:`MIN_PART_OPS` operators (a single linear layer) is given up with that reason and taken out,
 so that later calls reach it with no cost at all. The module's code reads its parts' outputs as a
 graphed call's (overwritten by the part's next replay); what the module returns is copied out of
 them (:func:`own_copies`), so that its caller gets what an eager run gave.
-A submodule with hooks below it is looked through (a replay would not run them), and with any
-global module hook registered no part is made; a part on a call where such hooks have appeared
-since (Hugging Face registers output recorders during a call) runs eagerly.
+A submodule with hooks below it is looked through (a replay would not run them), and a part runs
+eagerly on a call where hooks below it, or global module hooks, have appeared since (Hugging Face
+registers output recorders during a call).
 
 Example::
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -80,10 +80,11 @@ def graphable_children(
         path = f"{prefix}{name}"
         own = child.__dict__.get("forward")
         if (
-            getattr(child, "graphed_callable", None) is not None
+            isinstance(child, torch.jit.ScriptModule)  # its forward is no attribute to set
+            or getattr(child, "graphed_callable", None) is not None
+            or getattr(type(child).forward, "graphtree_callable", False)  # @graphed on forward in its class
             or (getattr(own, "graphtree_callable", False) and not getattr(own, "is_part", False))
             or "_orig_mod" in child._modules  # torch.compile's OptimizedModule
-            or isinstance(child, torch.jit.ScriptModule)  # its forward is no attribute to set
         ):
             continue
         if (type(child).forward is torch.nn.Module.forward and own is None) or hooks_below(child):
@@ -126,6 +127,43 @@ def hooks_below(module: torch.nn.Module) -> bool:
     )
 
 
+_swaps = threading.Lock()
+_placed: dict[int, tuple[Any, list[Any]]] = {}
+"""Submodules with parts in place, by id: (their instance ``forward`` before any, the parts in
+place, last on top). Two modules graphed in parts can share a submodule (T5's embedding, in the
+model and in its decoder), in one thread or two: each puts its part on top and takes only its own
+off, and the submodule gets the one below back, or what it had before any."""
+
+
+def _own_forward(child: torch.nn.Module) -> Any:
+    """``child``'s instance ``forward`` before any part was put in place, or None."""
+    with _swaps:
+        placed = _placed.get(id(child))
+    own = placed[0] if placed is not None else child.__dict__.get("forward", _ABSENT)
+    return None if own is _ABSENT else own
+
+
+def _put(child: torch.nn.Module, part: Any) -> None:
+    with _swaps:
+        placed = _placed.setdefault(id(child), (child.__dict__.get("forward", _ABSENT), []))
+        placed[1].append(part)
+        child.__dict__["forward"] = part
+
+
+def _take(child: torch.nn.Module, part: Any) -> None:
+    with _swaps:
+        before, stack = _placed[id(child)]
+        del stack[len(stack) - 1 - stack[::-1].index(part)]
+        if stack:
+            child.__dict__["forward"] = stack[-1]
+            return
+        del _placed[id(child)]
+        if before is _ABSENT:
+            child.__dict__.pop("forward", None)
+        else:
+            child.__dict__["forward"] = before
+
+
 class Parts:
     """The graphed parts of one module, put in place while the module runs eagerly.
 
@@ -140,7 +178,6 @@ class Parts:
         self._lock = threading.Lock()
         self._depth = 0  # calls running with the parts in place (threads, or the module re-entered)
         self._parts: list[tuple[torch.nn.Module, Any]] | None = None  # (submodule, its graphed callable)
-        self._before: list[Any] = []  # what each submodule's instance ``forward`` was when put in place
 
     def names(self) -> list[str]:
         """The parts' names, each followed by those of its own parts (after the first run; parts
@@ -149,12 +186,9 @@ class Parts:
 
     def _build(self) -> list[tuple[torch.nn.Module, Any]]:
         parts: list[tuple[torch.nn.Module, Any]] = []
-        if _torch.global_module_hooks():  # every module's call runs them: a replay would not
-            return parts
         for path, child in graphable_children(self.module):
-            own = child.__dict__.get("forward")  # an instance forward someone set: graph that one,
-            mine = own is None or getattr(own, "graphtree_callable", False)  # not another module's part of it
-            fn: Callable[..., Any] = type(child).forward.__get__(child) if mine else cast(Callable[..., Any], own)
+            own = _own_forward(child)  # an instance forward someone set: graph that one
+            fn: Callable[..., Any] = type(child).forward.__get__(child) if own is None else own
             parts.append((child, self._make(fn, f"{self.name}.{path}")))
         return parts
 
@@ -164,9 +198,8 @@ class Parts:
             if self._parts is None:
                 self._parts = self._build()
             if self._depth == 0:
-                self._before = [child.__dict__.get("forward", _ABSENT) for child, _ in self._parts]
                 for child, g in self._parts:
-                    child.__dict__["forward"] = g
+                    _put(child, g)
             self._depth += 1
         try:
             return fn(*args, **kwargs)
@@ -177,25 +210,21 @@ class Parts:
                     self._put_back()
 
     def _put_back(self) -> None:
-        """Every submodule's ``forward`` as it was when put in place (a module that shares one with
-        another graphed in parts gets that one's part back until it ends); the parts found too small
-        leave the list for good."""
+        """Every part taken off its submodule; the ones found too small leave the list for good."""
         kept = []
-        for (child, g), before in reversed(list(zip(self._parts or [], self._before))):
-            if before is _ABSENT:
-                child.__dict__.pop("forward", None)
-            else:
-                child.__dict__["forward"] = before
+        for child, g in reversed(self._parts or []):
+            _take(child, g)
             if not g.too_small():
                 kept.append((child, g))
-        self._parts, self._before = kept[::-1], []
+        self._parts = kept[::-1]
 
 
-def own_copies(out: Any) -> Any:
-    """``out`` with each CUDA tensor whose memory is a held output of the calling thread's current
-    step replaced by a copy: what a module graphed in parts returns is its caller's, as from an
-    eager run, and not the memory its part's next replay writes."""
-    held = _manager.step_outputs()
+def own_copies(out: Any, since: dict[int, int]) -> Any:
+    """``out`` with each CUDA tensor whose memory is a held output of a recording run since
+    ``since`` (:func:`graphtree.tree.manager.one_step`'s mark) replaced by a copy: what a module
+    graphed in parts returns is its caller's, as from an eager run, and not the memory its part's
+    next replay writes. Tensors inside objects pytrees do not flatten are not seen."""
+    held = _manager.step_outputs(since)
     if not held:
         return out
     leaves, spec = _torch.tree_flatten(out)
