@@ -278,3 +278,17 @@ def test_two_modules_sharing_a_submodule_in_two_threads_leave_it_as_it_was() -> 
     b.join(10)
     assert "forward" not in emb.__dict__
     assert inner_made["Net.emb"].fn.__func__ is nn.Linear.forward is outer_made["Net.emb"].fn.__func__
+
+
+def test_one_step_marks_the_outermost_block_and_unwinds_on_an_exception() -> None:
+    from graphtree.tree import manager
+
+    with manager.one_step() as outer:
+        assert outer is not None  # the trees' path lengths at its start (none on this CPU thread)
+        with manager.one_step() as inner:
+            assert inner is None  # nested: the outermost module copies what it returns
+        with pytest.raises(RuntimeError), manager.one_step():
+            raise RuntimeError("boom")
+        assert manager._tls.one_step == 1
+    assert manager._tls.one_step == 0
+    assert manager.step_outputs({}) == set()
