@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import graphtree
-from graphtree.tree.graphed import GraphedCallable
+from graphtree.tree.graphed import GraphedCallable, GraphedPart
 from graphtree.tree.parts import MIN_PART_OPS, Parts, graphable_children, hooks_reason
 
 
@@ -57,7 +57,7 @@ class _Recorder:
 def _parts(net: nn.Module) -> tuple[Parts, dict[str, _Recorder]]:
     made: dict[str, _Recorder] = {}
 
-    def make(fn: Any, name: str) -> _Recorder:
+    def make(fn: Any, *, name: str) -> _Recorder:
         made[name] = _Recorder(fn, name)
         return made[name]
 
@@ -228,7 +228,7 @@ def test_a_part_runs_eagerly_on_a_call_where_hooks_appeared_below_it() -> None:
     """Hugging Face registers output recorders on modules during a call: a part made before them
     must not replay past them."""
     net = _Net()
-    part = GraphedCallable(net, name="Net")._make_part(net.body.forward, "Net.body")
+    part = GraphedPart(net.body.forward, name="Net.body", min_ops=MIN_PART_OPS)
     x = torch.randn(2, 4)
     before = dict(graphtree.stats().eager)
     seen = []
@@ -292,3 +292,19 @@ def test_one_step_marks_the_outermost_block_and_unwinds_on_an_exception() -> Non
         assert manager._tls.one_step == 1
     assert manager._tls.one_step == 0
     assert manager.step_outputs({}) == set()
+
+
+def test_a_dropped_module_graphed_in_parts_is_freed_without_the_collector() -> None:
+    """Its recordings go at the next step once it is collected (weakref.finalize): a cycle through
+    its parts would wait for the cyclic collector."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        gc_ = GraphedCallable(_Net(), name="Net")
+        ref = weakref.ref(gc_)
+        del gc_
+        assert ref() is None
+    finally:
+        gc.enable()

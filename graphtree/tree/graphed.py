@@ -159,7 +159,16 @@ class GraphedCallable:
             if own and not min_ops and _no_auto_compile(self._module):  # (not for a part graphtree chose)
                 self._hf_caches = CacheLayouts(self._module)
             if own and parts:
-                self._parts = Parts(self._module, self.name, self._make_part)
+                # (the options, not a bound method: no cycle to keep a dropped callable alive)
+                make = functools.partial(
+                    GraphedPart,
+                    warmup=warmup,
+                    max_rerecords=max_rerecords,
+                    max_break_values=max_break_values,
+                    lockstep_timeout=self.lockstep_timeout,
+                    min_ops=MIN_PART_OPS,
+                )
+                self._parts = Parts(self._module, self.name, make)
         self._statics: list[torch.Tensor] = []
         self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())
@@ -256,18 +265,6 @@ class GraphedCallable:
             # what the module returns is the caller's, as from an eager run: never a part's output,
             # which the part's next replay would overwrite (copied once, by the outermost module)
             return own_copies(out, since) if since is not None else out
-
-    def _make_part(self, fn: Callable[..., Any], name: str) -> GraphedCallable:
-        """A part of this module, graphed with this callable's options (tree/parts.py)."""
-        return GraphedPart(
-            fn,
-            warmup=self.warmup,
-            max_rerecords=self.max_rerecords,
-            name=name,
-            max_break_values=self.max_break_values,
-            lockstep_timeout=self.lockstep_timeout,
-            min_ops=MIN_PART_OPS,
-        )
 
     def parts(self) -> list[str]:
         """The names of the submodules put in this module's place while a signature of it that

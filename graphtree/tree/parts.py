@@ -167,11 +167,11 @@ def _take(child: torch.nn.Module, part: Any) -> None:
 class Parts:
     """The graphed parts of one module, put in place while the module runs eagerly.
 
-    ``make(fn, name)`` makes the graphed callable of one part (``fn``: the part's own bound
+    ``make(fn, name=...)`` makes the graphed callable of one part (``fn``: the part's own bound
     ``forward``). The parts are made at the first :meth:`run`.
     """
 
-    def __init__(self, module: torch.nn.Module, name: str, make: Callable[[Callable[..., Any], str], Any]) -> None:
+    def __init__(self, module: torch.nn.Module, name: str, make: Callable[..., Any]) -> None:
         self.module = module
         self.name = name
         self._make = make
@@ -189,7 +189,7 @@ class Parts:
         for path, child in graphable_children(self.module):
             own = _own_forward(child)  # an instance forward someone set: graph that one
             fn: Callable[..., Any] = type(child).forward.__get__(child) if own is None else own
-            parts.append((child, self._make(fn, f"{self.name}.{path}")))
+            parts.append((child, self._make(fn, name=f"{self.name}.{path}")))
         return parts
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
