@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -88,6 +88,9 @@ for stage in $stages; do
       NGPU=$(nvidia-smi -L | wc -l)
       timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/tp_step.py --bench \
         --json "$OUT/tp_bench_${NGPU}gpu.json" 2>&1 | tee "$OUT/tp_bench.log" | grep -v '^W1' | grep -E '^\{|Error|error' | tail -20
+      ;;
+    training)  # issue 28's first part: forward and backward graphs behind autograd (tree/training.py)
+      timeout -s INT -k 20 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_training_gpu.py 2>&1 | tee "$OUT/training.log" | tail -15
       ;;
     parts)  # issue 26: modules graphed in parts (tree/parts.py): their GPU tests and Faster R-CNN graphed whole, profiled
       timeout -s INT -k 20 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parts_gpu.py \

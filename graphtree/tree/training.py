@@ -1,0 +1,186 @@
+"""A call under autograd as two graphs: the forward replayed when it is called, the backward when
+autograd reaches it (issue 28's first part; not yet wired into ``graphed``: it has not run on a GPU).
+
+``TrainingRecording.capture`` warms the function up (on a side stream, with module buffers such as
+BatchNorm's running statistics put back after: warm-ups are not steps), captures its forward, and
+then the gradient of its outputs with respect to its inputs and parameters that require grad, in
+the same memory pool. :func:`apply` runs a call through :class:`_Replay`, an autograd ``Function``
+whose ``forward`` replays the first graph and whose ``backward`` replays the second, so that
+autograd routes the gradients like any other operation's:
+
+- **Gradients land as eager's do.** ``backward`` returns copies of the graph's gradient buffers,
+  never the buffers: autograd's ``AccumulateGrad`` may keep the tensor it is handed as ``.grad``
+  (when ``.grad`` is None), and a buffer kept there would be overwritten by the next backward
+  replay, so accumulation across micro-batches would add the last micro-batch's gradient to
+  itself (the bug cudagraph trees have, roboflow/rf-detr#1479). ``zero_grad(set_to_none=True)``
+  needs nothing more: ``.grad`` is then a fresh copy again.
+- **Outputs are the caller's.** The forward returns copies of its output buffers, so an output
+  kept across steps (a list of losses) keeps its values.
+- **One forward, then its backward.** The graph's saved activations are those of its last forward
+  replay: the backward of an earlier forward (two forwards, then one backward through both) raises
+  instead of computing with another call's activations.
+
+Example::
+
+    rec = TrainingRecording.capture(model, (x,), list(model.parameters()))
+    loss = apply(rec, (x,))[0].sum()
+    loss.backward()                     # replays the backward graph; grads in p.grad
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+STALE_BACKWARD = (
+    "graphtree: the backward of an earlier call of `{name}` ran after a later call's forward replay: "
+    "the graph holds only the last forward's activations. Call backward before the next forward, "
+    "or run such steps eagerly"
+)
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd's view of one graphed call: its forward and backward are replays."""
+
+    @staticmethod
+    def forward(ctx: Any, recording: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.recording = recording
+        ctx.generation = recording.run_forward(tensors)
+        outs: tuple[torch.Tensor, ...] = recording.outputs()
+        ctx.mark_non_differentiable(*(o for o, g in zip(outs, recording.static_grad_outputs) if g is None))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        recording = ctx.recording
+        if ctx.generation != recording.generation:
+            raise RuntimeError(STALE_BACKWARD.format(name=recording.name))
+        return (None, *recording.run_backward(grads))
+
+
+def apply(recording: Any, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Run one call of ``recording`` (a :class:`TrainingRecording`, or anything with its methods)
+    on ``inputs`` under autograd; returns its outputs, which require grad where the function's did."""
+    return _Replay.apply(recording, *inputs, *recording.params)  # type: ignore[no-any-return]
+
+
+class TrainingRecording:
+    """The forward and backward graphs of one signature of a function under autograd.
+
+    Built by :meth:`capture`. ``params`` are read in place (a module's parameters); the other
+    inputs are copied into the graph's own tensors on every call. ``run_forward`` and
+    ``run_backward`` are what :class:`_Replay` calls.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        static_inputs: list[torch.Tensor],
+        params: list[torch.Tensor],
+        static_outputs: list[torch.Tensor],
+        static_grad_outputs: list[torch.Tensor | None],
+        static_grads: list[torch.Tensor | None],
+        forward_graph: Any,
+        backward_graph: Any,
+    ) -> None:
+        self.name = name
+        self.static_inputs = static_inputs
+        self.params = params
+        self.static_outputs = static_outputs
+        self.static_grad_outputs = static_grad_outputs  # None where an output needs no grad
+        self.static_grads = static_grads  # per input, then per parameter: None where none flows
+        self.forward_graph = forward_graph
+        self.backward_graph = backward_graph
+        self.generation = 0  # forward replays so far: a backward belongs to the last one
+
+    def run_forward(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Copy the call's inputs in and replay the forward; the generation the backward must match."""
+        for static, t in zip(self.static_inputs, tensors):
+            if static.data_ptr() != t.data_ptr():
+                static.detach().copy_(t.detach())
+        self.forward_graph.replay()
+        self.generation += 1
+        return self.generation
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """Copies of the forward's outputs (the caller's to keep)."""
+        return tuple(o.detach().clone() for o in self.static_outputs)
+
+    def run_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """Copy the outputs' gradients in, replay the backward; copies of the inputs' and parameters'
+        gradients (None where none flows)."""
+        for static, g in zip(self.static_grad_outputs, grads):
+            if static is None:
+                continue
+            if g is None:  # (autograd materializes unused outputs' gradients as zeros; None if told not to)
+                static.zero_()
+            else:
+                static.copy_(g)
+        self.backward_graph.replay()
+        return tuple(g.clone() if g is not None else None for g in self.static_grads)
+
+    @classmethod
+    def capture(
+        cls,
+        fn: Callable[..., Any],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor] = (),
+        name: str | None = None,
+        warmup: int = 3,
+        pool: Any = None,
+    ) -> TrainingRecording:
+        """Warm ``fn`` up ``warmup`` times on a side stream (``buffers`` put back after: warm-ups are
+        not steps), then capture its forward on copies of ``inputs`` and the gradient of its
+        outputs that require grad with respect to the inputs and ``params`` that require grad.
+        ``fn`` must return a tensor or a tuple or list of tensors. CUDA only."""
+        static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        wrt = [t for t in (*static_inputs, *params) if t.requires_grad]
+        kept = [b.detach().clone() for b in buffers]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                outs = _tensors(fn(*static_inputs))
+                needs = [o for o in outs if o.requires_grad]
+                grad_outputs = [torch.ones_like(o) for o in needs]
+                torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
+            for b, k in zip(buffers, kept):
+                b.detach().copy_(k)
+        torch.cuda.current_stream().wait_stream(side)
+        forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(forward_graph, pool=pool):
+            static_outputs = _tensors(fn(*static_inputs))
+        needs = [o for o in static_outputs if o.requires_grad]
+        static_grad_outputs: list[torch.Tensor | None] = [
+            torch.empty_like(o) if o.requires_grad else None for o in static_outputs
+        ]
+        backward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
+            found = torch.autograd.grad(
+                needs, wrt, grad_outputs=[g for g in static_grad_outputs if g is not None], allow_unused=True
+            )
+        by_tensor = dict(zip(map(id, wrt), found))
+        static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *params)]
+        return cls(
+            str(name or getattr(fn, "__qualname__", type(fn).__name__)),
+            static_inputs,
+            list(params),
+            static_outputs,
+            static_grad_outputs,
+            static_grads,
+            forward_graph,
+            backward_graph,
+        )
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The function's outputs as a list of tensors; ``TypeError`` for anything else."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out)
+    got = type(out).__name__
+    raise TypeError(f"a function graphed for training must return a tensor or a tuple of tensors, got {got}")

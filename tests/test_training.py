@@ -1,0 +1,85 @@
+"""Autograd over replayed graphs (graphtree.tree.training), on the CPU: the graphs are stand-ins
+that compute a linear layer's forward and backward into fixed buffers, as a captured graph would;
+what is tested is the glue: gradients where eager puts them, accumulation, outputs kept, and a
+backward that belongs to an earlier forward refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphtree.tree.training import STALE_BACKWARD, TrainingRecording, apply
+
+
+class _Graph:
+    def __init__(self, body) -> None:  # type: ignore[no-untyped-def]
+        self.body = body
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.body()
+
+
+def _linear_recording(w: torch.Tensor, x_shape: tuple[int, int]) -> TrainingRecording:
+    """y = x @ w and z = y.argmax(1) (no grad), in fixed buffers, as a capture of them would be."""
+    x = torch.zeros(x_shape, requires_grad=True)
+    y = torch.zeros(x_shape[0], w.shape[1])
+    z = torch.zeros(x_shape[0], dtype=torch.long)
+    gy = torch.zeros_like(y)
+    gx, gw = torch.zeros_like(x), torch.zeros_like(w)
+
+    def forward() -> None:
+        with torch.no_grad():
+            torch.matmul(x, w, out=y)
+            z.copy_(y.argmax(1))
+
+    def backward() -> None:
+        with torch.no_grad():
+            torch.matmul(gy, w.t(), out=gx)
+            torch.matmul(x.t(), gy, out=gw)
+
+    return TrainingRecording("linear", [x], [w], [y, z], [gy, None], [gx, gw], _Graph(forward), _Graph(backward))
+
+
+def test_gradients_accumulate_over_micro_batches_as_eager_and_start_again_after_zero_grad() -> None:
+    torch.manual_seed(0)
+    w_eager = torch.randn(8, 4, requires_grad=True)
+    w = w_eager.detach().clone().requires_grad_(True)
+    rec = _linear_recording(w, (5, 8))
+    for _step in range(2):
+        for _micro in range(4):  # gradient accumulation: no zero_grad between micro-batches
+            x = torch.randn(5, 8, requires_grad=True)
+            xe = x.detach().clone().requires_grad_(True)
+            y, z = apply(rec, (x,))
+            (y.square().sum()).backward()
+            (xe @ w_eager).square().sum().backward()
+            torch.testing.assert_close(x.grad, xe.grad)
+            assert not z.requires_grad and z.dtype == torch.long
+        torch.testing.assert_close(w.grad, w_eager.grad)  # four micro-batches summed, not the last one doubled
+        assert w.grad.data_ptr() != rec.static_grads[1].data_ptr()  # .grad is never the graph's buffer
+        w.grad = None  # zero_grad(set_to_none=True)
+        w_eager.grad = None
+    assert rec.forward_graph.replays == 8 and rec.backward_graph.replays == 8
+
+
+def test_outputs_kept_across_calls_keep_their_values() -> None:
+    w = torch.randn(8, 4, requires_grad=True)
+    rec = _linear_recording(w, (5, 8))
+    kept = []
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        y, _z = apply(rec, (x,))
+        kept.append((y, (x @ w).detach()))
+    for y, want in kept:
+        torch.testing.assert_close(y.detach(), want)
+
+
+def test_the_backward_of_an_earlier_forward_is_refused_not_computed_with_later_activations() -> None:
+    w = torch.randn(8, 4, requires_grad=True)
+    rec = _linear_recording(w, (5, 8))
+    y1, _ = apply(rec, (torch.randn(5, 8),))
+    y2, _ = apply(rec, (torch.randn(5, 8),))
+    with pytest.raises(RuntimeError, match="backward of an earlier call of `linear`"):
+        (y1.sum() + y2.sum()).backward()
+    assert "Call backward before the next forward" in STALE_BACKWARD
