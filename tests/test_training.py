@@ -83,3 +83,19 @@ def test_the_backward_of_an_earlier_forward_is_refused_not_computed_with_later_a
     with pytest.raises(RuntimeError, match="backward of an earlier call of `linear`"):
         (y1.sum() + y2.sum()).backward()
     assert "Call backward before the next forward" in STALE_BACKWARD
+
+
+def test_retain_graph_replays_the_backward_again_and_a_double_backward_raises() -> None:
+    w = torch.randn(8, 4, requires_grad=True)
+    rec = _linear_recording(w, (5, 8))
+    x = torch.randn(5, 8)
+    y, _ = apply(rec, (x,))
+    loss = y.square().sum()
+    loss.backward(retain_graph=True)
+    first = w.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(w.grad, 2 * first)  # the same gradient twice, accumulated
+    y, _ = apply(rec, (x,))
+    (gw,) = torch.autograd.grad(y.square().sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gw.sum().backward()

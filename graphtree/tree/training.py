@@ -18,7 +18,8 @@ autograd routes the gradients like any other operation's:
   kept across steps (a list of losses) keeps its values.
 - **One forward, then its backward.** The graph's saved activations are those of its last forward
   replay: the backward of an earlier forward (two forwards, then one backward through both) raises
-  instead of computing with another call's activations.
+  instead of computing with another call's activations. A second backward of the same forward
+  (``retain_graph=True``) replays it again, right; a double backward (``create_graph=True``) raises.
 
 Example::
 
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 STALE_BACKWARD = (
     "graphtree: the backward of an earlier call of `{name}` ran after a later call's forward replay: "
@@ -53,6 +55,7 @@ class _Replay(torch.autograd.Function):
         return outs
 
     @staticmethod
+    @once_differentiable  # a double backward raises: the graph holds no graph of its own gradient
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         recording = ctx.recording
         if ctx.generation != recording.generation:
