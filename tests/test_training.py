@@ -21,9 +21,9 @@ class _Graph:
         self.body()
 
 
-def _linear_recording(w: torch.Tensor, x_shape: tuple[int, int]) -> TrainingRecording:
+def _linear_recording(w: torch.Tensor, x_shape: tuple[int, int], x_grad: bool = False) -> TrainingRecording:
     """y = x @ w and z = y.argmax(1) (no grad), in fixed buffers, as a capture of them would be."""
-    x = torch.zeros(x_shape, requires_grad=True)
+    x = torch.zeros(x_shape, requires_grad=x_grad)
     y = torch.zeros(x_shape[0], w.shape[1])
     z = torch.zeros(x_shape[0], dtype=torch.long)
     gy = torch.zeros_like(y)
@@ -39,14 +39,15 @@ def _linear_recording(w: torch.Tensor, x_shape: tuple[int, int]) -> TrainingReco
             torch.matmul(gy, w.t(), out=gx)
             torch.matmul(x.t(), gy, out=gw)
 
-    return TrainingRecording("linear", [x], [w], [y, z], [gy, None], [gx, gw], _Graph(forward), _Graph(backward))
+    grads = [gx if x_grad else None, gw]
+    return TrainingRecording("linear", [x], [w], [y, z], [gy, None], grads, _Graph(forward), _Graph(backward))
 
 
 def test_gradients_accumulate_over_micro_batches_as_eager_and_start_again_after_zero_grad() -> None:
     torch.manual_seed(0)
     w_eager = torch.randn(8, 4, requires_grad=True)
     w = w_eager.detach().clone().requires_grad_(True)
-    rec = _linear_recording(w, (5, 8))
+    rec = _linear_recording(w, (5, 8), x_grad=True)
     for _step in range(2):
         for _micro in range(4):  # gradient accumulation: no zero_grad between micro-batches
             x = torch.randn(5, 8, requires_grad=True)
@@ -99,3 +100,17 @@ def test_retain_graph_replays_the_backward_again_and_a_double_backward_raises() 
     (gw,) = torch.autograd.grad(y.square().sum(), w, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gw.sum().backward()
+
+
+def test_a_call_the_graph_was_not_recorded_for_is_refused_naming_what_differs() -> None:
+    w = torch.randn(8, 4, requires_grad=True)
+    rec = _linear_recording(w, (5, 8))
+    with pytest.raises(ValueError, match=r"input 0: recorded as \(5, 8\) torch.float32"):
+        apply(rec, (torch.randn(1, 8),))  # copy_ would have broadcast it
+    with pytest.raises(ValueError, match="requires_grad=True"):
+        apply(rec, (torch.randn(5, 8, requires_grad=True),))
+    with pytest.raises(ValueError, match="recorded with 1 tensor inputs, called with 2"):
+        apply(rec, (torch.randn(5, 8), torch.randn(5, 8)))
+    w.data = torch.randn(8, 4)  # replaced, not updated in place: the graph would read the old one
+    with pytest.raises(RuntimeError, match="a parameter moved"):
+        apply(rec, (torch.randn(5, 8),))

@@ -97,12 +97,37 @@ class TrainingRecording:
         self.forward_graph = forward_graph
         self.backward_graph = backward_graph
         self.generation = 0  # forward replays so far: a backward belongs to the last one
+        self._param_ptrs = [p.data_ptr() for p in params]
 
     def run_forward(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Copy the call's inputs in and replay the forward; the generation the backward must match."""
-        for static, t in zip(self.static_inputs, tensors):
+        """Check the call against the recording, copy its inputs in and replay the forward; the
+        generation the backward must match. ``ValueError`` for inputs the graph was not recorded for
+        (number, shape, dtype, device, ``requires_grad``), ``RuntimeError`` for a parameter replaced
+        rather than updated in place (the graph would read the old one)."""
+        n = len(self.static_inputs)
+        if len(tensors) != n + len(self.params):
+            got = len(tensors) - len(self.params)
+            raise ValueError(f"`{self.name}` was recorded with {n} tensor inputs, called with {got}")
+        for i, (static, t) in enumerate(zip(self.static_inputs, tensors)):
+            if (t.shape, t.dtype, t.device, t.requires_grad) != (
+                static.shape,
+                static.dtype,
+                static.device,
+                static.requires_grad,
+            ):
+                raise ValueError(
+                    f"`{self.name}` input {i}: recorded as {tuple(static.shape)} {static.dtype} on {static.device}"
+                    f" (requires_grad={static.requires_grad}), called with {tuple(t.shape)} {t.dtype} on {t.device}"
+                    f" (requires_grad={t.requires_grad}): record this signature on its own"
+                )
             if static.data_ptr() != t.data_ptr():
                 static.detach().copy_(t.detach())
+        for p, ptr in zip(self.params, self._param_ptrs):
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"`{self.name}`: a parameter moved since it was recorded (replaced, not updated in place): "
+                    "record it again"
+                )
         self.forward_graph.replay()
         self.generation += 1
         return self.generation
@@ -121,7 +146,8 @@ class TrainingRecording:
                 static.zero_()
             else:
                 static.copy_(g)
-        self.backward_graph.replay()
+        if self.backward_graph is not None:
+            self.backward_graph.replay()
         return tuple(g.clone() if g is not None else None for g in self.static_grads)
 
     @classmethod
@@ -130,15 +156,25 @@ class TrainingRecording:
         fn: Callable[..., Any],
         inputs: Sequence[torch.Tensor],
         params: Sequence[torch.Tensor],
-        buffers: Sequence[torch.Tensor] = (),
+        buffers: Sequence[torch.Tensor] | None = None,
         name: str | None = None,
         warmup: int = 3,
         pool: Any = None,
     ) -> TrainingRecording:
         """Warm ``fn`` up ``warmup`` times on a side stream (``buffers`` put back after: warm-ups are
-        not steps), then capture its forward on copies of ``inputs`` and the gradient of its
-        outputs that require grad with respect to the inputs and ``params`` that require grad.
-        ``fn`` must return a tensor or a tuple or list of tensors. CUDA only."""
+        not steps; by default a module's own buffers), then capture its forward on copies of
+        ``inputs`` and the gradient of its outputs that require grad with respect to the inputs and
+        ``params`` (each once) that require grad. ``fn`` must return a tensor or a tuple or list of
+        tensors. ``pool``: a memory pool for both graphs (default: a new one; share one only among
+        recordings whose replays do not interleave). CUDA only.
+
+        Limits: warm-ups and the capture draw from the CUDA generator, so dropout's masks differ
+        from an eager copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count
+        on the host and cannot be captured; under ``torch.autocast`` its cache must be off
+        (``cache_enabled=False``), as for ``make_graphed_callables``."""
+        if buffers is None:
+            buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
+        params = list({id(p): p for p in params}.values())  # a tied weight listed twice: one gradient
         static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
         wrt = [t for t in (*static_inputs, *params) if t.requires_grad]
         kept = [b.detach().clone() for b in buffers]
@@ -148,8 +184,9 @@ class TrainingRecording:
             for _ in range(warmup):
                 outs = _tensors(fn(*static_inputs))
                 needs = [o for o in outs if o.requires_grad]
-                grad_outputs = [torch.ones_like(o) for o in needs]
-                torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
+                if needs and wrt:
+                    grad_outputs = [torch.ones_like(o) for o in needs]
+                    torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
             for b, k in zip(buffers, kept):
                 b.detach().copy_(k)
         torch.cuda.current_stream().wait_stream(side)
@@ -160,17 +197,20 @@ class TrainingRecording:
         static_grad_outputs: list[torch.Tensor | None] = [
             torch.empty_like(o) if o.requires_grad else None for o in static_outputs
         ]
-        backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
-            found = torch.autograd.grad(
-                needs, wrt, grad_outputs=[g for g in static_grad_outputs if g is not None], allow_unused=True
-            )
+        backward_graph: Any = None  # (nothing to differentiate: no backward)
+        found: Sequence[torch.Tensor | None] = ()
+        if needs and wrt:
+            backward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
+                found = torch.autograd.grad(
+                    needs, wrt, grad_outputs=[g for g in static_grad_outputs if g is not None], allow_unused=True
+                )
         by_tensor = dict(zip(map(id, wrt), found))
         static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *params)]
         return cls(
             str(name or getattr(fn, "__qualname__", type(fn).__name__)),
             static_inputs,
-            list(params),
+            params,
             static_outputs,
             static_grad_outputs,
             static_grads,
