@@ -6,7 +6,8 @@ sends the signature to eager, with the reason, as before breaks); ``graphtree`` 
 ``torch.compile`` get "not applicable" rows: neither takes a host read inside the graph. The inputs
 alternate so that every data-dependent branch is taken; each call is checked against eager.
 No peer with marked ops (vLLM's, SGLang's breakable graphs, meta-pytorch's piecewise graphs) is
-pip-installable as a library for arbitrary callables, so none runs here.
+pip-installable as a library for arbitrary callables, so none runs here. The Faster R-CNN case is
+graphed whole: graphtree graphs its parts (``graphtree.tree.parts``), breaks on or off.
 """
 
 from __future__ import annotations
@@ -78,16 +79,35 @@ def _llama(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda ids: model(ids, use_cache=False).logits
 
 
+class _Detector(torch.nn.Module):
+    """torchvision's Faster R-CNN (random weights, eval) on a batch tensor of images. Its own code
+    uploads host lists and filters boxes by value, so graphtree graphs it in parts
+    (``graphtree.tree.parts``): the backbone and the RPN head replay, the rest runs eagerly."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        import torchvision  # only when this case runs
+
+        torch.manual_seed(seed)
+        detector = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None)
+        self.detector = detector.to(kit.DEVICE).eval()
+
+    def forward(self, images: torch.Tensor) -> Any:
+        return self.detector(list(images.unbind(0)))
+
+
 def _cases(cfg: kit.BenchConfig) -> list[tuple[str, Any, list[torch.Tensor]]]:
     d = cfg.mlp_d
     signs = [1, -1, 1, -1]
     xs = [randn(cfg.branch_batch, cfg.mlp_tokens, d, seed=700 + i).abs() * s for i, s in enumerate(signs)]
     gen = kit.gen(800)
     ids = [torch.randint(1, 1024, (2, 32), generator=gen).to(kit.DEVICE) for _ in range(4)]
+    images = [torch.rand(2, 3, 320, 320, generator=gen).to(kit.DEVICE) for _ in range(2)] * 2
     return [
         ("MLP, a bool picks the head", partial(_branchy, d, 31), xs),
         ("mixture of 4 experts, routed by the data", partial(_moe, d, 4, 41), xs),
         ("Llama (4 layers), no cache", partial(_llama, 51), ids),
+        ("Faster R-CNN, two 320x320 images (in parts)", partial(_Detector, 61), images),
     ]
 
 
