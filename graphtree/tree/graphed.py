@@ -58,6 +58,7 @@ def _check_options(
     debug: str | os.PathLike[str] | None = None,
     max_break_values: int = MAX_VALUES,
     lockstep_timeout: float = LOCKSTEP_TIMEOUT,
+    parts: bool = True,
 ) -> None:
     """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
     if buckets is not None:
@@ -72,6 +73,8 @@ def _check_options(
             raise ValueError(f"{option} must be a non-negative int, got {value!r}")
     if isinstance(lockstep_timeout, bool) or not isinstance(lockstep_timeout, (int, float)) or not lockstep_timeout > 0:
         raise ValueError(f"lockstep_timeout must be a positive number of seconds, got {lockstep_timeout!r}")
+    if not isinstance(parts, bool):
+        raise ValueError(f"parts must be True or False, got {parts!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     if debug is not None and (not isinstance(debug, (str, os.PathLike)) or not os.fspath(debug)):
@@ -117,9 +120,9 @@ class GraphedCallable:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout)
-        if not isinstance(parts, bool):
-            raise ValueError(f"parts must be True or False, got {parts!r}")
+        _check_options(
+            buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts
+        )
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         self.fn = fn
         self.id = next(_ids)
@@ -148,7 +151,7 @@ class GraphedCallable:
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
         self._hf_caches: CacheLayouts | None = None
         # A module's signature that cannot be graphed runs with its submodules graphed (tree/parts.py);
-        # a part whose warm-up runs fewer than min_ops operations is not worth a graph
+        # a part whose warm-ups dispatch fewer than min_ops operators is not worth a graph
         self._parts: Parts | None = None
         self.min_ops = min_ops
         self._small = False  # a warm-up ran fewer than min_ops operators, and none ran more
@@ -670,8 +673,8 @@ def graphed(
         return GraphedModule(f, call) if isinstance(f, torch.nn.Module) else call
 
     if fn is None:  # as a decorator with options: @graphed(buckets=[...])
-        _check_options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout)
-        if not isinstance(parts, bool):
-            raise ValueError(f"parts must be True or False, got {parts!r}")
+        _check_options(
+            buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts
+        )
         return make
     return make(fn)
