@@ -213,12 +213,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_watch_finds_the_groups_of_c10d_and_functional_collectives_on_a_gloo_group() -> None:
-    import json
-
+def _one_gloo_rank(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run in a process of its own (graphtree importable), with a free port as its argument;
+    asserts that it succeeded, showing the end of its stderr otherwise."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run(
-        [sys.executable, "-c", _GLOO, str(_free_port())],
+        [sys.executable, "-c", script, str(_free_port())],
         check=False,
         capture_output=True,
         text=True,
@@ -226,6 +226,13 @@ def test_the_watch_finds_the_groups_of_c10d_and_functional_collectives_on_a_gloo
         env=env,
     )
     assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_the_watch_finds_the_groups_of_c10d_and_functional_collectives_on_a_gloo_group() -> None:
+    import json
+
+    p = _one_gloo_rank(_GLOO)
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["plain"] == {}  # no collective: no group
     assert len(got["groups"]) == 2 and all(v == [0] for v in got["groups"].values())  # WORLD and the subgroup
@@ -260,16 +267,7 @@ _TEARDOWN = textwrap.dedent(
 def test_recordings_are_released_before_destroy_process_group_and_at_exit() -> None:
     """NCCL cannot destroy a communicator while a graph that captured one of its collectives lives
     (pytorch#115388: the bench hung at its last line on two H200s): the release runs first."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run(
-        [sys.executable, "-c", _TEARDOWN, str(_free_port())],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _one_gloo_rank(_TEARDOWN)
     # once before destroy_process_group (the group still there), once at exit (none left)
     assert p.stdout.splitlines() == ["released True", "destroyed False [True]", "released False"], p.stdout
 

@@ -121,10 +121,7 @@ class HooksBelow:
 def hooks_below(module: torch.nn.Module) -> bool:
     """Whether a module below ``module`` (not itself: its own hooks run around the part) has forward
     hooks, which a replay of ``module`` would not run."""
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for m in itertools.islice(module.modules(), 1, None)
-    )
+    return HooksBelow(module)()
 
 
 _swaps = threading.Lock()

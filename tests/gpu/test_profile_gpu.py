@@ -682,10 +682,10 @@ def scenario_llama_without_cache() -> dict[str, Any]:
     }
 
 
-def scenario_faster_rcnn_parts() -> dict[str, Any]:
-    """Faster R-CNN (random weights, eval, two 320x320 images per call) with ``model.backbone`` and
-    ``model.rpn.head`` graphed; outputs against eager, the share of kernel time in replays under a
-    profile, and the time per call of both (medians)."""
+def _faster_rcnn(make: Callable[[Any], tuple[Callable[..., Any], Callable[..., Any]]]) -> dict[str, Any]:
+    """Faster R-CNN (random weights, eval, two 320x320 images per call); ``make(model)`` returns
+    its graphed and its eager way to call it. Outputs against eager on four rounds (the last
+    profiled), the share of kernel time in replays, and the time per round of both (medians)."""
     import statistics
     import time
 
@@ -697,81 +697,20 @@ def scenario_faster_rcnn_parts() -> dict[str, Any]:
     torch.manual_seed(0)
     model = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None).cuda().eval()
     batches = [list(torch.rand(2, 3, 320, 320, device="cuda").unbind(0)) for _ in range(2)]
-    backbone, head = model.backbone, model.rpn.head
     with torch.inference_mode():
         want = [model(b) for b in batches]
-        model.backbone, model.rpn.head = graphtree.graphed(backbone), graphtree.graphed(head)
+        graphed, eager = make(model)
 
         def run() -> bool:
             ok = True
             for b, w in zip(batches, want):
                 graphtree.mark_step()
-                got = model(b)
-                for g, e in zip(got, w):
-                    ok = ok and all(torch.allclose(g[k], e[k], rtol=1e-3, atol=1e-3) for k in e)
-            return ok
-
-        equal = [run() for _ in range(3)]  # warm-ups, recordings, replays
-        torch.cuda.synchronize()
-        with graphtree.profile() as prof:
-            equal.append(run())
-            torch.cuda.synchronize()
-
-        def per_round(parts: tuple[Any, Any]) -> float:
-            model.backbone, model.rpn.head = parts
-            times = []
-            for _ in range(7):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for b in batches:
-                    graphtree.mark_step()
-                    model(b)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times) * 1e3
-
-        graphed_parts = (model.backbone, model.rpn.head)
-        eager_ms, graphed_ms = per_round((backbone, head)), per_round(graphed_parts)
-    kernel_ns = sum(st.total_ns for st in prof.kernel_stats() if st.kind == "kernel")
-    graph_ns = sum(st.total_ns for st in prof.kernel_stats() if st.kind == "kernel" and st.graph_key)
-    return {
-        "equal": all(equal),
-        "in_replays": graph_ns / kernel_ns if kernel_ns else 0.0,
-        "eager_ms": eager_ms,
-        "graphed_ms": graphed_ms,
-        "stats": str(graphtree.stats()),
-    }
-
-
-def scenario_faster_rcnn_whole() -> dict[str, Any]:
-    """Faster R-CNN (random weights, eval, two 320x320 images per call) graphed whole: outputs against
-    eager, the parts graphtree graphed, the share of kernel time in replays under a profile, and
-    the time per call of both (medians)."""
-    import statistics
-    import time
-
-    import torch
-    import torchvision
-
-    import graphtree
-
-    torch.manual_seed(0)
-    model = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None).cuda().eval()
-    batches = [list(torch.rand(2, 3, 320, 320, device="cuda").unbind(0)) for _ in range(2)]
-    g = graphtree.graphed(model)
-    with torch.inference_mode():
-        want = [model(b) for b in batches]
-
-        def run() -> bool:
-            ok = True
-            for b, w in zip(batches, want):
-                graphtree.mark_step()
-                got = g(b)
+                got = graphed(b)
                 for o, e in zip(got, w):
                     ok = ok and all(torch.allclose(o[k], e[k], rtol=1e-3, atol=1e-3) for k in e)
             return ok
 
-        equal = [run() for _ in range(3)]  # the model's warm-up, the parts' warm-ups, recordings, replays
+        equal = [run() for _ in range(3)]  # warm-ups, recordings, replays
         torch.cuda.synchronize()
         with graphtree.profile() as prof:
             equal.append(run())
@@ -789,18 +728,50 @@ def scenario_faster_rcnn_whole() -> dict[str, Any]:
                 times.append(time.perf_counter() - t0)
             return statistics.median(times) * 1e3
 
-        eager_ms, graphed_ms = per_round(model), per_round(g)
+        eager_ms, graphed_ms = per_round(eager), per_round(graphed)
     kernel_ns = sum(st.total_ns for st in prof.kernel_stats() if st.kind == "kernel")
     graph_ns = sum(st.total_ns for st in prof.kernel_stats() if st.kind == "kernel" and st.graph_key)
-    parts = g.graphed_callable.parts()
     return {
         "equal": all(equal),
         "in_replays": graph_ns / kernel_ns if kernel_ns else 0.0,
         "eager_ms": eager_ms,
         "graphed_ms": graphed_ms,
-        "parts": parts,
         "stats": str(graphtree.stats()),
     }
+
+
+def scenario_faster_rcnn_parts() -> dict[str, Any]:
+    """:func:`_faster_rcnn` with ``model.backbone`` and ``model.rpn.head`` graphed by hand."""
+    import graphtree
+
+    def make(model: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        plain = (model.backbone, model.rpn.head)
+        hand = (graphtree.graphed(plain[0]), graphtree.graphed(plain[1]))
+
+        def way(parts: tuple[Any, Any]) -> Callable[..., Any]:
+            def call(images: Any) -> Any:
+                model.backbone, model.rpn.head = parts
+                return model(images)
+
+            return call
+
+        return way(hand), way(plain)
+
+    return _faster_rcnn(make)
+
+
+def scenario_faster_rcnn_whole() -> dict[str, Any]:
+    """:func:`_faster_rcnn` with the model graphed whole, and the parts graphtree graphed."""
+    import graphtree
+
+    made: list[Any] = []
+
+    def make(model: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        made.append(graphtree.graphed(model))
+        return made[0], model
+
+    out = _faster_rcnn(make)
+    return out | {"parts": made[0].graphed_callable.parts()}
 
 
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
