@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -89,8 +89,15 @@ for stage in $stages; do
       timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/tp_step.py --bench \
         --json "$OUT/tp_bench_${NGPU}gpu.json" 2>&1 | tee "$OUT/tp_bench.log" | grep -v '^W1' | grep -E '^\{|Error|error' | tail -20
       ;;
-    training)  # issue 28's first part: forward and backward graphs behind autograd (tree/training.py)
-      timeout -s INT -k 20 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_training_gpu.py 2>&1 | tee "$OUT/training.log" | tail -15
+    training)  # issue 28: forward and backward graphs behind autograd (tree/training.py), whole steps recorded
+      timeout -s INT -k 20 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_training_gpu.py \
+        tests/gpu/test_train_step_gpu.py 2>&1 | tee "$OUT/training.log" | grep -v '^W1' | tail -40
+      ;;
+    train_bench)  # issue 28: time per step, first steps, memory: eager, graphtree, hand capture, make_graphed_callables, reduce-overhead
+      timeout 420 python3 benchmarks/train_step.py ${TRAIN_ARGS:-} --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | grep -v '^W1' | tail -30
+      ;;
+    churn)  # issue 27, item 5: churning shapes and HF's dynamic cache against eager
+      timeout 240 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.log" | tail -15
       ;;
     parts)  # issue 26: modules graphed in parts (tree/parts.py): their GPU tests and Faster R-CNN graphed whole, profiled
       timeout -s INT -k 20 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parts_gpu.py \

@@ -205,10 +205,12 @@ def test_a_dynamic_cache_gets_one_hint_naming_the_fix(caplog):
     layouts = CacheLayouts(model)
     ids = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
     with caplog.at_level("WARNING", logger="graphtree"):
-        layouts.before_call({**ids, "past_key_values": transformers.StaticCache(config=model.config, max_cache_len=8)})
+        static = {**ids, "past_key_values": transformers.StaticCache(config=model.config, max_cache_len=8)}
+        assert layouts.eager_reason(static) is None
         assert not caplog.records
-        for _ in range(3):
-            layouts.before_call({**ids, "past_key_values": transformers.DynamicCache(config=model.config)})
+        for _ in range(3):  # the call runs eagerly outright: its signature is new every step
+            reason = layouts.eager_reason({**ids, "past_key_values": transformers.DynamicCache(config=model.config)})
+            assert reason is not None and "DynamicCache" in reason
     (record,) = caplog.records
     assert "LlamaForCausalLM" in record.getMessage() and 'cache_implementation="static"' in record.getMessage()
 

@@ -213,6 +213,34 @@ class TinyGPT(nn.Module):
         """Same as :meth:`decode_step`."""
         return self.decode_step(tokens, pos)
 
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next-token cross-entropy of whole sequences, for training: no cache, causal attention.
+
+        Args:
+            tokens: int64 ``[batch, T]`` with ``2 <= T <= max_seq`` (any batch: the cache's is not used).
+
+        Returns:
+            The mean loss over the ``batch * (T - 1)`` predicted tokens, a 0-dim tensor that
+            requires grad where the parameters do.
+
+        Example::
+
+            model.train()
+            model.loss(torch.randint(0, model.cfg.vocab, (8, 64))).backward()
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        h, hd = cfg.n_head, cfg.head_dim
+        x = self.wte(tokens) + self.wpe.weight[:t]  # [b, t, d]
+        for blk in cast("Iterable[_Block]", self.blocks):
+            q, k, v = blk.qkv(blk.ln1(x)).split(cfg.d_model, dim=-1)
+            q, k, v = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))  # [b, h, t, hd]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk.proj(y.transpose(1, 2).reshape(b, t, cfg.d_model))
+            x = x + blk.fc_out(F.gelu(blk.fc(blk.ln2(x))))
+        logits = F.linear(self.ln_f(x[:, :-1]), self.wte.weight)  # tied head
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+
 
 def greedy_decode(
     step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

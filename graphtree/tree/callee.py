@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from graphtree.tree.churn import Churn
     from graphtree.tree.inputs import Bucketing, Call
     from graphtree.tree.lockstep import Lockstep
+    from graphtree.tree.training_step import TrainingStep
 
 
 class Callee(Protocol):
@@ -48,6 +49,7 @@ class Callee(Protocol):
     def lockstep(self, groups: dict[str, tuple[int, ...]] | None = None) -> Lockstep | None: ...
     def static_tensors(self) -> list[torch.Tensor]: ...
     def module(self) -> torch.nn.Module | None: ...
+    def training_step(self) -> TrainingStep | None: ...
 
 
 class _UserCode(threading.local):

@@ -34,6 +34,7 @@ from graphtree.tree.inputs import (
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
 from graphtree.tree.teardown import drop_all
+from graphtree.tree.training_step import TrainingStep, is_forward
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
@@ -146,6 +147,10 @@ class GraphedCallable:
         self._kept_state: dict[Any, int] = {}
         self._module, self._closure = _find_state(fn)
         self._has_state = self._module is not None or bool(self._closure)
+        # A module's forward builds an autograd graph its caller needs; any other function's
+        # warm-up says (a training step returns loss.detach(): tree/training_step.py)
+        self._forward = is_forward(fn, self._module)
+        self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
         # @torch.no_grad() / @torch.inference_mode() on it: no autograd graph, whatever the caller's mode
         self._grad_off_inside = _torch.grad_off_inside(fn)
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
@@ -200,6 +205,9 @@ class GraphedCallable:
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
             if self._hf_caches is not None and kwargs:
+                grows = self._hf_caches.eager_reason(kwargs)
+                if grows is not None:
+                    return self._eager(args, kwargs, grows)
                 moved_lengths = self._hf_caches.before_call(kwargs)
                 if moved_lengths is not None:  # sliding-window lengths moved for the call (hf_cache.py)
                     try:
@@ -223,7 +231,7 @@ class GraphedCallable:
         if (
             torch.is_grad_enabled()
             and not self._grad_off_inside
-            and (call.needs_grad or (self._has_state and self._params_need_grad()))
+            and (call.needs_grad or (self._forward and self._params_need_grad()))
         ):
             return self._eager(args, kwargs, "autograd")
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
@@ -233,6 +241,8 @@ class GraphedCallable:
             call.key = (*call.key, _state(), ("training", self._module.training))
         else:
             call.key = (*call.key, _state())
+        if self._step is not None and self._step.trains:  # gradients present, optimizers' settings
+            call.key = (*call.key, self._step.key(call.leaves))
         device = call.device
         if device < 0:
             device = self._state_device()
@@ -315,6 +325,10 @@ class GraphedCallable:
         like every call (three times), not a cache filled on first use."""
         n = self._kept_state[key] = self._kept_state.get(key, 0) + 1
         return n >= 3
+
+    def training_step(self) -> TrainingStep | None:
+        """The modules and optimizers the function reaches outside its arguments (None: none, or a forward)."""
+        return self._step
 
     def module(self) -> torch.nn.Module | None:
         """The module whose parameters and buffers the function reads in place, if any."""

@@ -26,6 +26,7 @@ from graphtree.tree.inputs import PLAIN_TYPES
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import InputPlan
 from graphtree.tree.sites import Site
+from graphtree.tree.training_step import set_grads
 
 _ids = itertools.count(1)
 
@@ -100,6 +101,8 @@ class Node:
             (:mod:`graphtree.tree.sites`: how a profile started later names its kernels).
         adoption: the storages of the object tensors it read in place, kept so that a new
             object of the same layout can move into them (:mod:`graphtree.tree.adoption`).
+        grads: a training step's (parameter, gradient tensor) pairs: the graph writes each
+            gradient there, and a replay sets ``.grad`` to it (:mod:`graphtree.tree.training_step`).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class Node:
         reads: Sequence[str] = (),
         graph_sites: Sequence[tuple[torch.cuda.CUDAGraph, list[Site]]] = (),
         adoption: Adoption | None = None,
+        grads: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> None:
         self.id = id
         self.parent = parent
@@ -154,6 +158,7 @@ class Node:
         self.reads = list(reads)
         self.graph_sites = list(graph_sites)
         self.adoption = adoption
+        self.grads = list(grads)  # (parameter, the .grad the graph writes): set again on every replay
         kept = {k.leaf for k in adoption.kept} if adoption is not None else set()
         self._not_kept = [i for i in inputs.inplace_idx if i not in kept]  # checked before an adoption
         self.replays = 0
@@ -277,6 +282,8 @@ class Node:
         self.replays += 1
         if self.writes:  # the Python side of the call: what it wrote into its object arguments
             _writes.apply(leaves, self.writes)
+        if self.grads:  # a training step's: each parameter's .grad as the step leaves it
+            set_grads(self.grads)
         base = self._base
         if base is not None:
             return base.detach()

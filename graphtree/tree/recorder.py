@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from graphtree import _events, _torch
+from graphtree.tree import training_step as _training_step
 from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
@@ -117,6 +118,8 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     reads = WarmUpReads(count_reads=gc.max_break_values > 0 and gc.lockstep() is None)
     sync = SyncWatch(tracker, gc.name, allowed=reads)
     collectives = watch_collectives()  # (None without torch.distributed)
+    step = gc.training_step()  # a training step's parameters: did the call change them or their gradients?
+    versions = step.before(call.leaves) if step is not None and not step.trains else None
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     try:
@@ -137,7 +140,14 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
             if watch.written
             else (_output_reason(out) or sync.found or _unsafe_reason(gc.name, watch.unsafe))
         )
-        kept = 0 if reason else len(watch.kept(_storages(call.leaves, out, gc.static_tensors())))
+        grads: list[torch.Tensor] = []  # a training step's gradients are the caller's, not state it keeps
+        if step is not None:
+            if versions is not None:
+                step.after(versions, call.leaves)
+            if step.trains:
+                reason = reason or step.refusal(gc.name, call.leaves)
+                grads = [p.grad for p in step.params(call.leaves) if p.grad is not None]
+        kept = 0 if reason else len(watch.kept(_storages(call.leaves, out, [*gc.static_tensors(), *grads])))
     finally:
         current.wait_stream(stream)
         watch.close()
@@ -162,7 +172,10 @@ def _output_reason(out: Any) -> str | None:
             if kind is not None:
                 return f"output {i} is {kind}: graphtree graphs dense CUDA tensors"
             if t.grad_fn is not None:  # a replay would hand it back without its autograd history
-                return f"autograd: output {i} requires grad (the function builds an autograd graph)"
+                return (
+                    f"autograd: output {i} requires grad (the function builds an autograd graph, which a "
+                    f"replay cannot hand back; a training step returns loss.detach())"
+                )
     return None
 
 
@@ -211,6 +224,12 @@ def record(
     with torch.cuda.device(device), torch.cuda.stream(stream), pool.allocating():
         inputs, graph_leaves, owning = place_inputs(call, set(held), device, _pad_dim(gc))
     statics, epoch = gc.static_tensors(), param_epoch()  # read together: the epoch dates the statics
+    step = gc.training_step()
+    params = step.params(call.leaves) if step is not None and step.trains else []
+    old_grads = _training_step.grad_targets(params)  # where new gradients are copied to, in the graph
+    if params:  # a training step's warm-ups cached a step's activations: give them back, as torch.cuda.graph does
+        torch.cuda.empty_cache()
+    grads: list[tuple[torch.Tensor, torch.Tensor]] = []
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
         args, kwargs = call.arguments(graph_leaves)
@@ -256,6 +275,7 @@ def record(
                     try:
                         with tracker, breaks, collectives or contextlib.nullcontext(), watch:
                             out = gc.fn(*args, **kwargs)
+                            grads = _training_step.keep_out_of_pool(params, old_grads)
                         if len(breaks.segments) < len(prefix or ()):
                             raise BreakFailed("running it again for a new value did not read the values it had read")
                     except BaseException as e:  # noqa: BLE001 - the function's error (or the capture's), re-raised below
@@ -372,6 +392,7 @@ def record(
             reads=reads,
             graph_sites=graph_sites,
             adoption=adoption,
+            grads=grads,
         )
         if chain:
             chain[-1].node = node

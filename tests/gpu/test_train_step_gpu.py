@@ -1,0 +1,212 @@
+"""Whole training steps graphed (tree/training_step.py, issue 28): zero_grad, forward, backward and
+the optimizer step in one recording, against the same steps run eagerly on a copy of the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphtree
+
+DEV = "cuda"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10)).to(DEV).train()
+
+
+def _data(n: int, batch: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator(DEV).manual_seed(seed)
+    return [
+        (torch.randn(batch, 32, device=DEV, generator=gen), torch.randint(0, 10, (batch,), device=DEV, generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, micro: int = 1):
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        total = None
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            loss = F.cross_entropy(model(xs), ys) / micro
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        opt.step()
+        return total
+
+    return step
+
+
+def _pair(make_opt):
+    eager = _mlp()
+    mine = copy.deepcopy(eager)
+    return eager, make_opt(eager.parameters()), mine, make_opt(mine.parameters())
+
+
+def _compare_steps(eager, opt_e, mine, opt_m, data, micro=1, rtol=1e-5, atol=1e-6):
+    step_e = _step_fn(eager, opt_e, micro)
+    step_m = graphtree.graphed(_step_fn(mine, opt_m, micro), name="step")
+    for i, (x, y) in enumerate(data):
+        le, lm = step_e(x, y), step_m(x, y)
+        torch.testing.assert_close(lm, le, rtol=rtol, atol=atol, msg=lambda m, i=i: f"step {i}: {m}")
+        for pe, pm in zip(eager.parameters(), mine.parameters()):
+            torch.testing.assert_close(pm.grad, pe.grad, rtol=rtol * 10, atol=atol * 10)
+    for te, tm in zip(eager.state_dict().values(), mine.state_dict().values()):  # weights and BatchNorm statistics
+        torch.testing.assert_close(tm, te, rtol=rtol * 10, atol=atol * 10)
+    return graphtree.stats()
+
+
+def test_a_whole_adamw_step_is_recorded_and_equal_to_eager_at_every_step():
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.AdamW(p, lr=1e-2, capturable=True))
+    s = _compare_steps(eager, opt_e, mine, opt_m, _data(16))
+    assert s.recordings == 1 and s.replays >= 11 and not s.eager, s
+    assert opt_m.state[next(mine.parameters())]["step"].item() == 16  # warm-ups were steps, counted once
+
+
+def test_sgd_with_momentum_and_gradient_accumulation_inside_the_step():
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    s = _compare_steps(eager, opt_e, mine, opt_m, _data(12, batch=32), micro=4)
+    assert s.recordings == 1 and s.replays >= 7 and not s.eager, s
+
+
+def test_gradients_accumulated_across_calls_of_a_graphed_forward_and_backward():
+    """The function makes gradients, the optimizer steps outside: a call with no .grad yet and a
+    call that adds to one are recorded apart (what each captures differs)."""
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.SGD(p, lr=0.05))
+
+    def micro_fn(model):
+        def micro(x, y):
+            loss = F.cross_entropy(model(x), y) / 4
+            loss.backward()
+            return loss.detach()
+
+        return micro
+
+    me, mm = micro_fn(eager), graphtree.graphed(micro_fn(mine), name="micro")
+    data = _data(24)
+    for i in range(0, 24, 4):
+        graphtree.mark_step()
+        for x, y in data[i : i + 4]:
+            torch.testing.assert_close(mm(x, y), me(x, y))
+        for pe, pm in zip(eager.parameters(), mine.parameters()):
+            torch.testing.assert_close(pm.grad, pe.grad, rtol=1e-5, atol=1e-6)  # four summed
+        opt_e.step()
+        opt_m.step()
+        opt_e.zero_grad(set_to_none=True)
+        opt_m.zero_grad(set_to_none=True)
+    s = graphtree.stats()
+    assert s.replays >= 12 and not s.eager, s
+
+
+def test_an_optimizer_that_is_not_capturable_runs_eagerly_with_the_fix():
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    s = _compare_steps(eager, opt_e, mine, opt_m, _data(6))
+    assert s.recordings == 0 and any("capturable=True" in r for r in s.eager), s
+
+
+def test_a_learning_rate_scheduler_gets_a_recording_per_rate():
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.SGD(p, lr=0.1))
+    sched_e = torch.optim.lr_scheduler.StepLR(opt_e, step_size=5, gamma=0.5)
+    sched_m = torch.optim.lr_scheduler.StepLR(opt_m, step_size=5, gamma=0.5)
+    step_e = _step_fn(eager, opt_e)
+    step_m = graphtree.graphed(_step_fn(mine, opt_m), name="step")
+    for x, y in _data(15):
+        torch.testing.assert_close(step_m(x, y), step_e(x, y))
+        sched_e.step()
+        sched_m.step()
+    for pe, pm in zip(eager.parameters(), mine.parameters()):
+        torch.testing.assert_close(pm, pe)
+    s = graphtree.stats()
+    assert s.recordings == 3 and not s.eager, s  # lr 0.1, 0.05, 0.025
+
+
+def test_amp_with_a_grad_scaler_skips_the_step_of_an_overflow_as_eager_does():
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.SGD(p, lr=0.05))
+
+    def step_fn(model, opt, scaler):
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)  # reads found_inf on the host: a break of the recording
+            scaler.update()
+            return loss.detach()
+
+        return step
+
+    sc_e, sc_m = torch.amp.GradScaler("cuda"), torch.amp.GradScaler("cuda")
+    step_e, step_m = step_fn(eager, opt_e, sc_e), graphtree.graphed(step_fn(mine, opt_m, sc_m), name="amp")
+    data = _data(14)
+    data[9] = (torch.full_like(data[9][0], 1e5), data[9][1])  # float16 overflows: that step is skipped
+    for i, (x, y) in enumerate(data):
+        le, lm = step_e(x, y), step_m(x, y)
+        torch.testing.assert_close(lm, le, rtol=1e-3, atol=1e-3, equal_nan=True, msg=lambda m, i=i: f"step {i}: {m}")
+        assert sc_m.get_scale() == sc_e.get_scale(), i
+    for pe, pm in zip(eager.parameters(), mine.parameters()):
+        torch.testing.assert_close(pm, pe, rtol=1e-3, atol=1e-4)
+    s = graphtree.stats()
+    print("AMP_STATS", s.recordings, s.replays, dict(s.eager))
+    assert s.replays >= 6, s
+
+
+def test_demo_gpt_trained_200_steps_with_adamw_equal_to_eager():
+    from graphtree.demo.gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(n_layer=2, n_head=4, d_model=128, vocab=512, max_seq=64)
+    eager = TinyGPT(cfg, batch=1, device=DEV, seed=3).train()
+    mine = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, capturable=True)
+    opt_m = torch.optim.AdamW(mine.parameters(), lr=3e-3, capturable=True)
+
+    def step_fn(model, opt):
+        def step(tokens):
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(tokens)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    step_e, step_m = step_fn(eager, opt_e), graphtree.graphed(step_fn(mine, opt_m), name="gpt_step")
+    gen = torch.Generator(DEV).manual_seed(5)
+    worst = 0.0
+    losses = []
+    for i in range(200):
+        tokens = torch.randint(0, 64, (8, 48), device=DEV, generator=gen)  # a small vocabulary: it learns
+        le, lm = step_e(tokens), step_m(tokens)
+        worst = max(worst, abs(lm.item() - le.item()) / abs(le.item()))
+        losses.append(le.item())
+        torch.testing.assert_close(lm, le, rtol=1e-4, atol=1e-5, msg=lambda m, i=i: f"step {i}: {m}")
+    s = graphtree.stats()
+    print(f"GPT_TRAIN worst relative loss difference {worst:.2e}; loss {losses[0]:.3f} -> {losses[-1]:.3f}; {s}")
+    assert losses[-1] < losses[0] - 0.5  # it trained
+    assert s.recordings == 1 and s.replays >= 195 and not s.eager, s
+
+
+@pytest.mark.parametrize("batch", [8, 64])
+def test_timm_resnet18_steps_equal_to_eager(batch):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    eager = timm.create_model("resnet18", num_classes=100).to(DEV).train()
+    mine = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, capturable=True)
+    opt_m = torch.optim.AdamW(mine.parameters(), lr=1e-3, capturable=True)
+    step_e, step_m = _step_fn(eager, opt_e), graphtree.graphed(_step_fn(mine, opt_m), name="resnet_step")
+    gen = torch.Generator(DEV).manual_seed(2)
+    worst = 0.0
+    for i in range(12):
+        x = torch.randn(batch, 3, 224, 224, device=DEV, generator=gen)
+        y = torch.randint(0, 100, (batch,), device=DEV, generator=gen)
+        le, lm = step_e(x, y), step_m(x, y)
+        worst = max(worst, abs(lm.item() - le.item()) / abs(le.item()))
+        torch.testing.assert_close(lm, le, rtol=2e-3, atol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+    s = graphtree.stats()
+    print(f"RESNET18_TRAIN batch {batch} worst relative loss difference {worst:.2e}; {s}")
+    assert s.recordings == 1 and s.replays >= 8 and not s.eager, s
