@@ -1,7 +1,8 @@
 """A training step, graphed whole by graphtree, against what a user would otherwise run (issue 28).
 
-One process, on a GPU; every contender trains its own copy of the model with
-``AdamW(capturable=True)``:
+One process, on a GPU, contenders one after another (``graphtree bench --scenarios train`` runs the
+same models and contenders interleaved, from :mod:`graphtree.bench.train`); every contender trains
+its own copy of the model with ``AdamW(capturable=True)``:
 
 - ``eager``: the step as written (``zero_grad``, forward, ``backward()``, ``step()``);
 - ``graphtree``: ``graphtree.graphed(step)``, the same function, recorded whole;
@@ -25,142 +26,23 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import graphtree
+from graphtree.bench import train
+from graphtree.bench.contenders import COMPILE_RO, HANDWRITTEN
 
-DEV = "cuda"
-
-
-class _GPTLoss(nn.Module):
-    """The demo GPT whose forward is its training loss (what make_graphed_callables graphs)."""
-
-    def __init__(self, gpt: nn.Module) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.gpt.loss(tokens)
-
-
-def _workload(name: str) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable[[int], Any]]:
-    """The model, its loss on a batch, and the i-th batch."""
-    gen = torch.Generator(DEV).manual_seed(0)
-    torch.manual_seed(0)
-    if name.startswith("resnet18"):
-        import timm
-
-        batch = int(name.split("-")[1])
-        model = timm.create_model("resnet18", num_classes=100)
-        data = [
-            (
-                torch.randn(batch, 3, 224, 224, device=DEV, generator=gen),
-                torch.randint(0, 100, (batch,), device=DEV, generator=gen),
-            )
-            for _ in range(4)
-        ]
-
-        def loss(m: nn.Module, b: Any) -> torch.Tensor:
-            return F.cross_entropy(m(b[0]), b[1])
-
-    elif name == "gpt":
-        from graphtree.demo.gpt import GPTConfig, TinyGPT
-
-        model = _GPTLoss(TinyGPT(GPTConfig(n_layer=4, n_head=4, d_model=256, vocab=2048, max_seq=128), batch=1))
-        data = [(torch.randint(0, 2048, (8, 128), device=DEV, generator=gen),) for _ in range(4)]
-
-        def loss(m: nn.Module, b: Any) -> torch.Tensor:
-            return m(b[0])
-
-    elif name == "mlp":
-        model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)), nn.Linear(256, 10))
-        data = [
-            (torch.randn(32, 256, device=DEV, generator=gen), torch.randint(0, 10, (32,), device=DEV, generator=gen))
-            for _ in range(4)
-        ]
-
-        def loss(m: nn.Module, b: Any) -> torch.Tensor:
-            return F.cross_entropy(m(b[0]), b[1])
-
-    else:
-        raise SystemExit(f"unknown workload {name!r}")
-    return model.to(DEV).train(), loss, lambda i: data[i % len(data)]
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
-
-
-def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable) -> Callable[..., torch.Tensor]:
-    def step(*batch: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
-
-
-def _hand(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable, first: Any) -> Callable[..., torch.Tensor]:
-    static = [t.clone() for t in first]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model, static).backward()
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = loss_fn(model, static)
-        static_loss.backward()
-        opt.step()
-
-    def step(*batch: torch.Tensor) -> torch.Tensor:
-        for s, b in zip(static, batch):
-            s.copy_(b)
-        graph.replay()
-        return static_loss.detach()
-
-    return step
-
-
-def _contender(name: str, model: nn.Module, loss_fn: Callable, first: Any) -> Callable[..., torch.Tensor]:
-    opt = _adamw(model)
-    if name == "eager":
-        return _plain_step(model, opt, loss_fn)
-    if name == "graphtree":
-        return graphtree.graphed(_plain_step(model, opt, loss_fn), name="train_step")
-    if name == "hand":
-        return _hand(model, opt, loss_fn, first)
-    if name == "make_graphed_callables":
-        graphed_model = torch.cuda.make_graphed_callables(model, (first[0],))
-        return _plain_step(graphed_model, opt, loss_fn)
-    if name == "reduce-overhead":
-        compiled = torch.compile(model, mode="reduce-overhead")
-
-        def step(*batch: torch.Tensor) -> torch.Tensor:
-            torch.compiler.cudagraph_mark_step_begin()
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(compiled, batch)
-            loss.backward()
-            opt.step()
-            return loss.detach().clone()
-
-        return step
-    raise SystemExit(f"unknown contender {name!r}")
+NAMES = {"hand": HANDWRITTEN, "reduce-overhead": COMPILE_RO}  # this script's names for the bench's contenders
 
 
 def run(workload: str, contenders: list[str], steps: int, rounds: int) -> dict[str, Any]:
-    base, loss_fn, batch = _workload(workload)
+    base, loss_fn, data = train.workload(workload)
+
+    def batch(i: int) -> Any:
+        return data[i % len(data)]
+
     rows: dict[str, Any] = {}
     ref_losses: list[float] = []
     for name in contenders:
@@ -172,7 +54,7 @@ def run(workload: str, contenders: list[str], steps: int, rounds: int) -> dict[s
         reserved0 = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         try:
-            step = _contender(name, model, loss_fn, batch(0))
+            step = train.make_step(NAMES.get(name, name), model, loss_fn, batch(0))
             losses = [step(*batch(i)).item() for i in range(3)]
         except Exception as e:  # noqa: BLE001 - a contender that fails is a row that says why
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

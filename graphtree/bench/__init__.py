@@ -39,7 +39,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-_SCENARIOS = ("overhead", "decode", "memory", "capture", "branching", "generate", "share", "breaks")
+_SCENARIOS = ("overhead", "decode", "memory", "capture", "branching", "generate", "share", "breaks", "train")
 _CONTENDERS = ("eager", "handwritten", "compile-reduce-overhead", "compile-cudagraphs", "graphtree")
 
 NO_GPU_MESSAGE = (

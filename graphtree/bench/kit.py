@@ -33,7 +33,17 @@ from graphtree.bench.contenders import (
 from graphtree.bench.harness import Budget, Progress, Result, Timings, failed, format_value, run_contender
 from graphtree.demo.gpt import GPTConfig
 
-SCENARIOS: tuple[str, ...] = ("overhead", "decode", "memory", "capture", "branching", "generate", "share", "breaks")
+SCENARIOS: tuple[str, ...] = (
+    "overhead",
+    "decode",
+    "memory",
+    "capture",
+    "branching",
+    "generate",
+    "share",
+    "breaks",
+    "train",
+)
 """Scenario names, in the order they run."""
 
 BUDGET_WEIGHTS: dict[str, float] = {
@@ -45,6 +55,7 @@ BUDGET_WEIGHTS: dict[str, float] = {
     "generate": 2.0,
     "share": 1.0,
     "breaks": 1.5,
+    "train": 2.0,
 }
 """Relative share of the time budget per scenario (unused time rolls over to later ones)."""
 
@@ -101,6 +112,8 @@ class BenchConfig:
     capture_layers: int = 2
     capture_tokens: int = 8
     capture_repeats: int = 3
+    # train (graphtree.bench.train.CASES)
+    train_cases: tuple[str, ...] = ("mlp", "gpt", "resnet18-8", "resnet18-64")
 
     @classmethod
     def make(

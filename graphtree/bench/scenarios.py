@@ -22,6 +22,8 @@ reported as medians over repeats.
 - ``generate`` -- Hugging Face ``generate()`` of a random-weight Llama with a static KV cache:
   time per token (see :mod:`graphtree.bench.generate`; skipped without transformers).
 - ``share`` -- handing a graphed step's output to consumer processes (:mod:`graphtree.bench.share`).
+- ``breaks`` -- models that read values on the host (:mod:`graphtree.bench.breaks`).
+- ``train`` -- a whole training step per call (:mod:`graphtree.bench.train`).
 
 Example::
 
@@ -66,6 +68,12 @@ def _run_generate(ctx: Ctx) -> list[Result]:
     return run_generate(ctx)
 
 
+def _run_train(ctx: Ctx) -> list[Result]:
+    from graphtree.bench.train import run_train  # imports timm only when its ResNet cases run
+
+    return run_train(ctx)
+
+
 # --------------------------------------------------------------------------------------------
 # the run
 
@@ -79,6 +87,7 @@ RUNNERS: dict[str, Callable[[Ctx], list[Result]]] = {
     "generate": _run_generate,
     "share": _run_share,
     "breaks": _run_breaks,
+    "train": _run_train,
 }
 
 
