@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -95,6 +95,10 @@ for stage in $stages; do
       ;;
     train_bench)  # issue 28: time per step, first steps, memory: eager, graphtree, hand capture, make_graphed_callables, reduce-overhead
       timeout 420 python3 benchmarks/train_step.py ${TRAIN_ARGS:-} --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | grep -v '^W1' | tail -30
+      ;;
+    bench_train)  # issue 28: graphtree bench's train scenario (its JSON and plot are the committed result)
+      timeout 420 python3 -m graphtree bench --scenarios train --contenders eager,graphtree,handwritten,compile-reduce-overhead \
+        --budget ${TRAIN_BUDGET:-330} --out "$OUT/bench-train" 2>&1 | tee "$OUT/bench-train.log" | grep -v '^W1' | tail -30
       ;;
     churn)  # issue 27, item 5: churning shapes and HF's dynamic cache against eager
       timeout 240 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.log" | tail -15
