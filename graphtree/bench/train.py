@@ -211,7 +211,8 @@ def _run(ctx: Ctx) -> list[Result]:
         for name in names:
             if ctx.budget.expired():
                 break
-            reset_all()
+            # (no reset between contenders: they are timed together below, and torch's cudagraph
+            # trees reset under a live reduce-overhead model replayed freed memory on the H100)
             gc.collect()
             torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved()
@@ -236,6 +237,7 @@ def _run(ctx: Ctx) -> list[Result]:
             batches = iter(data * 10**6)
             calls[name] = partial(lambda s, b: s(*next(b)), step, batches)
         if not calls:
+            reset_all()
             continue
         rounds = Rounds(repeats=5, warmup=1, stop=ctx.budget.expired, min_repeats=MIN_REPEATS)
         sync = torch.cuda.synchronize
