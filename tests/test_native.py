@@ -64,6 +64,30 @@ def test_addresses_unchanged_compares_packed_addresses(native) -> None:
 
 
 @needs_toolchain
+def test_weak_unchanged_answers_as_its_python_twin(native) -> None:
+    """The check of a recording's outside tensors (globals, an optimizer's state) on every replay."""
+    from graphtree import _torch
+
+    kept, dropped = torch.zeros(4), torch.zeros(8)
+    refs = [_torch.weak_ref(t.untyped_storage()) for t in (kept, dropped)]
+    at = [t.untyped_storage().data_ptr() for t in (kept, dropped)]
+    try:
+
+        def both(ptrs: list[int]) -> tuple[bool, bool]:
+            packed = (array.array("Q", refs).tobytes(), array.array("Q", ptrs).tobytes())
+            return native.weak_unchanged(*packed), all(_torch.weak_data_ptr(r) == p for r, p in zip(refs, ptrs))
+
+        assert both(at) == (True, True)
+        assert both([at[0], at[1] + 4]) == (False, False)  # moved
+        del dropped
+        assert both(at) == (False, False)  # freed
+        with pytest.raises(TypeError):
+            native.weak_unchanged(b"12345678", b"")
+    finally:
+        for r in refs:
+            _torch.weak_free(r)
+
+
 def test_ptrs_equal_refuses_bad_input_with_python_errors(native) -> None:
     t = torch.zeros(1)
     with pytest.raises(TypeError, match="expected a tensor"):

@@ -151,3 +151,22 @@ def test_a_parameter_without_a_gradient_gets_a_target_like_itself():
     pairs = keep_out_of_pool(params, targets)
     assert all(p.grad is t and torch.equal(p.grad, w) for p, t, w in zip(params, targets, want))
     assert len(pairs) == 2
+
+
+def test_the_parameter_list_is_walked_again_only_when_it_can_have_changed():
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        opt.step()
+        return model(x)
+
+    found = TrainingStep(step)
+    first = found.params()
+    assert found.params() == first and found._unique(()) is found._unique(())  # cached
+    model.append(nn.Linear(4, 2))  # registers a submodule: the epoch moves
+    assert len(found.params()) == 4
+    model[1].weight.requires_grad_(False)  # frozen: read on every call, no walk needed
+    assert len(found.params()) == 3
+    opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    assert len(found.params()) == 4

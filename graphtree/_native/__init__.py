@@ -211,6 +211,17 @@ def _check(module: ModuleType) -> None:
     packed, other = array.array("Q", ptrs).tobytes(), array.array("Q", [ptrs[0], 0]).tobytes()
     if module.addresses_unchanged(ts, packed) is not True or module.addresses_unchanged(ts, other) is not False:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
+    storage = torch.zeros(4).untyped_storage()
+    ref: int = storage._weak_ref()  # type: ignore[assignment]  # (typed as a storage by torch)
+    try:
+        refs, at = array.array("Q", [ref]).tobytes(), array.array("Q", [storage.data_ptr()]).tobytes()
+        if module.weak_unchanged(refs, at) is not True or module.weak_unchanged(refs, bytes(8)) is not False:
+            raise RuntimeError("weak_unchanged disagrees with UntypedStorage.data_ptr()")
+        del storage
+        if module.weak_unchanged(refs, at) is not False:
+            raise RuntimeError("weak_unchanged reads a freed storage as alive")
+    finally:
+        torch.UntypedStorage._free_weak_ref(ref)
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")
     obj = _Probe()

@@ -16,6 +16,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/DefaultDtype.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/SmallVector.h>
 
@@ -115,6 +116,31 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
     PyObject* t = PyList_GET_ITEM(tensors, i);
     if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) return nullptr;
     if (reinterpret_cast<uint64_t>(have) != want) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+// weak_unchanged(refs: bytes, expected: bytes) -> bool: each packed weak reference (a
+// StorageImpl* that UntypedStorage._weak_ref() returned) is still alive with its data at the
+// address packed at the same index of expected. The check of the tensors a recording reads from
+// outside (globals, closures, an optimizer's state) on every replay; its Python twin makes a
+// storage object per reference to read its address.
+PyObject* weak_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1]) ||
+      PyBytes_GET_SIZE(args[0]) != PyBytes_GET_SIZE(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "weak_unchanged(refs: bytes, expected: bytes) of equal lengths");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyBytes_GET_SIZE(args[0]) / static_cast<Py_ssize_t>(sizeof(uint64_t));
+  const char* refs = PyBytes_AS_STRING(args[0]);
+  const char* expected = PyBytes_AS_STRING(args[1]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    uint64_t ref, want;
+    std::memcpy(&ref, refs + i * sizeof(uint64_t), sizeof(uint64_t));
+    std::memcpy(&want, expected + i * sizeof(uint64_t), sizeof(uint64_t));
+    auto* impl = reinterpret_cast<c10::StorageImpl*>(ref);
+    if (impl == nullptr || c10::raw::weak_intrusive_ptr::use_count(impl) == 0) Py_RETURN_FALSE;
+    if (reinterpret_cast<uint64_t>(impl->data_ptr().get()) != want) Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
 }
@@ -812,6 +838,8 @@ PyObject* capture_begin_isolated(PyObject*, PyObject* const* args, Py_ssize_t na
 PyMethodDef methods[] = {
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ptrs_equal)), METH_FASTCALL,
      "ptrs_equal(tensors, ptrs, idx) -> bool"},
+    {"weak_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(weak_unchanged)), METH_FASTCALL,
+     "weak_unchanged(refs: bytes, expected: bytes) -> bool"},
     {"addresses_unchanged",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(addresses_unchanged)), METH_FASTCALL,
      "addresses_unchanged(tensors: list, expected: bytes) -> bool"},

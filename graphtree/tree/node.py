@@ -153,6 +153,9 @@ class Node:
         self.capture_seconds = capture_seconds
         self.input_refs = input_refs
         self.externals = externals
+        # packed for the native check (graphtree/_native: weak_unchanged), as the statics are
+        self._external_refs = array.array("Q", [e.ref for e in externals]).tobytes()
+        self._external_ptrs = array.array("Q", [e.ptr for e in externals]).tobytes()
         self.writes = writes
         self.first = first
         self.reads = list(reads)
@@ -215,7 +218,11 @@ class Node:
         for d, g in self.dead_before:
             if path[d].is_held(g):
                 return False
-        return not self.externals or self._externals_in_place()
+        if not self.externals:
+            return True
+        if native is not None and hasattr(native, "weak_unchanged"):  # (a build from before it: the twin)
+            return bool(native.weak_unchanged(self._external_refs, self._external_ptrs))
+        return self._externals_in_place()
 
     def _externals_in_place(self) -> bool:
         return all(_weak_data_ptr(e.ref) == e.ptr for e in self.externals)

@@ -227,8 +227,8 @@ def record(
     step = gc.training_step()
     params = step.params(call.leaves) if step is not None and step.trains else []
     old_grads = _training_step.grad_targets(params)  # where new gradients are copied to, in the graph
-    if params:  # a training step's warm-ups cached a step's activations: give them back, as torch.cuda.graph does
-        torch.cuda.empty_cache()
+    # (No torch.cuda.empty_cache() here to give back what the warm-ups cached, as torch.cuda.graph
+    # does: on the H100 it made a graph the user had captured by hand earlier read freed memory.)
     grads: list[tuple[torch.Tensor, torch.Tensor]] = []
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
     try:
@@ -349,7 +349,8 @@ def record(
         if other is not None:
             del out, owning, graph, outputs, out_leaves
             raise CaptureFailed(f"`{gc.name}` is not recorded on any rank: {other}")
-        externals = _externals(gc, watch, graph_leaves, statics, in_pool)
+        held_by_node = [*statics, *(g for _, g in grads)]  # (a training step's gradient tensors: the node holds them)
+        externals = _externals(gc, watch, graph_leaves, held_by_node, in_pool)
         # Placeholders go back to the pool before the checkpoint: only replays read them, and a
         # block the checkpoint shows allocated must belong to an output (restoring the checkpoint
         # later would leave it allocated with no owner). ``args``/``kwargs`` hold them too.

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
+from graphtree.tree.inputs import param_epoch, watch_parameter_changes
 
 NOT_CAPTURABLE = (
     "`{name}` steps {opt} with capturable=False: it keeps its step count on the host, and a graph "
@@ -74,6 +75,10 @@ class TrainingStep:
         self.modules = modules
         self.optimizers = optimizers
         self.trains = False  # a warm-up changed a parameter or a gradient: key() is part of its signature
+        self._stamp: Any = None  # what the cached parameter list was read under (see _unique)
+        self._cached: list[torch.Tensor] = []
+        if modules:
+            watch_parameter_changes()
 
     def before(self, leaves: Sequence[Any] = ()) -> list[tuple[int, int, int]]:
         """What a warm-up's :meth:`after` compares: each parameter's version and its gradient's."""
@@ -97,13 +102,25 @@ class TrainingStep:
 
     def params(self, leaves: Sequence[Any] = ()) -> list[torch.Tensor]:
         """Parameters that require grad, each once: of the modules, then of the optimizers."""
+        return [p for p in self._unique(leaves) if p.requires_grad]
+
+    def _unique(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        """The parameters, each once; walked again only when a module registered one (the
+        epoch of :func:`~graphtree.tree.inputs.param_epoch`) or an optimizer's groups changed:
+        walking a ResNet's modules on every call cost more than its replay's other checks."""
         mods, opts = self._all(leaves)
+        own = mods is self.modules and opts is self.optimizers  # (no module or optimizer among the arguments)
+        stamp = (param_epoch(), tuple(id(g["params"]) for o in opts for g in o.param_groups)) if own else None
+        if own and stamp == self._stamp:
+            return self._cached
         seen: set[int] = set()
         out = []
         for p in _params(mods, opts):
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
+        if own:
+            self._stamp, self._cached = stamp, out
         return out
 
     def key(self, leaves: Sequence[Any] = ()) -> tuple[Any, ...]:
