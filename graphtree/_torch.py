@@ -569,14 +569,8 @@ def raw_stream_getter() -> Callable[[int], int] | None:
 
 # --- gradients copied out of a capture's pool (tree/training_step.py) ------------------------------
 def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair, in the few launches of ``torch._foreach_copy_`` (what the
-    optimizers use), or one by one where it is missing."""
-    fn = getattr(torch, "_foreach_copy_", None)
-    if fn is None:
-        for d, s in zip(dst, src):
-            d.copy_(s)
-    else:
-        fn(list(dst), list(src))
+    """``d.copy_(s)`` for each pair, in the few launches of ``torch._foreach_copy_`` (as the optimizers copy)."""
+    torch._foreach_copy_(list(dst), list(src))
 
 
 # --- torch.compile, for the benchmark's compile contenders ---------------------------------------
