@@ -30,15 +30,11 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
-
-from graphtree import _torch
 
 STALE_BACKWARD = (
     "graphtree: the backward of an earlier call of `{name}` ran after a later call's forward replay: "
@@ -101,8 +97,6 @@ class TrainingRecording:
         self.forward_graph = forward_graph
         self.backward_graph = backward_graph
         self.generation = 0  # forward replays so far: a backward belongs to the last one
-        self.single = False  # the function returned one tensor, not a tuple or list
-        self.open = False  # a forward replayed whose backward has not run
         self._param_ptrs = [p.data_ptr() for p in params]
 
     def run_forward(self, tensors: Sequence[torch.Tensor]) -> int:
@@ -136,7 +130,6 @@ class TrainingRecording:
                 )
         self.forward_graph.replay()
         self.generation += 1
-        self.open = True
         return self.generation
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
@@ -153,7 +146,6 @@ class TrainingRecording:
                 static.zero_()
             else:
                 static.copy_(g)
-        self.open = False
         if self.backward_graph is not None:
             self.backward_graph.replay()
         return tuple(g.clone() if g is not None else None for g in self.static_grads)
@@ -199,14 +191,8 @@ class TrainingRecording:
                 b.detach().copy_(k)
         torch.cuda.current_stream().wait_stream(side)
         forward_graph = torch.cuda.CUDAGraph()
-        single = [False]
-
-        def forward() -> list[torch.Tensor]:
-            out = fn(*static_inputs)
-            single[0] = isinstance(out, torch.Tensor)
-            return _tensors(out)
-
-        static_outputs = _capture(forward_graph, pool, forward)
+        with torch.cuda.graph(forward_graph, pool=pool):
+            static_outputs = _tensors(fn(*static_inputs))
         needs = [o for o in static_outputs if o.requires_grad]
         static_grad_outputs: list[torch.Tensor | None] = [
             torch.empty_like(o) if o.requires_grad else None for o in static_outputs
@@ -215,15 +201,13 @@ class TrainingRecording:
         found: Sequence[torch.Tensor | None] = ()
         if needs and wrt:
             backward_graph = torch.cuda.CUDAGraph()
-            grad_outputs = [g for g in static_grad_outputs if g is not None]
-            found = _capture(
-                backward_graph,
-                forward_graph.pool(),
-                lambda: torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True),
-            )
+            with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
+                found = torch.autograd.grad(
+                    needs, wrt, grad_outputs=[g for g in static_grad_outputs if g is not None], allow_unused=True
+                )
         by_tensor = dict(zip(map(id, wrt), found))
         static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *params)]
-        rec = cls(
+        return cls(
             str(name or getattr(fn, "__qualname__", type(fn).__name__)),
             static_inputs,
             params,
@@ -233,28 +217,6 @@ class TrainingRecording:
             forward_graph,
             backward_graph,
         )
-        rec.single = single[0]
-        return rec
-
-
-def _capture(graph: torch.cuda.CUDAGraph, pool: Any, fn: Callable[[], Any]) -> Any:
-    """``fn()`` captured into ``graph`` on a side stream (in ``pool``, or a new one), as
-    ``torch.cuda.graph`` does but without its ``torch.cuda.empty_cache()``: on the H100 that made
-    a graph the user had captured by hand earlier read freed memory. A capture that raises is ended
-    (its error, not the end's, reaches the caller)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin(pool=pool)
-        try:
-            out = fn()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                graph.capture_end()
-            raise
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    return out
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -265,111 +227,3 @@ def _tensors(out: Any) -> list[torch.Tensor]:
         return list(out)
     got = type(out).__name__
     raise TypeError(f"a function graphed for training must return a tensor or a tuple of tensors, got {got}")
-
-
-NOT_TENSORS = (
-    "autograd: `{name}` is called with grad enabled and arguments that are not all CUDA tensors given "
-    "by position; a module's training calls are graphed for those only (graph a whole training step "
-    "instead: README, Training steps)"
-)
-
-
-PENDING = (
-    "autograd: `{name}` is called again while the backward of its last call may still come (its output "
-    "is alive and no backward ran): the graph holds one call's activations, so this call runs eagerly"
-)
-
-
-class ModuleCalls:
-    """A module called with grad enabled, its forward and backward graphed (issue 28, item 1).
-
-    Per signature (the call's key, the ambient state, ``training``, which inputs require grad):
-    the first ``warmup`` calls run eagerly, then a :class:`TrainingRecording` is captured and every
-    call is :func:`apply` of it: the forward replayed now, the backward when autograd reaches it,
-    the gradients accumulated into ``.grad`` by autograd as eager's are. Calls that cannot be
-    graphed so run eagerly with the reason: keyword or non-tensor arguments, hooks on the module
-    or below it (or global ones), autocast (its cache), more than ``max_signatures`` signatures, a
-    capture that failed, and a call made while the last one's backward may still come (its output
-    alive, no backward run: two forwards, then one backward through both). ``replays``,
-    ``warmups`` and ``recordings`` say what it did.
-
-    Example::
-
-        calls = ModuleCalls(model, "model", warmup=1)
-        out = calls(fn, args, kwargs, key, eager)
-    """
-
-    def __init__(self, module: torch.nn.Module, name: str, warmup: int = 1, max_signatures: int = 8) -> None:
-        from graphtree.tree.parts import HooksBelow  # (parts imports nothing of training)
-
-        self.module = module
-        self.name = name
-        self.warmup = max(1, warmup)
-        self.max_signatures = max_signatures
-        self._hooks = HooksBelow(module)
-        self.recordings: dict[Any, TrainingRecording] = {}
-        self.given_up: dict[Any, str] = {}
-        self._seen: dict[Any, int] = {}
-        self.replays = self.warmups = 0
-        self._last: dict[Any, weakref.ref[torch.Tensor]] = {}  # per signature: its last replay's first output
-
-    def reason(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """Why this call runs eagerly whatever its signature, or None."""
-        if kwargs or not args or not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-            return NOT_TENSORS.format(name=self.name)
-        m = self.module
-        if (
-            self._hooks()
-            or m._forward_hooks
-            or m._forward_pre_hooks
-            or m._backward_hooks
-            or m._backward_pre_hooks
-            or _torch.global_module_hooks()
-        ):
-            return f"autograd: `{self.name}` has module hooks (or global ones): a replay would not run them"
-        if torch.is_autocast_enabled("cuda"):
-            return f"autograd: `{self.name}` is called under torch.autocast, whose cache a recording cannot hold"
-        return None
-
-    def __call__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        key: Any,
-        eager: Callable[[tuple[Any, ...], dict[str, Any], str], Any],
-    ) -> Any:
-        """Run one call: eagerly (``eager(args, kwargs, reason)`` counts the reason), as a warm-up,
-        or through its recording."""
-        reason = self.reason(args, kwargs)
-        if reason is not None:
-            return eager(args, kwargs, reason)
-        key = (key, self.module.training, tuple(a.requires_grad for a in args))
-        rec = self.recordings.get(key)
-        if rec is None:
-            reason = self.given_up.get(key)
-            if reason is not None:
-                return eager(args, kwargs, reason)
-            n = self._seen[key] = self._seen.get(key, 0) + 1
-            if n <= self.warmup:  # a real call: its module state changes as eager's
-                self.warmups += 1
-                return fn(*args)
-            if len(self.recordings) >= self.max_signatures:
-                reason = f"autograd: `{self.name}` met more than {self.max_signatures} signatures under autograd"
-            else:
-                try:
-                    params, buffers = list(self.module.parameters()), list(self.module.buffers())
-                    rec = TrainingRecording.capture(fn, args, params, buffers, name=self.name, warmup=1)
-                except Exception as e:  # noqa: BLE001 - the module cannot be captured: eager, with why
-                    reason = f"autograd: `{self.name}` could not be recorded for training: {type(e).__name__}: {e}"
-            if rec is None:
-                self.given_up[key] = reason = str(reason)[:500]
-                return eager(args, kwargs, reason)
-            self.recordings[key] = rec
-        last = self._last.get(key)
-        if rec.open and last is not None and last() is not None:  # its backward may still come
-            return eager(args, kwargs, PENDING.format(name=self.name))
-        self.replays += 1
-        outs = apply(rec, args)
-        self._last[key] = weakref.ref(outs[0])
-        return outs[0] if rec.single else outs
