@@ -22,7 +22,7 @@ import torch
 from graphtree.bench import kit, timing
 from graphtree.bench.contenders import compare, reset_all, snapshot
 from graphtree.bench.harness import Result, interleaved
-from graphtree.bench.kit import MIN_REPEATS, TOL_MLP, Ctx, Rounds, line, merge_checks, randn, timing_rows
+from graphtree.bench.kit import MIN_REPEATS, TOL_MLP, Ctx, Rounds, line, merge_checks, not_run, randn, timing_rows
 from graphtree.bench.workloads import MLP
 
 EAGER, WHOLE, BREAKS = "eager", "graphtree, breaks off", "graphtree"
@@ -141,9 +141,7 @@ def run_breaks(ctx: Ctx) -> list[Result]:
             fn = make()
             refs = [snapshot(fn(x)) for x in inputs]
         except Exception as exc:  # noqa: BLE001 - a case that cannot be built (no transformers) is skipped
-            for name in names:
-                results.append(Result("breaks", case, name, "wall_per_call", None, "s", note=f"not run: {exc}"))
-            ctx.log(f"breaks: {case}: not run: {exc}")
+            not_run(results, ctx, "breaks", case, names, "wall_per_call", exc)
             continue
         calls: dict[str, Callable[[], Any]] = {}
         checks: dict[str, dict[str, Any]] = {}

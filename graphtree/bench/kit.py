@@ -323,6 +323,15 @@ def run_logged(ctx: Ctx, results: list[Result], scenario: str, case: str, name: 
     return out
 
 
+def not_run(
+    results: list[Result], ctx: Ctx, scenario: str, case: str, names: Sequence[str], metric: str, exc: BaseException
+) -> None:
+    """A case that cannot be built (an optional library missing): a "not run" row per contender, and a line."""
+    for name in names:
+        results.append(Result(scenario, case, name, metric, None, "s", note=f"not run: {exc}"))
+    ctx.log(f"{scenario}: {case}: not run: {exc}")
+
+
 def skip_all(results: list[Result], ctx: Ctx, scenario: str, case: str, exc: BaseException) -> None:
     for name in ctx.cfg.contenders:
         results.append(failed(scenario, case, name, exc, "setup"))

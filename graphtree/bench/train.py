@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import time
 from collections.abc import Callable
 from functools import partial
@@ -39,7 +40,7 @@ from torch import nn
 from graphtree.bench import kit, timing
 from graphtree.bench.contenders import COMPILE_CG, COMPILE_RO, EAGER, GRAPHTREE, HANDWRITTEN, compile_fn, reset_all
 from graphtree.bench.harness import Result, failed, interleaved
-from graphtree.bench.kit import MIN_REPEATS, Ctx, Rounds, line, timing_rows
+from graphtree.bench.kit import MIN_REPEATS, Ctx, Rounds, line, not_run, timing_rows
 
 MGC = "make_graphed_callables"
 CASES = ("mlp", "gpt", "resnet18-8", "resnet18-64")
@@ -204,9 +205,7 @@ def _run(ctx: Ctx) -> list[Result]:
         try:
             base, loss_fn, data = workload(case)
         except Exception as exc:  # noqa: BLE001 - a case that cannot be built (no timm) is skipped
-            for name in names:
-                results.append(Result("train", case, name, "wall_per_step", None, "s", note=f"not run: {exc}"))
-            ctx.log(f"train: {case}: not run: {exc}")
+            not_run(results, ctx, "train", case, names, "wall_per_step", exc)
             continue
         calls: dict[str, Callable[[], Any]] = {}
         checks: dict[str, dict[str, Any]] = {}
@@ -237,7 +236,7 @@ def _run(ctx: Ctx) -> list[Result]:
                 worst = max(abs(a - b) for a, b in zip(losses, ref))
                 checks[name] = {"equal": worst <= 1e-4 * max(abs(b) for b in ref), "bitwise": worst == 0.0}
                 checks[name]["max_abs_diff"] = worst
-            batches = iter(data * 10**6)
+            batches = itertools.cycle(data)
             calls[name] = partial(lambda s, b: s(*next(b)), step, batches)
         if not calls:
             reset_all()

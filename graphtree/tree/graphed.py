@@ -146,7 +146,6 @@ class GraphedCallable:
         self.churn = Churn()  # signatures that keep changing run eagerly, without warm-ups (tree/churn.py)
         self._kept_state: dict[Any, int] = {}
         self._module, self._closure = _find_state(fn)
-        self._has_state = self._module is not None or bool(self._closure)
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)

@@ -102,13 +102,12 @@ class TrainingStep:
 
     def params(self, leaves: Sequence[Any] = ()) -> list[torch.Tensor]:
         """Parameters that require grad, each once: of the modules, then of the optimizers."""
-        return [p for p in self._unique(leaves) if p.requires_grad]
+        return [p for p in self._unique(*self._all(leaves)) if p.requires_grad]
 
-    def _unique(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+    def _unique(self, mods: list[torch.nn.Module], opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
         """The parameters, each once; walked again only when a module registered one (the
         epoch of :func:`~graphtree.tree.inputs.param_epoch`) or an optimizer's groups changed:
         walking a ResNet's modules on every call cost more than its replay's other checks."""
-        mods, opts = self._all(leaves)
         own = mods is self.modules and opts is self.optimizers  # (no module or optimizer among the arguments)
         stamp = (param_epoch(), tuple(id(g["params"]) for o in opts for g in o.param_groups)) if own else None
         if own and stamp == self._stamp:
@@ -125,8 +124,8 @@ class TrainingStep:
 
     def key(self, leaves: Sequence[Any] = ()) -> tuple[Any, ...]:
         """Which parameters have a ``.grad``, and the optimizers' hyperparameters that are Python values."""
-        opts = self._all(leaves)[1]
-        has_grad = tuple(p.grad is not None for p in self.params(leaves))
+        mods, opts = self._all(leaves)
+        has_grad = tuple(p.grad is not None for p in self._unique(mods, opts) if p.requires_grad)
         hyper = tuple(_hyper(o) for o in opts)
         return ("grads", has_grad, hyper)
 
