@@ -140,6 +140,13 @@ def test_signature_rules():
         read_call((torch.ones(2),), {}, None)
     with pytest.raises(Unsupported, match="argument of type object"):
         read_call((object(),), {}, None)
+    # a 0-dim CPU tensor (a step count) is keyed by dtype, its value filled in per call (stride None)
+    for bucketing in (None, Bucketing([4])):
+        call = read_call((torch.tensor(3), torch.tensor(0.5)), {}, bucketing)
+        assert call.key == ((torch.Size([]), torch.int64, None), (torch.Size([]), torch.float32, None)), call.key
+        assert call.device == -2
+        with pytest.raises(Unsupported, match="requires grad"):
+            read_call((torch.tensor(0.5, requires_grad=True),), {}, bucketing)
     a = read_call((1, 2.0, True, "s", None), {}, None).key
     b = read_call((1.0, 2.0, True, "s", None), {}, None).key
     assert a != b  # 1 and 1.0 are different recordings

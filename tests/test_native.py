@@ -138,7 +138,7 @@ def test_read_call_gives_the_same_answers_with_and_without_the_helpers(native, m
     monkeypatch.setattr(_native, "loaded", None)
     without = answers()
     assert with_native == without
-    assert with_native[1] == "CPU tensor inputs"
+    assert with_native[1].startswith("CPU tensor inputs")
 
 
 def test_graphtree_native_0_turns_the_helpers_off() -> None:

@@ -183,7 +183,9 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
 
     Tensors and plain values (int, float, bool, str, None, dtype, device) are keyed as they are.
     Other objects among the arguments (a module, a cache, a dataclass) are read: see
-    :func:`read_object`. Raises :class:`Unsupported` for CPU tensors among CUDA ones, tensors on
+    :func:`read_object`. A 0-dim CPU tensor (a step count, a learning rate) is keyed by its dtype
+    and copied into a device placeholder on each call. Raises :class:`Unsupported` for other CPU
+    tensors, tensors on
     several GPUs, an object whose state cannot be read, or a batch larger than every bucket.
     """
     native = _native.loaded
@@ -213,9 +215,12 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
                     if kind is not None:
                         raise _unsupported_input(i, x, kind)
                 d = x.get_device()
+                if d < 0 and not x.dim():  # a step count, a learning rate: filled into the device per call
+                    parts.append(_host_scalar(x))
+                    continue
                 if d != device:
                     if d < 0:
-                        raise Unsupported("CPU tensor inputs" if device < 0 else "mixed-device inputs (CPU and CUDA)")
+                        raise Unsupported(_CPU_TENSORS if device < 0 else "mixed-device inputs (CPU and CUDA)")
                     if device != -2:
                         raise Unsupported(f"mixed-device inputs (cuda:{device} and cuda:{d})")
                     device = d
@@ -250,8 +255,11 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
             if kind is not None:
                 raise _unsupported_input(i, x, kind)
             d = x.get_device()
+            if d < 0 and not x.dim():
+                parts.append(_host_scalar(x))
+                continue
             if d < 0:
-                raise Unsupported("CPU tensor inputs" if device < 0 else "mixed-device inputs (CPU and CUDA)")
+                raise Unsupported(_CPU_TENSORS if device < 0 else "mixed-device inputs (CPU and CUDA)")
             if device == -2:
                 device = d
             elif d != device:
@@ -269,6 +277,18 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
         else:
             parts.append(read_object(x, held))
     return _with_held(leaves, spec, parts, device, needs_grad, n, bucket, tuple(padded), held)
+
+
+_CPU_TENSORS = "CPU tensor inputs (only 0-dim ones, such as a step count, are filled into the device per call)"
+
+
+def _host_scalar(x: torch.Tensor) -> tuple[Any, ...]:
+    """The key part of a 0-dim CPU tensor argument: its stride is ``None``, which tells
+    :func:`graphtree.tree.placement.place_inputs` to give it a device placeholder that each
+    call fills from its value (as inductor's cudagraph trees copy CPU scalars to the device)."""
+    if x.requires_grad:
+        raise Unsupported("a 0-dim CPU tensor input that requires grad")
+    return (x.shape, x.dtype, None)
 
 
 class HeldTensors:

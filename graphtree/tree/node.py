@@ -396,8 +396,8 @@ def signature(node: Node) -> str:
     for p in node.key[1]:
         if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
             continue
-        if len(p) == 3:  # tensor: (shape, dtype, stride)
-            parts.append(f"{str(p[1]).replace('torch.', '')}{list(p[0])}")
+        if len(p) == 3:  # tensor: (shape, dtype, stride); stride None: a 0-dim CPU tensor
+            parts.append(f"{'cpu ' if p[2] is None else ''}{str(p[1]).replace('torch.', '')}{list(p[0])}")
         elif p[0] == "training":  # a graphed module's mode
             parts.append("train" if p[1] else "eval")
         elif p[0] == "keywords":  # the last len(names) leaves were passed by keyword

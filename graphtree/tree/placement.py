@@ -1,7 +1,8 @@
 """Where a recording's tensor inputs live: placed in the pool for a capture, copied in on replay.
 
 A copied input gets a placeholder in the tree's pool, which the graph reads; each replay copies
-the caller's tensor into it (:class:`InputPlan`, one ``cudaMemcpyAsync`` on the fast path). An input
+the caller's tensor into it (:class:`InputPlan`, one ``cudaMemcpyAsync`` on the fast path), or
+fills it with the value of a 0-dim CPU tensor (a step count, a learning rate). An input
 read in place (a parameter, a tensor marked with :func:`graphtree.mark_static`, one inside an object
 argument, an output of the recording before it that the caller still holds) is not copied: the
 graph reads it where it is, and a replay checks it is still there.
@@ -60,6 +61,7 @@ class InputPlan:
         bucket: int,
         device: int,
         relaid: tuple[int, ...] = (),
+        host: tuple[int, ...] = (),
     ) -> None:
         self.inplace_idx = inplace_idx
         self.inplace_ptrs = inplace_ptrs  # aligned with the leaves; 0 elsewhere
@@ -70,10 +72,17 @@ class InputPlan:
         self.bucket = bucket
         self.device = device
         self.relaid = relaid  # copied inputs whose placeholder is dense where the input is not (expanded)
+        self.host = host  # 0-dim CPU tensors: their placeholders are filled with their values
+        self._fills = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i in host]
+        if host:  # (the device copies below: the others)
+            kept = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i not in host]
+            self._copies = ([ph for ph, _ in kept], [i for _, i in kept])
+        else:
+            self._copies = (placeholders, copy_idx)
         self.raw = self._raw_copy()
 
     def _raw_copy(self) -> RawCopy | None:
-        if len(self.copy_idx) != 1 or self.padded or self.relaid:
+        if len(self.copy_idx) != 1 or self.padded or self.relaid or self.host:
             return None
         ph = self.placeholders[0]
         # The key fixes shape, dtype and strides: a contiguous placeholder means a contiguous input.
@@ -83,17 +92,22 @@ class InputPlan:
         return RawCopy(self.copy_idx[0], ph.data_ptr(), ph.numel() * ph.element_size(), self.device, copy)
 
     def copy_in(self, leaves: Sequence[Any], n: int) -> None:
-        """Copy the copied inputs into their placeholders (padding rows past ``n`` are zeroed)."""
-        if not self.copy_idx:
+        """Copy the copied inputs into their placeholders (padding rows past ``n`` are zeroed);
+        fill those of 0-dim CPU tensors with their values (a kernel launch with the value as its
+        argument: no host-to-device copy, no synchronisation)."""
+        for ph, i in self._fills:
+            ph.fill_(leaves[i])
+        placeholders, copy_idx = self._copies
+        if not copy_idx:
             return
         if not self.padded or n == self.bucket:
-            if len(self.copy_idx) == 1:
-                self.placeholders[0].copy_(leaves[self.copy_idx[0]])
+            if len(copy_idx) == 1:
+                placeholders[0].copy_(leaves[copy_idx[0]])
             else:
-                _torch.foreach_copy(self.placeholders, [leaves[i] for i in self.copy_idx])
+                _torch.foreach_copy(placeholders, [leaves[i] for i in copy_idx])
             return
         dsts, srcs = [], []
-        for ph, i in zip(self.placeholders, self.copy_idx):
+        for ph, i in zip(placeholders, copy_idx):
             if i in self.padded:
                 ph.narrow(self.pad_dim, n, self.bucket - n).zero_()
                 ph = ph.narrow(self.pad_dim, 0, n)
@@ -121,6 +135,7 @@ def place_inputs(
     views: list[torch.Tensor] = []
     owning: list[torch.Tensor] = []
     relaid: list[int] = []  # copied inputs whose placeholder is laid out unlike the input
+    host: list[int] = []  # 0-dim CPU tensors (keyed with stride None: inputs.read_call)
     graph_leaves = list(leaves)
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
@@ -131,7 +146,10 @@ def place_inputs(
             inplace_ptrs[i] = x.data_ptr()
             continue
         shape, dtype, stride = call.key[i]
-        if any(st == 0 and n > 1 for n, st in zip(shape, stride)):
+        if stride is None:
+            ph = torch.empty(shape, dtype=dtype, device=dev)
+            host.append(i)
+        elif any(st == 0 and n > 1 for n, st in zip(shape, stride)):
             # An expanded input (stride 0): a placeholder of the same strides could not be copied
             # into (its elements share memory); a dense one holds the same values.
             ph = torch.empty(shape, dtype=dtype, device=dev)
@@ -153,6 +171,7 @@ def place_inputs(
         bucket=call.bucket,
         device=device,
         relaid=tuple(relaid),
+        host=tuple(host),
     )
     return plan, graph_leaves, owning
 

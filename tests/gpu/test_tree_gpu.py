@@ -1,5 +1,6 @@
 """The core's behaviour on a real GPU, each item compared with eager execution."""
 
+import copy
 import gc
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 import graphtree
 from graphtree import _torch
+from graphtree.tree import inputs
 from graphtree.tree import manager as _manager
 
 DEV = "cuda"
@@ -374,7 +376,54 @@ def test_cpu_and_mixed_inputs_run_eagerly():
     assert torch.equal(g(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
     assert torch.equal(g(torch.ones(2, device=DEV), torch.ones(2)), torch.full((2,), 2.0, device=DEV))
     eager = graphtree.stats().eager
-    assert eager.get("CPU tensor inputs") == 1 and eager.get("mixed-device inputs (CPU and CUDA)") == 1, eager
+    assert eager.get(inputs._CPU_TENSORS) == 1 and eager.get("mixed-device inputs (CPU and CUDA)") == 1, eager
+
+
+def test_a_0_dim_cpu_tensor_argument_is_filled_into_the_graph_on_each_call():
+    """A step count or a learning rate given as a 0-dim CPU tensor: recorded once, its value
+    filled into a device placeholder on every replay (before, the call ran eagerly)."""
+
+    def scaled(x, scale, step):
+        return x * scale + step
+
+    g = graphtree.graphed(scaled)
+    x = torch.randn(64, device=DEV)
+    for i in range(8):
+        graphtree.mark_step()
+        scale, step = torch.tensor(0.5 + i), torch.tensor(i)  # float32 and int64, on the CPU
+        torch.testing.assert_close(g(x, scale, step), scaled(x, scale, step))
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 5 and not s.eager, s
+    # other CPU tensors still run eagerly, with the reason
+    g(x, torch.ones(1), torch.tensor(1))
+    assert graphtree.stats().eager.get(inputs._CPU_TENSORS) == 1, graphtree.stats().eager
+
+
+def test_a_learning_rate_given_as_a_cpu_tensor_to_a_graphed_step():
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(16, 4).to(DEV)
+    mine = copy.deepcopy(eager)
+
+    def step_fn(model):
+        def step(x, lr):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(lr * p.grad)
+            return loss.detach()
+
+        return step
+
+    se, sm = step_fn(eager), graphtree.graphed(step_fn(mine), name="sgd")
+    for i in range(10):
+        x, lr = torch.randn(8, 16, device=DEV), torch.tensor(0.1 / (1 + i))  # a decaying rate, on the CPU
+        torch.testing.assert_close(sm(x, lr), se(x, lr))
+    for pe, pm in zip(eager.parameters(), mine.parameters()):
+        torch.testing.assert_close(pm, pe)
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 6 and not s.eager, s
 
 
 def test_sync_in_capture_names_the_op_and_line_and_leaks_nothing(caplog):
