@@ -567,10 +567,10 @@ def raw_stream_getter() -> Callable[[int], int] | None:
     return getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-# --- gradients copied out of a capture's pool (tree/training_step.py) ------------------------------
-def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair, in the few launches of ``torch._foreach_copy_`` (as the optimizers copy)."""
-    torch._foreach_copy_(list(dst), list(src))
+# --- autograd's version counters, put back after a capture (tree/module_training.py) -------------
+def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Set the autograd version counters of ``tensors`` to ``versions`` (``_unsafe_set_version_counter``)."""
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
 
 
 # --- torch.compile, for the benchmark's compile contenders ---------------------------------------

@@ -114,3 +114,47 @@ def test_a_call_the_graph_was_not_recorded_for_is_refused_naming_what_differs() 
     w.data = torch.randn(8, 4)  # replaced, not updated in place: the graph would read the old one
     with pytest.raises(RuntimeError, match="a parameter moved"):
         apply(rec, (torch.randn(5, 8),))
+
+
+def test_module_calls_warm_up_record_replay_and_run_a_pending_call_eagerly(monkeypatch) -> None:
+    """graphed(module) under autograd (tree/module_training.py): one eager warm-up, then replays;
+    a call made while the last replay's backward may still come runs eagerly, with the reason."""
+    from graphtree.tree import manager, module_training
+
+    class Mat(torch.nn.Module):  # what the stand-in recording computes
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return x @ self.weight
+
+    torch.manual_seed(0)
+    lin = Mat()
+    made = []
+
+    def capture(fn, args, params, buffers, name=None, warmup=1):  # type: ignore[no-untyped-def]
+        made.append(_linear_recording(lin.weight, (5, 8)))
+        return made[-1]
+
+    monkeypatch.setattr(module_training.TrainingRecording, "capture", staticmethod(capture))
+    monkeypatch.setattr(module_training.ModuleCalls, "reason", lambda self, a, k: None)  # (CPU tensors here)
+    manager.reset()
+    calls = module_training.ModuleCalls(lin, "lin", warmup=1)
+    eager_reasons = []
+
+    def eager(args, kwargs, reason):  # type: ignore[no-untyped-def]
+        eager_reasons.append(reason)
+        return lin(*args)
+
+    x = torch.randn(5, 8)
+    calls(lin, (x,), {}, "key", eager)  # the warm-up: the module itself
+    (y, _z) = calls(lin, (x,), {}, "key", eager)  # recorded, replayed
+    assert len(made) == 1 and not eager_reasons
+    pending = calls(lin, (x,), {}, "key", eager)  # y is alive and its backward has not run
+    assert eager_reasons == [module_training.PENDING.format(name="lin")] and pending.requires_grad
+    y.sum().backward()
+    calls(lin, (x,), {}, "key", eager)  # the backward ran: replayed again
+    s = manager.stats()
+    assert (s.warmups, s.recordings, s.replays) == (1, 1, 2), s
+    manager.reset()

@@ -32,6 +32,7 @@ from graphtree.tree.inputs import (
     watch_parameter_changes,
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
+from graphtree.tree.module_training import ModuleCalls
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
@@ -150,6 +151,9 @@ class GraphedCallable:
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
         self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
+        # a module's own forward under autograd: its forward and backward graphs (tree/module_training.py)
+        train = self._forward and self._module is not None and not min_ops  # (not a part graphtree chose)
+        self._autograd = ModuleCalls(self._module, self.name, warmup) if train and self._module else None
         # @torch.no_grad() / @torch.inference_mode() on it: no autograd graph, whatever the caller's mode
         self._grad_off_inside = _torch.grad_off_inside(fn)
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
@@ -232,7 +236,9 @@ class GraphedCallable:
             and not self._grad_off_inside
             and (call.needs_grad or (self._forward and self._params_need_grad()))
         ):
-            return self._eager(args, kwargs, "autograd")
+            if self._autograd is None or self.bucketing is not None:
+                return self._eager(args, kwargs, "autograd")
+            return self._autograd(self.fn, args, kwargs, (call.key, _state()), self._eager)
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
         # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()
         # or eval() (dropout, batch norm).

@@ -11,12 +11,10 @@ States of a call (the diagram is in ``DESIGN.md`` beside this file):
 - **replay**: a child of the current node with the same function and signature, whose inputs
   are where it expects and whose assumptions about dead outputs still hold, is replayed.
 
-A *step* (generation) is the unit of output lifetime. Within a step, calls walk down the tree
-and every output stays valid. A new step starts at the root: on :func:`mark_step`, or — while
-the program never calls :func:`mark_step` — when a function already called in the current step
-is called again (a loop iteration). Outputs of the previous step that are still held are then
-invalidated: reading them raises an error that says so. Inputs of the new call that are such
-outputs are cloned first, so feeding an output back in works.
+A *step* (generation) is the unit of output lifetime: within one, calls walk down the tree and
+every output stays valid. A step starts at the root on :func:`mark_step`, or (with no mark_step
+ever) when a function already called in the step is called again. Held outputs of the previous
+step are invalidated (reading one raises, saying so); an input that is one is cloned first.
 """
 
 from __future__ import annotations
@@ -50,9 +48,9 @@ MAX_PATH_DEPTH = 64
 _tls = threading.local()
 _all_managers: weakref.WeakSet[TreeManager] = weakref.WeakSet()
 _registry_lock = threading.Lock()
-_untreed = Counters()  # eager runs that never reached a tree (no CUDA, CPU inputs, ...)
-# Ids of graphed callables garbage-collected so far (appended by their finalizers, in any thread and
-# at any moment: a list append needs no lock). Each tree prunes their recordings at its next step.
+_untreed = Counters()  # calls that never reached a tree (eager ones; a module's under autograd)
+# Ids of graphed callables collected (appended by their finalizers, from any thread: a list append
+# needs no lock); each tree prunes their recordings at its next step.
 _collected: list[int] = []
 
 
@@ -102,6 +100,11 @@ def count_eager(name: str, reason: str) -> None:
     """Count (and log once) a call that ran eagerly before reaching any tree."""
     _untreed.eager[reason] += 1
     log_fallback(name, reason)
+
+
+def count_untreed(what: str) -> None:
+    """Count a warm-up, recording or replay (``what``) made outside the trees (tree/module_training.py)."""
+    setattr(_untreed, what, getattr(_untreed, what) + 1)
 
 
 def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -> RuntimeError:
@@ -597,9 +600,7 @@ class TreeManager:
             self._clear()
             self._pool = None
             self.warmed = {}  # (a group torn down mid-program: its next calls warm up again, agreeing)
-            # the recordings dropped link to each other (a node and its children): only the
-            # collector frees them, and their pool with them; until it runs, the memory stays
-            _collector.collect()
+            _collector.collect()  # dropped recordings link to each other: only the collector frees them (and the pool)
         finally:
             self.lock.release()
         return True

@@ -427,6 +427,60 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device:
         watch.generator = decoy
 
 
+def capture_isolated(
+    graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], stream: torch.cuda.Stream, fn: Callable[[], Any]
+) -> Any:
+    """Capture ``fn()`` into ``graph`` (memory from the pool ``pool_id``) on ``stream``, as the tree's
+    recordings are captured; returns what ``fn`` returned.
+
+    One capture at a time across threads, cuBLAS's workspaces cleared around it, no garbage
+    collection and no autocast cache during it, the default CUDA generator kept out
+    (:func:`begin_capture`), and no ``torch.cuda.empty_cache()`` (a graph captured by hand earlier
+    would read freed memory). Capture the parts of one computation on the same ``stream``: autograd
+    runs a backward on its forward's stream. A capture that fails is cleaned up as :func:`record`'s
+    is, so that the process stays usable; an exception of ``fn`` reaches the caller unchanged.
+
+    Example::
+
+        out = capture_isolated(graph, torch.cuda.graph_pool_handle(), torch.cuda.Stream(), lambda: model(x))
+    """
+    device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    watch = _torch.StateWatch({})
+    error: BaseException | None = None
+    broken = began = ended = False
+    out: Any = None
+    try:
+        with _Inside(), _no_collection(), _no_autocast_cache(), torch.cuda.device(device), torch.cuda.stream(stream):
+            try:
+                begin_capture(graph, pool_id, device, watch)
+                began = True
+            except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
+                error, broken = e, True
+                began = torch.cuda.is_current_stream_capturing()
+                ended = began and _torch.end_open_capture(graph, stream)
+            else:
+                try:
+                    with watch:
+                        out = fn()
+                except BaseException as e:  # noqa: BLE001 - raised below, after the capture ends
+                    error = e
+                try:
+                    graph.capture_end()
+                except BaseException as e:  # noqa: BLE001 - the function's error first, if any
+                    error, broken = error or e, True
+                    ended = _torch.end_open_capture(graph, stream)
+    finally:
+        current.wait_stream(stream)
+        watch.close()
+    if broken:  # the stream capture broke: what torch left in capture state is put back
+        _torch.end_failed_capture(device, pool_id, began and not ended)
+    if error is not None:
+        raise error
+    return out
+
+
 def _pad_dim(gc: Callee) -> int:
     """The dimension bucket padding pads (0 without buckets)."""
     return gc.bucketing.dim if gc.bucketing else 0

@@ -1,5 +1,5 @@
 """A call under autograd as two graphs: the forward replayed when it is called, the backward when
-autograd reaches it (issue 28's first part; not yet wired into ``graphed``: it has not run on a GPU).
+autograd reaches it (what ``graphed(module)`` runs under grad: :mod:`graphtree.tree.module_training`).
 
 ``TrainingRecording.capture`` warms the function up (on a side stream, with module buffers such as
 BatchNorm's running statistics put back after: warm-ups are not steps), captures its forward, and
@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from graphtree import _torch
 
 STALE_BACKWARD = (
     "graphtree: the backward of an earlier call of `{name}` ran after a later call's forward replay: "
@@ -97,7 +99,13 @@ class TrainingRecording:
         self.forward_graph = forward_graph
         self.backward_graph = backward_graph
         self.generation = 0  # forward replays so far: a backward belongs to the last one
+        self.single = False  # the function returned one tensor, not a tuple or list
+        self.open = False  # a forward replayed whose backward has not run
         self._param_ptrs = [p.data_ptr() for p in params]
+
+    def params_moved(self) -> bool:
+        """Whether a parameter was replaced (not updated in place) since the recording: it must be made again."""
+        return any(p.data_ptr() != ptr for p, ptr in zip(self.params, self._param_ptrs))
 
     def run_forward(self, tensors: Sequence[torch.Tensor]) -> int:
         """Check the call against the recording, copy its inputs in and replay the forward; the
@@ -130,6 +138,7 @@ class TrainingRecording:
                 )
         self.forward_graph.replay()
         self.generation += 1
+        self.open = True
         return self.generation
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
@@ -146,6 +155,7 @@ class TrainingRecording:
                 static.zero_()
             else:
                 static.copy_(g)
+        self.open = False
         if self.backward_graph is not None:
             self.backward_graph.replay()
         return tuple(g.clone() if g is not None else None for g in self.static_grads)
@@ -159,7 +169,7 @@ class TrainingRecording:
         buffers: Sequence[torch.Tensor] | None = None,
         name: str | None = None,
         warmup: int = 3,
-        pool: Any = None,
+        pool: tuple[int, int] | None = None,
     ) -> TrainingRecording:
         """Warm ``fn`` up ``warmup`` times on a side stream (``buffers`` put back after: warm-ups are
         not steps; by default a module's own buffers), then capture its forward on copies of
@@ -172,42 +182,62 @@ class TrainingRecording:
         from an eager copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count
         on the host and cannot be captured; under ``torch.autocast`` its cache must be off
         (``cache_enabled=False``), as for ``make_graphed_callables``."""
+        from graphtree.tree.recorder import capture_isolated  # (the recorder imports nothing of this module)
+
         if buffers is None:
             buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
         params = list({id(p): p for p in params}.values())  # a tied weight listed twice: one gradient
         static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
         wrt = [t for t in (*static_inputs, *params) if t.requires_grad]
+        # Warm-ups and captures write into the buffers (BatchNorm's statistics) and bump their autograd
+        # versions: the values are put back (warm-ups are not steps) and so are the versions, or an eager
+        # call's pending backward that saved a buffer (cuDNN's batch norm does) would raise.
+        state = [*params, *buffers]
+        versions = [t._version for t in state]
         kept = [b.detach().clone() for b in buffers]
-        side = torch.cuda.Stream()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()  # one stream for all: autograd runs a backward on its forward's stream
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                outs = _tensors(fn(*static_inputs))
-                needs = [o for o in outs if o.requires_grad]
-                if needs and wrt:
-                    grad_outputs = [torch.ones_like(o) for o in needs]
-                    torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
-            for b, k in zip(buffers, kept):
-                b.detach().copy_(k)
-        torch.cuda.current_stream().wait_stream(side)
-        forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(forward_graph, pool=pool):
-            static_outputs = _tensors(fn(*static_inputs))
-        needs = [o for o in static_outputs if o.requires_grad]
-        static_grad_outputs: list[torch.Tensor | None] = [
-            torch.empty_like(o) if o.requires_grad else None for o in static_outputs
-        ]
-        backward_graph: Any = None  # (nothing to differentiate: no backward)
-        found: Sequence[torch.Tensor | None] = ()
-        if needs and wrt:
-            backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(backward_graph, pool=forward_graph.pool()):
-                found = torch.autograd.grad(
-                    needs, wrt, grad_outputs=[g for g in static_grad_outputs if g is not None], allow_unused=True
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    outs = _tensors(fn(*static_inputs))
+                    needs = [o for o in outs if o.requires_grad]
+                    if needs and wrt:
+                        grad_outputs = [torch.ones_like(o) for o in needs]
+                        torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
+                with torch.no_grad():
+                    for b, k in zip(buffers, kept):
+                        b.data.copy_(k)
+            torch.cuda.current_stream().wait_stream(side)
+            forward_graph = torch.cuda.CUDAGraph()
+            returned: list[Any] = []  # what the function returned (one tensor, or several)
+
+            def forward() -> list[torch.Tensor]:
+                returned.append(fn(*static_inputs))
+                return _tensors(returned[0])
+
+            static_outputs = capture_isolated(forward_graph, pool, side, forward)
+            needs = [o for o in static_outputs if o.requires_grad]
+            static_grad_outputs: list[torch.Tensor | None] = [
+                torch.empty_like(o) if o.requires_grad else None for o in static_outputs
+            ]
+            backward_graph: Any = None  # (nothing to differentiate: no backward)
+            found: Sequence[torch.Tensor | None] = ()
+            if needs and wrt:
+                grad_outputs = [g for g in static_grad_outputs if g is not None]
+                backward_graph = torch.cuda.CUDAGraph()
+                found = capture_isolated(
+                    backward_graph,
+                    pool,
+                    side,
+                    lambda: torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True),
                 )
+        finally:
+            _torch.set_versions(state, versions)
         by_tensor = dict(zip(map(id, wrt), found))
         static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *params)]
-        return cls(
+        rec = cls(
             str(name or getattr(fn, "__qualname__", type(fn).__name__)),
             static_inputs,
             params,
@@ -217,6 +247,8 @@ class TrainingRecording:
             forward_graph,
             backward_graph,
         )
+        rec.single = isinstance(returned[0], torch.Tensor)
+        return rec
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

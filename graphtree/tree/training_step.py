@@ -217,7 +217,7 @@ def keep_out_of_pool(
         src.append(new)
         pairs.append((p, old))
     if dst:
-        _torch.copy_all(dst, src)
+        _torch.foreach_copy(dst, src)
         for p, old in pairs:
             p.grad = old
     return pairs

@@ -178,6 +178,7 @@ def _model_step(loss_of, opt, micro=1, scaler=None):
 
 
 WAYS = {"plain": (1, False), "micro4": (4, False), "amp": (1, True)}
+LR = 3e-3
 
 
 def _steps_equal(make_model, loss_of, batches, way, rtol, atol, label):
@@ -186,8 +187,8 @@ def _steps_equal(make_model, loss_of, batches, way, rtol, atol, label):
     micro, amp = WAYS[way]
     eager = make_model()
     mine = copy.deepcopy(eager)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, capturable=True)
-    opt_m = torch.optim.AdamW(mine.parameters(), lr=3e-3, capturable=True)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=LR, capturable=True)
+    opt_m = torch.optim.AdamW(mine.parameters(), lr=LR, capturable=True)
     sc_e = torch.amp.GradScaler("cuda") if amp else None
     sc_m = torch.amp.GradScaler("cuda") if amp else None
     step_e = _model_step(lambda *b: loss_of(eager, *b), opt_e, micro, sc_e)
@@ -200,8 +201,11 @@ def _steps_equal(make_model, loss_of, batches, way, rtol, atol, label):
         torch.testing.assert_close(lm, le, rtol=rtol, atol=atol, msg=lambda m, i=i: f"{label} {way} step {i}: {m}")
         if amp:
             assert sc_m.get_scale() == sc_e.get_scale(), i
-    for te, tm in zip(eager.state_dict().values(), mine.state_dict().values()):  # weights, BatchNorm statistics
-        torch.testing.assert_close(tm, te, rtol=rtol * 50, atol=atol * 50)
+    # Weights and BatchNorm statistics. AdamW moves a weight by about lr a step whatever its gradient's
+    # size, so a gradient near zero that a non-deterministic cuDNN kernel computes with another sign
+    # (ResNet-18's conv1 at 2 images a micro-batch, on the H100) moves it 2 lr apart: 4 lr allowed.
+    for te, tm in zip(eager.state_dict().values(), mine.state_dict().values()):
+        torch.testing.assert_close(tm, te, rtol=rtol * 50, atol=max(atol * 50, 4 * LR))
     s = graphtree.stats()
     first, last = losses[0], losses[-1]
     print(f"TRAIN {label} {way}: worst relative loss difference {worst:.2e}; loss {first:.3f} -> {last:.3f}; {s}")
