@@ -190,9 +190,10 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu, monkeypatch)
     # train: eager and graphtree step alike (on the CPU, graphtree runs its step eagerly); the hand capture
     # and make_graphed_callables need a GPU and say so in failed rows
     train = {(r.contender, r.metric): r for r in rows if r.scenario == "train"}
-    for name in ("eager", "graphtree"):
+    for name in ("eager", "graphtree", "graphtree-module"):
         assert all(train[(name, m)].ok for m in ("first_steps", "reserved", "wall_per_step")), train
     assert train[("graphtree", "wall_per_step")].equal_to_eager is True
+    assert train[("graphtree-module", "wall_per_step")].equal_to_eager is True
     assert not train[("make_graphed_callables", "wall_per_step")].ok
     metrics = {(r.scenario, r.metric) for r in rows if r.ok}
     for expected in [

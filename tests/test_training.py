@@ -133,7 +133,7 @@ def test_module_calls_warm_up_record_replay_and_run_a_pending_call_eagerly(monke
     lin = Mat()
     made = []
 
-    def capture(fn, args, params, buffers, name=None, warmup=1):  # type: ignore[no-untyped-def]
+    def capture(fn, args, params, **options):  # type: ignore[no-untyped-def]
         made.append(_linear_recording(lin.weight, (5, 8)))
         return made[-1]
 

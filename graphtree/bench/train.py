@@ -9,6 +9,9 @@ Every contender trains its own copy of the model with ``AdamW(capturable=True)``
 - ``handwritten``: the whole step captured by hand, as PyTorch's docs show ("whole network
   capture": warm-up on a side stream, ``zero_grad(set_to_none=True)``, forward, backward and step
   inside ``torch.cuda.graph``), the inputs copied into its static tensors;
+- ``graphtree-module`` (with ``graphtree``): the user's loop unchanged, the model graphed
+  (``graphtree.graphed(model)``): its forward and backward replayed under autograd
+  (:mod:`graphtree.tree.module_training`), the optimizer eager;
 - ``make_graphed_callables`` (always in this scenario): the model's forward and backward graphed
   by ``torch.cuda.make_graphed_callables``, the optimizer eager;
 - ``compile-reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``, the optimizer eager.
@@ -43,6 +46,7 @@ from graphtree.bench.harness import Result, failed, interleaved
 from graphtree.bench.kit import MIN_REPEATS, Ctx, Rounds, line, not_run, timing_rows
 
 MGC = "make_graphed_callables"
+GT_MODULE = "graphtree-module"
 CASES = ("mlp", "gpt", "resnet18-8", "resnet18-64")
 CHECK_STEPS = 8  # steps whose losses graphtree's must equal eager's
 STEPS_PER_SAMPLE = 10
@@ -165,6 +169,10 @@ def make_step(name: str, model: nn.Module, loss_fn: Callable, first: Any) -> Cal
         import graphtree
 
         return graphtree.graphed(plain_step(model, opt, loss_fn), name="train_step")
+    if name == GT_MODULE:
+        import graphtree
+
+        return plain_step(graphtree.graphed(model), opt, loss_fn)
     if name == HANDWRITTEN:
         return _hand(model, opt, loss_fn, first)
     if name == MGC:
@@ -197,7 +205,8 @@ def _run(ctx: Ctx) -> list[Result]:
     # The hand capture is built last: with make_graphed_callables built after it, the hand-captured
     # GPT step's next replay read freed memory (an illegal address, graphtree not in the process;
     # torch 2.11 on the H100; the other order, or either alone, ran clean)
-    names = [n for n in (EAGER, GRAPHTREE, MGC, COMPILE_RO, HANDWRITTEN) if n in (*ctx.cfg.contenders, MGC)]
+    wanted = (*ctx.cfg.contenders, MGC, *((GT_MODULE,) if GRAPHTREE in ctx.cfg.contenders else ()))
+    names = [n for n in (EAGER, GRAPHTREE, GT_MODULE, MGC, COMPILE_RO, HANDWRITTEN) if n in wanted]
     if COMPILE_CG in ctx.cfg.contenders:
         note = "not applicable: reduce-overhead is this scenario's compile contender"
         results.append(Result("train", "all", COMPILE_CG, "wall_per_step", None, "s", note=note))
@@ -232,7 +241,7 @@ def _run(ctx: Ctx) -> list[Result]:
             results.append(Result("train", case, name, "reserved", torch.cuda.memory_reserved() - reserved, "bytes"))
             if name == EAGER:
                 ref = losses
-            elif name == GRAPHTREE and ref:
+            elif name in (GRAPHTREE, GT_MODULE) and ref:
                 worst = max(abs(a - b) for a, b in zip(losses, ref))
                 checks[name] = {"equal": worst <= 1e-4 * max(abs(b) for b in ref), "bitwise": worst == 0.0}
                 checks[name]["max_abs_diff"] = worst

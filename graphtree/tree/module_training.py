@@ -135,7 +135,7 @@ class ModuleCalls:
         if len(self.recordings) >= self.max_signatures:
             return None, f"autograd: `{self.name}` met more than {self.max_signatures} signatures under autograd"
         try:
-            params, buffers = list(self.module.parameters()), list(self.module.buffers())
-            return TrainingRecording.capture(fn, args, params, buffers, name=self.name, warmup=1), ""
+            rec = TrainingRecording.capture(fn, args, [], name=self.name, warmup=1, module=self.module)
+            return rec, ""
         except Exception as e:  # noqa: BLE001 - the module cannot be captured: eager, with why
             return None, f"autograd: `{self.name}` could not be recorded for training: {type(e).__name__}: {e}"[:500]

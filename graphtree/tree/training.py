@@ -170,6 +170,7 @@ class TrainingRecording:
         name: str | None = None,
         warmup: int = 3,
         pool: tuple[int, int] | None = None,
+        module: torch.nn.Module | None = None,
     ) -> TrainingRecording:
         """Warm ``fn`` up ``warmup`` times on a side stream (``buffers`` put back after: warm-ups are
         not steps; by default a module's own buffers), then capture its forward on copies of
@@ -178,17 +179,35 @@ class TrainingRecording:
         tensors. ``pool``: a memory pool for both graphs (default: a new one; share one only among
         recordings whose replays do not interleave). CUDA only.
 
+        ``module`` (``fn`` itself when it is one): the module ``fn`` runs, whose parameters are then
+        ``params``. It is called through ``torch.func.functional_call`` with fresh leaf aliases of
+        its parameters (their storage), whose gradients the backward graph computes: a parameter's
+        own gradient accumulator, made on another stream by an eager call whose autograd graph is
+        still alive, would tie the captured backward to that stream ("operation would make the
+        legacy stream depend on a capturing blocking stream", on the H100).
+
         Limits: warm-ups and the capture draw from the CUDA generator, so dropout's masks differ
         from an eager copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count
         on the host and cannot be captured; under ``torch.autocast`` its cache must be off
         (``cache_enabled=False``), as for ``make_graphed_callables``."""
         from graphtree.tree.recorder import capture_isolated  # (the recorder imports nothing of this module)
 
+        module = module if module is not None else (fn if isinstance(fn, torch.nn.Module) else None)
         if buffers is None:
-            buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
-        params = list({id(p): p for p in params}.values())  # a tied weight listed twice: one gradient
+            buffers = list(module.buffers()) if module is not None else []
+        if module is not None:  # (named_parameters lists a tied weight once)
+            named = dict(module.named_parameters())
+            params = list(named.values())
+            aliases = {k: p.detach().requires_grad_(p.requires_grad) for k, p in named.items()}
+            leaves = list(aliases.values())
+
+            def run(*a: Any) -> Any:
+                return torch.func.functional_call(module, aliases, a)
+        else:
+            params = list({id(p): p for p in params}.values())  # a tied weight listed twice: one gradient
+            leaves, run = params, fn
         static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-        wrt = [t for t in (*static_inputs, *params) if t.requires_grad]
+        wrt = [t for t in (*static_inputs, *leaves) if t.requires_grad]
         # Warm-ups and captures write into the buffers (BatchNorm's statistics) and bump their autograd
         # versions: the values are put back (warm-ups are not steps) and so are the versions, or an eager
         # call's pending backward that saved a buffer (cuDNN's batch norm does) would raise.
@@ -201,7 +220,7 @@ class TrainingRecording:
         try:
             with torch.cuda.stream(side):
                 for _ in range(warmup):
-                    outs = _tensors(fn(*static_inputs))
+                    outs = _tensors(run(*static_inputs))
                     needs = [o for o in outs if o.requires_grad]
                     if needs and wrt:
                         grad_outputs = [torch.ones_like(o) for o in needs]
@@ -214,7 +233,7 @@ class TrainingRecording:
             returned: list[Any] = []  # what the function returned (one tensor, or several)
 
             def forward() -> list[torch.Tensor]:
-                returned.append(fn(*static_inputs))
+                returned.append(run(*static_inputs))
                 return _tensors(returned[0])
 
             static_outputs = capture_isolated(forward_graph, pool, side, forward)
@@ -236,7 +255,7 @@ class TrainingRecording:
         finally:
             _torch.set_versions(state, versions)
         by_tensor = dict(zip(map(id, wrt), found))
-        static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *params)]
+        static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *leaves)]
         rec = cls(
             str(name or getattr(fn, "__qualname__", type(fn).__name__)),
             static_inputs,

@@ -201,11 +201,8 @@ def _steps_equal(make_model, loss_of, batches, way, rtol, atol, label):
         torch.testing.assert_close(lm, le, rtol=rtol, atol=atol, msg=lambda m, i=i: f"{label} {way} step {i}: {m}")
         if amp:
             assert sc_m.get_scale() == sc_e.get_scale(), i
-    # Weights and BatchNorm statistics. AdamW moves a weight by about lr a step whatever its gradient's
-    # size, so a gradient near zero that a non-deterministic cuDNN kernel computes with another sign
-    # (ResNet-18's conv1 at 2 images a micro-batch, on the H100) moves it 2 lr apart: 4 lr allowed.
-    for te, tm in zip(eager.state_dict().values(), mine.state_dict().values()):
-        torch.testing.assert_close(tm, te, rtol=rtol * 50, atol=max(atol * 50, 4 * LR))
+    for te, tm in zip(eager.state_dict().values(), mine.state_dict().values()):  # weights, BatchNorm statistics
+        torch.testing.assert_close(tm, te, rtol=rtol * 50, atol=atol * 50)
     s = graphtree.stats()
     first, last = losses[0], losses[-1]
     print(f"TRAIN {label} {way}: worst relative loss difference {worst:.2e}; loss {first:.3f} -> {last:.3f}; {s}")
@@ -238,8 +235,13 @@ def test_demo_gpt_trained_200_steps_with_adamw_equal_to_eager(way):
 
 @pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("batch", [8, 64])
-def test_timm_resnet18_steps_equal_to_eager(batch, way):
+def test_timm_resnet18_steps_equal_to_eager(batch, way, monkeypatch):
+    """With cuDNN's deterministic kernels. With its defaults, eager and graphed ResNet-18 at 2 images
+    a micro-batch ended 12 AdamW steps with equal losses but BatchNorm statistics up to 0.69 apart
+    on the H100, and in another run conv1 weights 0.007 apart: the default kernels are not
+    deterministic, and AdamW moves a weight by about lr whatever the size of its gradient."""
     timm = pytest.importorskip("timm")
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
 
     def make():
         torch.manual_seed(0)
