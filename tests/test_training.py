@@ -154,7 +154,11 @@ def test_module_calls_warm_up_record_replay_and_run_a_pending_call_eagerly(monke
     pending = calls(lin, (x,), {}, "key", eager)  # y is alive and its backward has not run
     assert eager_reasons == [module_training.PENDING.format(name="lin")] and pending.requires_grad
     y.sum().backward()
-    calls(lin, (x,), {}, "key", eager)  # the backward ran: replayed again
+    loss = calls(lin, (x,), {}, "key", eager)[0].sum()  # the backward ran: replayed again
+    calls(lin, (x,), {}, "key", eager)  # its output is gone, but the loss made of it can still backward
+    assert len(eager_reasons) == 2
+    loss.backward()
+    calls(lin, (x,), {}, "key", eager)
     s = manager.stats()
-    assert (s.warmups, s.recordings, s.replays) == (1, 1, 2), s
+    assert (s.warmups, s.recordings, s.replays) == (1, 1, 3), s
     manager.reset()

@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from graphtree import _torch
 from graphtree.tree import manager as _manager
 from graphtree.tree.parts import HooksBelow
-from graphtree.tree.training import TrainingRecording, apply
+from graphtree.tree.training import TrainingRecording, WarmUpFailed, apply
 
 NOT_TENSORS = (
     "autograd: `{name}` is called with grad enabled and arguments that are not all CUDA tensors given "
@@ -71,7 +70,6 @@ class ModuleCalls:
         self.recordings: dict[Any, TrainingRecording] = {}
         self.given_up: dict[Any, str] = {}
         self._seen: dict[Any, int] = {}
-        self._last: dict[Any, weakref.ref[torch.Tensor]] = {}  # per signature: its last replay's first output
 
     def reason(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why this call runs eagerly whatever its signature, or None."""
@@ -123,19 +121,22 @@ class ModuleCalls:
                 return eager(args, kwargs, reason)
             self.recordings[key] = rec
             _manager.count_untreed("recordings")
-        last = self._last.get(key)
-        if rec.open and last is not None and last() is not None:  # its backward may still come
+        if rec.backward_may_come():
             return eager(args, kwargs, PENDING.format(name=self.name))
         outs = apply(rec, args)
         _manager.count_untreed("replays")
-        self._last[key] = weakref.ref(outs[0])
         return outs[0] if rec.single else outs
 
     def _record(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[TrainingRecording | None, str]:
+        """A recording of this signature, or None and why not. An exception the module raises in
+        the recording's warm-up reaches the caller (the next call tries again)."""
         if len(self.recordings) >= self.max_signatures:
             return None, f"autograd: `{self.name}` met more than {self.max_signatures} signatures under autograd"
         try:
             rec = TrainingRecording.capture(fn, args, [], name=self.name, warmup=1, module=self.module)
             return rec, ""
+        except WarmUpFailed as e:
+            self._seen.clear()  # (warm up again)
+            raise e.__cause__ from None  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - the module cannot be captured: eager, with why
             return None, f"autograd: `{self.name}` could not be recorded for training: {type(e).__name__}: {e}"[:500]

@@ -427,6 +427,12 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device:
         watch.generator = decoy
 
 
+def user_code_section() -> contextlib.AbstractContextManager[None]:
+    """Run user code for graphtree outside the trees (a training recording's warm-up: tree/training.py)
+    as the trees' warm-ups run: one at a time across threads, cuBLAS's workspaces cleared around it."""
+    return _Inside()
+
+
 def capture_isolated(
     graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], stream: torch.cuda.Stream, fn: Callable[[], Any]
 ) -> Any:

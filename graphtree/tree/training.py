@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ class _Replay(torch.autograd.Function):
     def forward(ctx: Any, recording: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.recording = recording
         ctx.generation = recording.run_forward(tensors)
+        ctx.pending = recording.pending()  # alive while autograd can still reach this call's backward
         outs: tuple[torch.Tensor, ...] = recording.outputs()
         ctx.mark_non_differentiable(*(o for o, g in zip(outs, recording.static_grad_outputs) if g is None))
         return outs
@@ -69,6 +71,14 @@ def apply(recording: Any, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
     """Run one call of ``recording`` (a :class:`TrainingRecording`, or anything with its methods)
     on ``inputs`` under autograd; returns its outputs, which require grad where the function's did."""
     return _Replay.apply(recording, *inputs, *recording.params)  # type: ignore[no-any-return]
+
+
+class WarmUpFailed(RuntimeError):
+    """The function raised in the warm-up of :meth:`TrainingRecording.capture` (its exception is the cause)."""
+
+
+class _Pending:
+    """Held by the autograd node of one forward replay: while it is alive, that call's backward may come."""
 
 
 class TrainingRecording:
@@ -101,7 +111,20 @@ class TrainingRecording:
         self.generation = 0  # forward replays so far: a backward belongs to the last one
         self.single = False  # the function returned one tensor, not a tuple or list
         self.open = False  # a forward replayed whose backward has not run
+        self._pending: Callable[[], _Pending | None] = lambda: None  # (a weak reference to the last forward's)
         self._param_ptrs = [p.data_ptr() for p in params]
+
+    def pending(self) -> _Pending:
+        """A new token for the forward replayed now, for its autograd node to hold (see :meth:`backward_may_come`)."""
+        token = _Pending()
+        self._pending = weakref.ref(token)
+        return token
+
+    def backward_may_come(self) -> bool:
+        """Whether the last forward replay's backward has not run and still can: its autograd node is
+        alive (a loss computed from its output, even once the output itself is gone). A forward
+        replayed now would leave that backward nothing but the new call's activations."""
+        return self.open and self._pending() is not None
 
     def params_moved(self) -> bool:
         """Whether a parameter was replaced (not updated in place) since the recording: it must be made again."""
@@ -190,7 +213,7 @@ class TrainingRecording:
         from an eager copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count
         on the host and cannot be captured; under ``torch.autocast`` its cache must be off
         (``cache_enabled=False``), as for ``make_graphed_callables``."""
-        from graphtree.tree.recorder import capture_isolated  # (the recorder imports nothing of this module)
+        from graphtree.tree.recorder import capture_isolated, user_code_section  # (it imports nothing of this module)
 
         module = module if module is not None else (fn if isinstance(fn, torch.nn.Module) else None)
         if buffers is None:
@@ -216,19 +239,25 @@ class TrainingRecording:
         kept = [b.detach().clone() for b in buffers]
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()  # one stream for all: autograd runs a backward on its forward's stream
-        side.wait_stream(torch.cuda.current_stream())
+        current = torch.cuda.current_stream()
+        side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    outs = _tensors(run(*static_inputs))
-                    needs = [o for o in outs if o.requires_grad]
-                    if needs and wrt:
-                        grad_outputs = [torch.ones_like(o) for o in needs]
-                        torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
-                with torch.no_grad():
-                    for b, k in zip(buffers, kept):
-                        b.data.copy_(k)
-            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.stream(side), user_code_section():  # (as the tree's warm-ups: one at a time)
+                try:
+                    for _ in range(warmup):
+                        try:
+                            out = run(*static_inputs)
+                        except Exception as e:
+                            raise WarmUpFailed(f"`{name}` raised in its warm-up") from e
+                        needs = [o for o in _tensors(out) if o.requires_grad]
+                        if needs and wrt:
+                            grad_outputs = [torch.ones_like(o) for o in needs]
+                            torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
+                finally:
+                    with torch.no_grad():
+                        for b, k in zip(buffers, kept):
+                            b.data.copy_(k)
+                    current.wait_stream(side)
             forward_graph = torch.cuda.CUDAGraph()
             returned: list[Any] = []  # what the function returned (one tensor, or several)
 

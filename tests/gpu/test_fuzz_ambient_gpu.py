@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
+import traceback
 
 import torch
 
@@ -145,7 +146,7 @@ def _program(seed: int, counts: dict[str, int], lock: threading.Lock) -> None:
                 continue
             except Exception as e:  # noqa: BLE001 - counted: must stay 0
                 local["other_errors"] += 1
-                print("OTHER", name, ambient_name, repr(e)[:300], flush=True)
+                print("OTHER", name, ambient_name, repr(e)[:300], traceback.format_exc()[-2500:], flush=True)
                 continue
             finally:
                 cue.armed = False
