@@ -21,6 +21,8 @@ from typing import Any, cast
 
 import torch
 
+from graphtree import _streams
+
 TESTED_TORCH = ((2, 11), (2, 13))
 """Oldest and newest torch (major, minor) whose private APIs graphtree was checked against."""
 
@@ -324,7 +326,7 @@ def capture_empty(
     """
     with _empty_capture_lock, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        with torch.cuda.device(device), _streams.borrowed(device) as stream, torch.cuda.stream(stream):
             begin_capture(graph, pool, device, torch.Generator(device=f"cuda:{device}") if isolated else None)
             graph.capture_end()
 
@@ -607,18 +609,14 @@ def inductor_cudagraph_skips() -> int:
 def reset_compiled() -> None:
     """Forget every compiled function and inductor's cudagraph trees (``torch._dynamo.reset``,
     ``cudagraph_trees.reset_cudagraph_trees``), so the next benchmark case starts clean."""
-    try:
+    with contextlib.suppress(Exception):  # (best effort between benchmark cases)
         import torch._dynamo
 
         torch._dynamo.reset()
-    except Exception:  # noqa: BLE001 - best effort between benchmark cases
-        pass
-    try:
+    with contextlib.suppress(Exception):
         from torch._inductor import cudagraph_trees
 
         cudagraph_trees.reset_cudagraph_trees()
-    except Exception:  # noqa: BLE001 - best effort between benchmark cases
-        pass
 
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:

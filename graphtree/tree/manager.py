@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from graphtree import _native, _torch
+from graphtree import _native, _streams, _torch
 from graphtree.tree import recorder
 from graphtree.tree.adoption import adopt_orphans, release_oldest_orphans
 from graphtree.tree.breaks import Segment
@@ -179,8 +179,9 @@ class TreeManager:
 
     @property
     def stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        if self._stream is None:  # (its own: torch's pooled streams repeat, graphtree/_streams.py)
+            self._stream = _streams.own_stream(self.device)
+            weakref.finalize(self, _streams.give_back, self._stream)
         return self._stream
 
     def pool_bytes(self) -> int:

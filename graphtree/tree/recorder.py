@@ -448,7 +448,7 @@ def capture_isolated(
 
     Example::
 
-        out = capture_isolated(graph, torch.cuda.graph_pool_handle(), torch.cuda.Stream(), lambda: model(x))
+        out = capture_isolated(graph, torch.cuda.graph_pool_handle(), _streams.own_stream(0), lambda: model(x))
     """
     device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
     current = torch.cuda.current_stream(device)

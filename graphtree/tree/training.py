@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from graphtree import _torch
+from graphtree import _streams, _torch
 
 STALE_BACKWARD = (
     "graphtree: the backward of an earlier call of `{name}` ran after a later call's forward replay: "
@@ -238,7 +238,8 @@ class TrainingRecording:
         versions = [t._version for t in state]
         kept = [b.detach().clone() for b in buffers]
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()  # one stream for all: autograd runs a backward on its forward's stream
+        # one stream for all (autograd runs a backward on its forward's stream), graphtree's alone
+        side = _streams.own_stream(torch.cuda.current_device())
         current = torch.cuda.current_stream()
         side.wait_stream(current)
         try:
@@ -283,6 +284,7 @@ class TrainingRecording:
                 )
         finally:
             _torch.set_versions(state, versions)
+            _streams.give_back(side)
         by_tensor = dict(zip(map(id, wrt), found))
         static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *leaves)]
         rec = cls(
