@@ -12,6 +12,9 @@ Every contender trains its own copy of the model with ``AdamW(capturable=True)``
 - ``graphtree-module`` (with ``graphtree``): the user's loop unchanged, the model graphed
   (``graphtree.graphed(model)``): its forward and backward replayed under autograd
   (:mod:`graphtree.tree.module_training`), the optimizer eager;
+- ``graphtree+compile`` (with ``graphtree`` and ``compile-reduce-overhead``): the step recorded
+  whole as ``graphtree``'s, around ``torch.compile(model)`` (default mode: inductor's fused
+  kernels, no CUDA graphs of its own);
 - ``make_graphed_callables`` (always in this scenario): the model's forward and backward graphed
   by ``torch.cuda.make_graphed_callables``, the optimizer eager;
 - ``compile-reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``, the optimizer eager.
@@ -47,6 +50,7 @@ from graphtree.bench.kit import MIN_REPEATS, Ctx, Rounds, line, not_run, timing_
 
 MGC = "make_graphed_callables"
 GT_MODULE = "graphtree-module"
+GT_COMPILE = "graphtree+compile"
 CASES = ("mlp", "gpt", "resnet18-8", "resnet18-64")
 CHECK_STEPS = 8  # steps whose losses graphtree's must equal eager's
 STEPS_PER_SAMPLE = 10
@@ -173,6 +177,10 @@ def make_step(name: str, model: nn.Module, loss_fn: Callable, first: Any) -> Cal
         import graphtree
 
         return plain_step(graphtree.graphed(model), opt, loss_fn)
+    if name == GT_COMPILE:
+        import graphtree
+
+        return graphtree.graphed(plain_step(torch.compile(model), opt, loss_fn), name="train_step_compiled")
     if name == HANDWRITTEN:
         return _hand(model, opt, loss_fn, first)
     if name == MGC:
@@ -205,8 +213,11 @@ def _run(ctx: Ctx) -> list[Result]:
     # The hand capture is built last: with make_graphed_callables built after it, the hand-captured
     # GPT step's next replay read freed memory (an illegal address, graphtree not in the process;
     # torch 2.11 on the H100; the other order, or either alone, ran clean)
-    wanted = (*ctx.cfg.contenders, MGC, *((GT_MODULE,) if GRAPHTREE in ctx.cfg.contenders else ()))
-    names = [n for n in (EAGER, GRAPHTREE, GT_MODULE, MGC, COMPILE_RO, HANDWRITTEN) if n in wanted]
+    asked = ctx.cfg.contenders
+    wanted = (*asked, MGC, *((GT_MODULE,) if GRAPHTREE in asked else ()))
+    if GRAPHTREE in asked and COMPILE_RO in asked:
+        wanted = (*wanted, GT_COMPILE)
+    names = [n for n in (EAGER, GRAPHTREE, GT_MODULE, GT_COMPILE, MGC, COMPILE_RO, HANDWRITTEN) if n in wanted]
     if COMPILE_CG in ctx.cfg.contenders:
         note = "not applicable: reduce-overhead is this scenario's compile contender"
         results.append(Result("train", "all", COMPILE_CG, "wall_per_step", None, "s", note=note))
@@ -241,7 +252,7 @@ def _run(ctx: Ctx) -> list[Result]:
             results.append(Result("train", case, name, "reserved", torch.cuda.memory_reserved() - reserved, "bytes"))
             if name == EAGER:
                 ref = losses
-            elif name in (GRAPHTREE, GT_MODULE) and ref:
+            elif name in (GRAPHTREE, GT_MODULE, GT_COMPILE) and ref:
                 worst = max(abs(a - b) for a, b in zip(losses, ref))
                 checks[name] = {"equal": worst <= 1e-4 * max(abs(b) for b in ref), "bitwise": worst == 0.0}
                 checks[name]["max_abs_diff"] = worst
