@@ -448,6 +448,12 @@ class StateWatch(TorchDispatchMode):
     Release the weak references with :meth:`close`.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code inside the call is compiled (under a mode that says False, dynamo skips the
+        frame, and goes on skipping its code), and the watch sees the compiled artifact's operators."""
+        return True
+
     def __init__(self, watched: dict[int, int], track_reads: bool = False) -> None:
         super().__init__()
         self.watched = watched
@@ -617,13 +623,6 @@ def reset_compiled() -> None:
         from torch._inductor import cudagraph_trees
 
         cudagraph_trees.reset_cudagraph_trees()
-
-
-def mark_dynamic(t: torch.Tensor, dim: int) -> None:
-    """Tell ``torch.compile`` that ``t``'s dimension ``dim`` varies (``torch._dynamo.mark_dynamic``)."""
-    import torch._dynamo
-
-    torch._dynamo.mark_dynamic(t, dim)
 
 
 def cudnn_compiled_version() -> int | None:

@@ -13,7 +13,6 @@ from typing import Any, TypedDict
 
 import torch
 
-from graphtree import _torch
 from graphtree.bench import contenders
 from graphtree.bench.contenders import (
     ALL_CONTENDERS,
@@ -371,7 +370,7 @@ def bucketed(
         skips = cudagraph_skips()
         call = stepped(contenders.compile_fn(name, fn), step_begin(name))
         first = xs[top].clone()
-        _torch.mark_dynamic(first, 0)
+        torch._dynamo.mark_dynamic(first, 0)  # (imported by torch.compile above)
         _, setup["compile_s"] = timed(lambda: call(first))
         for s in sizes:
             # cudagraph trees run a new shape eagerly once, then record it; the largest size

@@ -283,6 +283,8 @@ class Breaks(TorchDispatchMode):
         placed: addresses of the call's inputs in the pool: the start of the first segment's trace.
     """
 
+    ignore_compile_internals = _torch.StateWatch.ignore_compile_internals  # (compiled code stays compiled)
+
     def __init__(
         self,
         begin: Callable[[torch.cuda.CUDAGraph], None],
@@ -468,6 +470,8 @@ class WarmUpReads(TorchDispatchMode):
 
     (torch hands a warning of its sync debug mode to Python when the outermost call returns, after
     this mode's handler: hence a count, not a flag.)"""
+
+    ignore_compile_internals = _torch.StateWatch.ignore_compile_internals  # (compiled code stays compiled)
 
     def __init__(self, count_reads: bool = True) -> None:
         super().__init__()

@@ -261,3 +261,24 @@ def test_timm_resnet18_steps_equal_to_eager(batch, way, monkeypatch):
     assert s.replays >= 8 and not s.eager, s
     if way != "amp":
         assert s.recordings == 1, s
+
+
+def test_a_step_around_a_compiled_model_is_compiled_and_recorded():
+    """torch.compile(model) (default mode: inductor's kernels, no CUDA graphs) inside a graphed
+    step: compiled once, the whole step then replayed; its losses equal a compiled copy's run
+    eagerly. Before, graphtree's warm-up made dynamo skip the model's code for good."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, opt_e, mine, opt_m = _pair(lambda p: torch.optim.AdamW(p, lr=1e-2, capturable=True))
+    step_e = _step_fn(torch.compile(eager), opt_e)
+    step_m = graphtree.graphed(_step_fn(torch.compile(mine), opt_m), name="compiled_step")
+    for i, (x, y) in enumerate(_data(10)):
+        lm, le = step_m(x, y), step_e(x, y)
+        torch.testing.assert_close(lm, le, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"step {i}: {m}")
+    s = graphtree.stats()
+    print(f"COMPILED_STEP {dict(counters['stats'])} {s}")
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # both copies compiled
+    assert s.recordings == 1 and s.replays >= 6 and not s.eager, s
+    torch._dynamo.reset()
