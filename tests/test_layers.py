@@ -1,7 +1,7 @@
 """Layers point one way, no module imports itself back, and none is over 700 lines (issue 25).
 
 Read from the sources with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count: a
-reader follows them too): the bottom (``_torch``, ``_native``, ``_events``) and the core
+reader follows them too): the bottom (``_torch``, ``_native``, ``_events``, ``_streams``) and the core
 (``graphtree.tree``) never import a tool (``debug``, ``profile``, ``share``, ``bench``, ``demo``,
 ``cli``) nor the package root; the bottom never imports the core; and there is no import
 cycle anywhere in ``graphtree/`` (``KNOWN_CYCLES`` is empty, and may only shrink).
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "graphtree"
 
 KNOWN_CYCLES: set[frozenset[str]] = set()  # none left; a cycle found later goes here only with a reason
 
-BOTTOM = ("graphtree._torch", "graphtree._native", "graphtree._events", "graphtree._after_import")
+BOTTOM = ("graphtree._torch", "graphtree._native", "graphtree._events", "graphtree._after_import", "graphtree._streams")
 CORE = ("graphtree.tree",)
 
 

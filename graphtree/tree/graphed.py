@@ -152,8 +152,8 @@ class GraphedCallable:
         self._forward = is_forward(fn, self._module)
         self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
         # a module's own forward under autograd: its forward and backward graphs (tree/module_training.py)
-        train = self._forward and self._module is not None and not min_ops  # (not a part graphtree chose)
-        self._autograd = ModuleCalls(self._module, self.name, warmup) if train and self._module else None
+        train = (self._forward or (self._step is None and self._module is None)) and not min_ops  # (not a part)
+        self._autograd = ModuleCalls(self._module, self.name, warmup) if train else None
         # @torch.no_grad() / @torch.inference_mode() on it: no autograd graph, whatever the caller's mode
         self._grad_off_inside = _torch.grad_off_inside(fn)
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)

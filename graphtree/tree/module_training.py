@@ -1,7 +1,8 @@
 """A graphed module called with grad enabled: its forward and backward replayed (issue 28, item 1).
 
 ``graphed(model)`` called where autograd records (grad mode on, and a parameter or an input that
-requires grad) runs here, not in the tree: per signature, the first ``warmup`` calls run eagerly,
+requires grad) runs here, not in the tree; so does a graphed function (no module, no optimizer
+within reach) given an argument that requires grad. Per signature, the first ``warmup`` calls run eagerly,
 then a :class:`~graphtree.tree.training.TrainingRecording` is captured (two graphs in a pool of its
 own) and every later call is an autograd ``Function`` whose forward replays the first graph and
 whose backward, when ``loss.backward()`` reaches it, replays the second. Gradients reach ``.grad``
@@ -9,7 +10,8 @@ through autograd's own accumulation, as eager's do (micro-batches summed, ``zero
 the optimizer is the caller's.
 
 A call that cannot be graphed so runs eagerly, with the reason in ``graphtree.stats().eager``:
-keyword or non-tensor arguments, hooks on the module or below it (or global ones), more than
+keyword or non-tensor arguments, hooks on the module or below it (or global ones), a tensor that
+requires grad read besides the arguments and the module's parameters (a global), more than
 ``max_signatures`` signatures, a capture that failed, and a call made while the last one's
 backward may still come (its output alive and no backward run: two forwards, then one backward
 through both: the graph holds one call's activations).
@@ -61,12 +63,12 @@ class ModuleCalls:
         out = calls(model, args, kwargs, key, eager)
     """
 
-    def __init__(self, module: torch.nn.Module, name: str, warmup: int = 1, max_signatures: int = 8) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module | None, name: str, warmup: int = 1, max_signatures: int = 8) -> None:
+        self.module = module  # None: a function, whose tensors that require grad must all be arguments
         self.name = name
         self.warmup = max(1, warmup)
         self.max_signatures = max_signatures
-        self._hooks = HooksBelow(module)
+        self._hooks = HooksBelow(module) if module is not None else None
         self.recordings: dict[Any, TrainingRecording] = {}
         self.given_up: dict[Any, str] = {}
         self._seen: dict[Any, int] = {}
@@ -77,12 +79,16 @@ class ModuleCalls:
             return NOT_TENSORS.format(name=self.name)
         m = self.module
         if (
-            self._hooks()
-            or m._forward_hooks
-            or m._forward_pre_hooks
-            or m._backward_hooks
-            or m._backward_pre_hooks
-            or _torch.global_module_hooks()
+            m is not None
+            and self._hooks is not None
+            and (
+                self._hooks()
+                or m._forward_hooks
+                or m._forward_pre_hooks
+                or m._backward_hooks
+                or m._backward_pre_hooks
+                or _torch.global_module_hooks()
+            )
         ):
             return f"autograd: `{self.name}` has module hooks (or global ones): a replay would not run them"
         return None
@@ -101,7 +107,8 @@ class ModuleCalls:
         if reason is not None:
             return eager(args, kwargs, reason)
         # (each thread its own recordings, as each has its own trees: two threads never share a graph's buffers)
-        key = (key, self.module.training, tuple(a.requires_grad for a in args), threading.get_ident())
+        training = self.module.training if self.module is not None else None
+        key = (key, training, tuple(a.requires_grad for a in args), threading.get_ident())
         rec = self.recordings.get(key)
         if rec is not None and rec.params_moved():  # a parameter replaced (.to(), load_state_dict(assign=True))
             del self.recordings[key]

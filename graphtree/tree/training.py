@@ -251,6 +251,7 @@ class TrainingRecording:
                         except Exception as e:
                             raise WarmUpFailed(f"`{name}` raised in its warm-up") from e
                         needs = [o for o in _tensors(out) if o.requires_grad]
+                        _check_leaves(needs, wrt, str(name))
                         if needs and wrt:
                             grad_outputs = [torch.ones_like(o) for o in needs]
                             torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
@@ -299,6 +300,31 @@ class TrainingRecording:
         )
         rec.single = isinstance(returned[0], torch.Tensor)
         return rec
+
+
+def _check_leaves(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], name: str) -> None:
+    """``ValueError`` when the outputs' autograd graph reaches a tensor that requires grad other
+    than ``wrt`` (a global, a closure's tensor, a parameter of another module): the captured
+    backward would not give it its gradient."""
+    known = {id(t) for t in wrt}
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    seen: set[int] = set()
+    others = []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it feeds
+        if var is not None and id(var) not in known:
+            others.append(var)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    if others:
+        shapes = ", ".join(str(tuple(t.shape)) for t in others[:4])
+        raise ValueError(
+            f"`{name}` reads {len(others)} tensor(s) that require grad besides its arguments and its module's "
+            f"parameters ({shapes}): a recorded backward would not give them their gradients"
+        )
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

@@ -169,7 +169,9 @@ def test_a_decorated_method_records_per_instance():
 def test_a_decorated_method_under_autograd_runs_eagerly():
     blk = Block().to(DEV)
     y = blk(torch.randn(2, 16, device=DEV))
-    assert y.grad_fn is not None and graphtree.stats().eager == {"autograd": 1}
+    eager = graphtree.stats().eager
+    assert y.grad_fn is not None and sum(eager.values()) == 1, eager
+    assert next(iter(eager)).startswith("autograd: "), eager  # (its module is an argument: not all tensors)
 
 
 # 6. tensors read that were not passed in -------------------------------------------------------------

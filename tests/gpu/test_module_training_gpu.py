@@ -153,3 +153,29 @@ def test_a_timm_resnet18_trained_through_its_graphed_module_equal_to_eager():
     s = graphtree.stats()
     print(f"MODULE_TRAIN resnet18 batch 8: {s}")
     assert s.recordings == 1 and s.replays >= 6 and not s.eager, s
+
+
+def test_a_function_given_tensors_that_require_grad_is_graphed_and_one_reading_a_global_is_not():
+    w = torch.randn(32, 16, device=DEV)
+
+    def affine(x, weight):
+        return torch.tanh(x @ weight).sum(1)
+
+    g = graphtree.graphed(affine)
+    for _ in range(4):
+        x = torch.randn(8, 32, device=DEV, requires_grad=True)
+        we, wm = w.clone().requires_grad_(), w.clone().requires_grad_()
+        xe = x.detach().clone().requires_grad_()
+        affine(xe, we).square().sum().backward()
+        g(x, wm).square().sum().backward()
+        torch.testing.assert_close(wm.grad, we.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 2 and not s.eager, s
+
+    bias = torch.zeros(16, device=DEV, requires_grad=True)  # read from the closure: not an argument
+    h = graphtree.graphed(lambda x, weight: (x @ weight + bias).sum())
+    for _ in range(3):
+        h(torch.randn(8, 32, device=DEV), w.clone().requires_grad_()).backward()
+    assert bias.grad is not None and torch.equal(bias.grad, torch.full((16,), 24.0, device=DEV))  # 3 calls x 8 rows
+    assert any("besides its arguments" in r for r in graphtree.stats().eager), graphtree.stats()
