@@ -214,6 +214,11 @@ def foreach_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
     torch._foreach_copy_(list(dsts), list(srcs))
 
 
+def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors equal to ``tensors``, in one call (``_foreach_mul`` by 1: exact, a few launches)."""
+    return list(torch._foreach_mul(tensors, 1.0)) if tensors else []
+
+
 def clear_cublas_workspaces() -> None:
     """Drop cuBLAS's cached workspaces (``_cuda_clearCublasWorkspaces``).
 
@@ -613,8 +618,7 @@ def inductor_cudagraph_skips() -> int:
 
 
 def reset_compiled() -> None:
-    """Forget every compiled function and inductor's cudagraph trees (``torch._dynamo.reset``,
-    ``cudagraph_trees.reset_cudagraph_trees``), so the next benchmark case starts clean."""
+    """Forget every compiled function and inductor's cudagraph trees: the next benchmark case starts clean."""
     with contextlib.suppress(Exception):  # (best effort between benchmark cases)
         import torch._dynamo
 
