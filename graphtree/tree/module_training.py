@@ -13,14 +13,14 @@ A call that cannot be graphed so runs eagerly, with the reason in ``graphtree.st
 keyword or non-tensor arguments, hooks on the module or below it (or global ones), a tensor that
 requires grad read besides the arguments and the module's parameters (a global), more than
 ``max_signatures`` signatures, a capture that failed, and a call made while the last one's
-backward may still come (its output alive and no backward run: two forwards, then one backward
-through both: the graph holds one call's activations).
+backward may still come (its autograd graph alive and no backward run: two forwards, then one
+backward through both: the graph holds one call's activations).
 
 Example::
 
     model = graphtree.graphed(net)
     for x, y in batches:
-        F.cross_entropy(model(x), y).backward()   # forward and backward replayed from the 3rd call
+        F.cross_entropy(model(x), y).backward()   # forward and backward replayed from the 2nd call
         opt.step()
         opt.zero_grad()
 """
@@ -45,8 +45,8 @@ NOT_TENSORS = (
 )
 
 PENDING = (
-    "autograd: `{name}` is called again while the backward of its last call may still come (its output "
-    "is alive and no backward ran): the graph holds one call's activations, so this call runs eagerly"
+    "autograd: `{name}` is called again while the backward of its last call may still come (its autograd "
+    "graph is alive and no backward ran): the graph holds one call's activations, so this call runs eagerly"
 )
 
 
