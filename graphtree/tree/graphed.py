@@ -32,7 +32,7 @@ from graphtree.tree.inputs import (
     watch_parameter_changes,
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
-from graphtree.tree.module_training import ModuleCalls
+from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
@@ -237,7 +237,7 @@ class GraphedCallable:
             and (call.needs_grad or (self._forward and self._params_need_grad()))
         ):
             if self._autograd is None or self.bucketing is not None:
-                return self._eager(args, kwargs, "autograd")
+                return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
             return self._autograd(self.fn, args, kwargs, (call.key, _state()), self._eager)
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
         # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()

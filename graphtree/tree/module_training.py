@@ -44,6 +44,13 @@ NOT_TENSORS = (
     "instead: README, Training steps)"
 )
 
+NOT_HELD = (
+    "autograd: `{name}` is called with grad enabled on a tensor that requires grad; graphtree records a "
+    "forward and its backward for a graphed module or a function that reaches no module, without "
+    "buckets=: graph the module itself, or the whole training step returning loss.detach() (README, "
+    "Training steps)"
+)
+
 PENDING = (
     "autograd: `{name}` is called again while the backward of its last call may still come (its autograd "
     "graph is alive and no backward ran): the graph holds one call's activations, so this call runs eagerly"
