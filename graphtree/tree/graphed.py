@@ -151,7 +151,7 @@ class GraphedCallable:
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
         self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
-        # a module's own forward under autograd: its forward and backward graphs (tree/module_training.py)
+        # a module's forward, or a function reaching no module, under autograd: tree/module_training.py
         train = (self._forward or (self._step is None and self._module is None)) and not min_ops  # (not a part)
         self._autograd = ModuleCalls(self._module, self.name, warmup) if train else None
         # @torch.no_grad() / @torch.inference_mode() on it: no autograd graph, whatever the caller's mode

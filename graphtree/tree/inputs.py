@@ -184,9 +184,9 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
     Tensors and plain values (int, float, bool, str, None, dtype, device) are keyed as they are.
     Other objects among the arguments (a module, a cache, a dataclass) are read: see
     :func:`read_object`. A 0-dim CPU tensor (a step count, a learning rate) is keyed by its dtype
-    and copied into a device placeholder on each call. Raises :class:`Unsupported` for other CPU
-    tensors, tensors on
-    several GPUs, an object whose state cannot be read, or a batch larger than every bucket.
+    and filled into a device placeholder on each call. Raises :class:`Unsupported` for other CPU
+    tensors, tensors on several GPUs, an object whose state cannot be read, or a batch larger than
+    every bucket.
     """
     native = _native.loaded
     if native is not None and bucketing is None:

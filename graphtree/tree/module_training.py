@@ -75,7 +75,7 @@ class ModuleCalls:
         self.name = name
         self.warmup = max(1, warmup)
         self.max_signatures = max_signatures
-        self._hooks = HooksBelow(module) if module is not None else None
+        self._hooks = HooksBelow(module, include_self=True) if module is not None else None
         self.recordings: dict[Any, TrainingRecording] = {}
         self.given_up: dict[Any, str] = {}
         self._seen: dict[Any, int] = {}
@@ -84,19 +84,7 @@ class ModuleCalls:
         """Why this call runs eagerly whatever its signature, or None."""
         if kwargs or not args or not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return NOT_TENSORS.format(name=self.name)
-        m = self.module
-        if (
-            m is not None
-            and self._hooks is not None
-            and (
-                self._hooks()
-                or m._forward_hooks
-                or m._forward_pre_hooks
-                or m._backward_hooks
-                or m._backward_pre_hooks
-                or _torch.global_module_hooks()
-            )
-        ):
+        if self._hooks is not None and (self._hooks() or _torch.global_module_hooks()):
             return f"autograd: `{self.name}` has module hooks (or global ones): a replay would not run them"
         return None
 
@@ -129,7 +117,7 @@ class ModuleCalls:
             if n <= self.warmup:  # a real call: the module's state changes as eager's
                 _manager.count_untreed("warmups")
                 return fn(*args)
-            rec, reason = self._record(fn, args)
+            rec, reason = self._record(fn, args, key)
             if rec is None:
                 self.given_up[key] = reason
                 return eager(args, kwargs, reason)
@@ -141,7 +129,7 @@ class ModuleCalls:
         _manager.count_untreed("replays")
         return outs[0] if rec.single else outs
 
-    def _record(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[TrainingRecording | None, str]:
+    def _record(self, fn: Callable[..., Any], args: tuple[Any, ...], key: Any) -> tuple[TrainingRecording | None, str]:
         """A recording of this signature, or None and why not. An exception the module raises in
         the recording's warm-up reaches the caller (the next call tries again)."""
         if len(self.recordings) >= self.max_signatures:
@@ -150,7 +138,7 @@ class ModuleCalls:
             rec = TrainingRecording.capture(fn, args, [], name=self.name, warmup=1, module=self.module)
             return rec, ""
         except WarmUpFailed as e:
-            self._seen.clear()  # (warm up again)
+            self._seen[key] = 0  # (this signature warms up again)
             raise e.__cause__ from None  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - the module cannot be captured: eager, with why
             return None, f"autograd: `{self.name}` could not be recorded for training: {type(e).__name__}: {e}"[:500]

@@ -103,14 +103,15 @@ def _has_state(module: torch.nn.Module) -> bool:
 
 
 class HooksBelow:
-    """The hook tables of every module below ``module``, looked up once (a part's submodules are
-    fixed; registering a hook adds to its module's table): calling it says whether any holds a
-    hook: 5.8 µs for 198 modules on a CPU host, against 96 µs walking them."""
+    """The hook tables of every module below ``module`` (and of ``module`` itself with
+    ``include_self``), looked up once (a part's submodules are fixed; registering a hook adds to its
+    module's table): calling it says whether any holds a hook: 5.8 µs for 198 modules on a CPU host,
+    against 96 µs walking them."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, include_self: bool = False) -> None:
         self._tables = [
             table
-            for m in itertools.islice(module.modules(), 1, None)
+            for m in itertools.islice(module.modules(), 0 if include_self else 1, None)
             for table in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
         ]
 

@@ -74,11 +74,8 @@ class InputPlan:
         self.relaid = relaid  # copied inputs whose placeholder is dense where the input is not (expanded)
         self.host = host  # 0-dim CPU tensors: their placeholders are filled with their values
         self._fills = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i in host]
-        if host:  # (the device copies below: the others)
-            kept = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i not in host]
-            self._copies = ([ph for ph, _ in kept], [i for _, i in kept])
-        else:
-            self._copies = (placeholders, copy_idx)
+        copies = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i not in host]  # the device copies
+        self._copies = ([ph for ph, _ in copies], [i for _, i in copies])
         self.raw = self._raw_copy()
 
     def _raw_copy(self) -> RawCopy | None:

@@ -99,6 +99,7 @@ class TrainingRecording:
         static_grads: list[torch.Tensor | None],
         forward_graph: Any,
         backward_graph: Any,
+        single: bool = False,
     ) -> None:
         self.name = name
         self.static_inputs = static_inputs
@@ -109,7 +110,7 @@ class TrainingRecording:
         self.forward_graph = forward_graph
         self.backward_graph = backward_graph
         self.generation = 0  # forward replays so far: a backward belongs to the last one
-        self.single = False  # the function returned one tensor, not a tuple or list
+        self.single = single  # the function returned one tensor, not a tuple or list
         self.open = False  # a forward replayed whose backward has not run
         self._pending: Callable[[], _Pending | None] = lambda: None  # (a weak reference to the last forward's)
         self._param_ptrs = [p.data_ptr() for p in params]
@@ -153,12 +154,11 @@ class TrainingRecording:
                 )
             if static.data_ptr() != t.data_ptr():
                 static.detach().copy_(t.detach())
-        for p, ptr in zip(self.params, self._param_ptrs):
-            if p.data_ptr() != ptr:
-                raise RuntimeError(
-                    f"`{self.name}`: a parameter moved since it was recorded (replaced, not updated in place): "
-                    "record it again"
-                )
+        if self.params_moved():
+            raise RuntimeError(
+                f"`{self.name}`: a parameter moved since it was recorded (replaced, not updated in place): "
+                "record it again"
+            )
         self.forward_graph.replay()
         self.generation += 1
         self.open = True
@@ -211,12 +211,14 @@ class TrainingRecording:
         still alive, would tie the captured backward to that stream ("operation would make the
         legacy stream depend on a capturing blocking stream", on the H100).
 
-        Limits: warm-ups and the capture draw from the CUDA generator, so dropout's masks differ
-        from an eager copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count
-        on the host and cannot be captured; under ``torch.autocast`` its cache must be off
-        (``cache_enabled=False``), as for ``make_graphed_callables``."""
+        Limits: the capture's random operations draw from a generator of its own
+        (:func:`graphtree.tree.recorder.begin_capture`), so dropout's masks differ from an eager
+        copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count on the host
+        and cannot be captured. Autocast's cache is off during the captures, as
+        ``make_graphed_callables`` asks of its users."""
         from graphtree.tree.recorder import capture_isolated, user_code_section  # (it imports nothing of this module)
 
+        name = str(name or getattr(fn, "__qualname__", type(fn).__name__))
         module = module if module is not None else (fn if isinstance(fn, torch.nn.Module) else None)
         if buffers is None:
             buffers = list(module.buffers()) if module is not None else []
@@ -253,7 +255,7 @@ class TrainingRecording:
                         except Exception as e:
                             raise WarmUpFailed(f"`{name}` raised in its warm-up") from e
                         needs = [o for o in _tensors(out) if o.requires_grad]
-                        _check_leaves(needs, wrt, str(name))
+                        _check_leaves(needs, wrt, name)
                         if needs and wrt:
                             grad_outputs = [torch.ones_like(o) for o in needs]
                             torch.autograd.grad(needs, wrt, grad_outputs=grad_outputs, allow_unused=True)
@@ -290,8 +292,8 @@ class TrainingRecording:
             _streams.give_back(side)
         by_tensor = dict(zip(map(id, wrt), found))
         static_grads = [by_tensor.get(id(t)) if t.requires_grad else None for t in (*static_inputs, *leaves)]
-        rec = cls(
-            str(name or getattr(fn, "__qualname__", type(fn).__name__)),
+        return cls(
+            name,
             static_inputs,
             params,
             static_outputs,
@@ -299,9 +301,8 @@ class TrainingRecording:
             static_grads,
             forward_graph,
             backward_graph,
+            single=isinstance(returned[0], torch.Tensor),
         )
-        rec.single = isinstance(returned[0], torch.Tensor)
-        return rec
 
 
 def _check_leaves(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], name: str) -> None:
