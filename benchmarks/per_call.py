@@ -102,6 +102,33 @@ def _warmed_up(contenders: dict, x: torch.Tensor) -> dict:
     return contenders
 
 
+RANDOM_GT = "graphtree, random op"
+RANDOM_TWIN_GT = "graphtree, same kernels, no random"
+
+
+def with_random(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + torch.rand_like(x)  # a mul, a uniform draw and an add
+
+
+def without_random(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + torch.ones_like(x)  # a mul, a fill and an add
+
+
+def _random_contenders(x: torch.Tensor) -> tuple[dict, bool]:
+    """What a random operation costs a graphed call: the same three kernels with and without a draw
+    (the replay hands the draw eager's seed and offset, tree/draws.py); and whether the graphed
+    draw equals eager's (graphtree before issue 43 drew other numbers: measured, then said)."""
+    drawing, twin = graphtree.graphed(with_random), graphtree.graphed(without_random)
+    for _ in range(5):
+        a, b = drawing(x), twin(x)
+    if not torch.equal(b, without_random(x)):
+        raise AssertionError(f"{RANDOM_TWIN_GT} differs from eager")
+    torch.manual_seed(0)
+    a = drawing(x).clone()
+    torch.manual_seed(0)
+    return {RANDOM_GT: lambda: drawing(x), RANDOM_TWIN_GT: lambda: twin(x)}, torch.equal(a, with_random(x))
+
+
 class HundredParameters(torch.nn.Module):
     """A module with 100 parameters whose forward is ``two_kernels``: what graphtree adds for
     it beyond the plain function is checking the 100 addresses (and the module call)."""
@@ -149,7 +176,8 @@ MODULE0_GT = "graphtree, module without parameters"
 def measure(calls: int, repeats: int) -> dict:
     x = torch.randn(1024, device="cuda")
     native = _native.wait(600)
-    cs = {**_contenders(x), **_module_contenders(x)}
+    random_rows, random_equal = _random_contenders(x)
+    cs = {**_contenders(x), **_module_contenders(x), **random_rows}
     cpu = {k: [] for k in cs}
     wall = {k: [] for k in cs}
     for _ in range(repeats):
@@ -184,6 +212,8 @@ def measure(calls: int, repeats: int) -> dict:
     res["param_check_us_100_python_path"] = w[MODULE_GT + PYTHON_PATH] - w[MODULE0_GT]
     res["module_us_100"] = w[MODULE_GT] - w["graphtree"]
     res["param_check_us_100_reduce_overhead"] = w[MODULE_RO] - w["torch.compile reduce-overhead"]
+    res["random_op_us"] = w[RANDOM_GT] - w[RANDOM_TWIN_GT]
+    res["random_op_equals_eager"] = random_equal
     return res
 
 
@@ -209,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Python path {res['param_check_us_100_python_path']:.2f})")
     print(f"a 100-parameter module costs graphtree {res['module_us_100']:.2f} us/call more than the plain function")
     print(f"  (reduce-overhead: {ro:.2f} us/call more)")
+    print(
+        f"a random operation costs a graphed call {res['random_op_us']:.2f} us/call (against the same kernels);"
+        f" its draw equals eager's: {res['random_op_equals_eager']}"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -229,9 +229,10 @@ def test_stats_render_and_dict():
 
 def test_private_apis_are_version_gated(monkeypatch):
     from graphtree import _torch
+    from graphtree._torch import gate
 
-    monkeypatch.setattr(_torch, "VERSION_SUPPORTED", False)
-    monkeypatch.setattr(_torch, "_warned_version", False)
+    monkeypatch.setattr(gate, "VERSION_SUPPORTED", False)
+    monkeypatch.setattr(gate, "_warned_version", False)
     with (
         pytest.warns(RuntimeWarning, match="tested with torch 2.11"),
         pytest.raises(_torch.PrivateAPIMissing, match="_no_such_api"),

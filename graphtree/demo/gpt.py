@@ -42,7 +42,9 @@ class GPTConfig:
     """Shape of a :class:`TinyGPT`. The defaults are GPT-2 small (124M parameters).
 
     ``d_model`` must be divisible by ``n_head``; ``max_seq`` is the KV cache length and the
-    largest number of decode steps one cache can hold.
+    largest number of decode steps one cache can hold. ``dropout``: the probability of the
+    dropouts :meth:`TinyGPT.loss` applies in training mode (embeddings and each residual branch,
+    as GPT-2 does); decoding never drops.
     """
 
     n_layer: int = 12
@@ -50,6 +52,7 @@ class GPTConfig:
     d_model: int = 768
     vocab: int = 50304
     max_seq: int = 256
+    dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -231,13 +234,14 @@ class TinyGPT(nn.Module):
         cfg = self.cfg
         b, t = tokens.shape
         h, hd = cfg.n_head, cfg.head_dim
-        x = self.wte(tokens) + self.wpe.weight[:t]  # [b, t, d]
+        p = cfg.dropout if self.training else 0.0
+        x = F.dropout(self.wte(tokens) + self.wpe.weight[:t], p)  # [b, t, d]
         for blk in cast("Iterable[_Block]", self.blocks):
             q, k, v = blk.qkv(blk.ln1(x)).split(cfg.d_model, dim=-1)
             q, k, v = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))  # [b, h, t, hd]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk.proj(y.transpose(1, 2).reshape(b, t, cfg.d_model))
-            x = x + blk.fc_out(F.gelu(blk.fc(blk.ln2(x))))
+            x = x + F.dropout(blk.proj(y.transpose(1, 2).reshape(b, t, cfg.d_model)), p)
+            x = x + F.dropout(blk.fc_out(F.gelu(blk.fc(blk.ln2(x)))), p)
         logits = F.linear(self.ln_f(x[:, :-1]), self.wte.weight)  # tied head
         return F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
 

@@ -43,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphtree import _torch
+from graphtree.tree import draws as _draws
 from graphtree.tree.callee import user_code
 from graphtree.tree.capture import is_internal
 from graphtree.tree.sites import CaptureSites, Site
@@ -250,7 +251,7 @@ class Segment:
         # whether replaying it changes memory the call did not allocate (an input or state written in
         # place) or runs an eager part: then running the call again eagerly after it would do that twice
         self.changes_state = changes_state or isinstance(read, EagerPart)
-        self.launch = _torch.graph_launcher(graph)
+        self.launch = _draws.launcher(graph)
         self.read = read
         self.trace = trace  # addresses its operations returned, in order: the determinism check
         self.next: dict[Any, Segment] = {}
@@ -391,7 +392,7 @@ class Breaks(TorchDispatchMode):
             with _torch.no_dispatch_modes():  # plain eager work, unseen by the recorder's watches
                 if j == 0:
                     self._first_replay()
-                self.graph.replay()
+                _draws.replay(self.graph)
                 brk, value = run()
             seg = Segment(self.graph, brk, tuple(self.trace), self.sites.take(), self.changes_state)
             self.graph = self._new_graph()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import logging
 import os
@@ -34,6 +33,7 @@ from graphtree.tree.inputs import (
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
+from graphtree.tree.reach import Reach
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
 
@@ -146,7 +146,8 @@ class GraphedCallable:
         self.given_up: dict[Any, str] = {}
         self.churn = Churn()  # signatures that keep changing run eagerly, without warm-ups (tree/churn.py)
         self._kept_state: dict[Any, int] = {}
-        self._module, self._closure = _find_state(fn)
+        self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
+        self._module = self._reach.module
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
@@ -227,6 +228,8 @@ class GraphedCallable:
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Key the call and hand it to its tree (or run it eagerly, with the reason)."""
+        if self._reach.cells:
+            self._reach.follow()
         try:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
@@ -353,7 +356,7 @@ class GraphedCallable:
             if self._module is not None:
                 out.extend(self._module.parameters())
                 out.extend(self._module.buffers())
-            out.extend(self._closure)
+            out.extend(self._reach.tensors)
             self._statics, self._statics_epoch = out, epoch
         return self._statics
 
@@ -570,26 +573,6 @@ def _no_auto_compile(model: torch.nn.Module) -> bool:
             type(model).__name__,
         )
     return True
-
-
-def _find_state(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[torch.Tensor]]:
-    """The module a callable belongs to, and tensors its closure holds."""
-    if isinstance(fn, torch.nn.Module):
-        return fn, []
-    if inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
-        return fn.__self__, []
-    closure: list[torch.Tensor] = []
-    module = None
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            v = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(v, torch.Tensor):
-            closure.append(v)
-        elif isinstance(v, torch.nn.Module) and module is None:
-            module = v
-    return module, closure
 
 
 def graphed(

@@ -579,6 +579,12 @@ def watch_parameter_changes() -> None:
         torch.nn.modules.module.register_module_module_registration_hook(_bump_epoch)
 
 
+def statics_replaced() -> None:
+    """Say that state some recording reads in place was replaced (a closure cell rebound): every
+    recording checks its state again before its next replay, as after a new parameter."""
+    _bump_epoch()
+
+
 def param_epoch() -> int:
     """The current parameter-registration epoch (see :func:`watch_parameter_changes`)."""
     return _epoch[0]

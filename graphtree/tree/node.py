@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
+from graphtree.tree import draws as _draws
 from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import Segment
@@ -172,7 +173,7 @@ class Node:
         self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals or first)
         self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals or first)
         self._device = torch.device("cuda", inputs.device)
-        self._launch = _torch.graph_launcher(graph)
+        self._launch = _draws.launcher(graph)
         self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
         self._single = outputs.single
         # With a single output: a tensor on its memory, and that tensor's storage object, which

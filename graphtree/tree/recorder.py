@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc as _collector
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from graphtree import _events, _torch
+from graphtree.tree import draws as _draws
 from graphtree.tree import training_step as _training_step
 from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
@@ -148,6 +148,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
                 reason = reason or step.refusal(gc.name, call.leaves)
                 grads = [p.grad for p in step.params(call.leaves) if p.grad is not None]
         kept = 0 if reason else len(watch.kept(_storages(call.leaves, out, [*gc.static_tensors(), *grads])))
+        _draws.note(gc.id, watch.generators)  # its recordings give each explicit generator a stand-in
     finally:
         current.wait_stream(stream)
         watch.close()
@@ -231,6 +232,7 @@ def record(
     # does: on the H100 it made a graph the user had captured by hand earlier read freed memory.)
     grads: list[tuple[torch.Tensor, torch.Tensor]] = []
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
+    isolated: list[bool] = []  # per graph begun: whether its capture kept the generators out
     try:
         args, kwargs = call.arguments(graph_leaves)
         before = _writes.values(call.leaves)  # plain values inside object arguments (see writes.py)
@@ -238,7 +240,7 @@ def record(
         modules_before = _writes.module_values(modules)
         lockstep = gc.lockstep()  # a collective on a group its ranks did not agree on stops the capture
         breaks = Breaks(
-            begin=lambda g: begin_capture(g, pool.id, device, watch),
+            begin=lambda g: isolated.append(begin_capture(g, pool.id, device, watch, gc.id)),
             new_graph=new_graph,
             first_replay=lambda: inputs.copy_in(call.leaves, call.n),
             prefix=prefix,
@@ -299,7 +301,7 @@ def record(
                 if x is not None and x is not interrupt:
                     clear_traceback(x)
             del user_error, end_error, err, args, kwargs, graph_leaves, owning, graph, breaks
-            _torch.end_failed_capture(device, pool.id, began and not ended)
+            _torch.end_failed_capture(device, pool.id, began and not ended, bool(isolated) and isolated[-1])
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
                 raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
@@ -333,7 +335,7 @@ def record(
             # signature runs eagerly from the next call on.
             if not chain:  # (the segments before the last ran at their reads)
                 inputs.copy_in(call.leaves, call.n)
-            graph.replay()
+            _draws.replay(graph)
             leaves, spec = _torch.tree_flatten(out)
             result = _torch.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
             del out, owning, graph, leaves
@@ -359,7 +361,7 @@ def record(
         # the segments before the last ran at their reads).
         if not chain:
             inputs.copy_in(call.leaves, call.n)
-        graph.replay()
+        _draws.replay(graph)
         out_leaves = outputs.adopt(out_leaves, call.leaves)
         depth = len(path)
         if chain and chain[0].leaves:  # a new value's recording: the same object tensors as its first value's
@@ -407,24 +409,15 @@ def record(
 new_graph = torch.cuda.CUDAGraph
 """Makes each recording's graph (the fault-injection test replaces it with a graph that fails on cue)."""
 
-_decoys = itertools.count(1)
 
-
-def begin_capture(graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device: int, watch: _torch.StateWatch) -> None:
-    """Begin capturing into ``graph`` on the current stream, in thread-local mode.
-
-    With graphtree's native CUDA part (torch before 2.12), the device's default generator stays out
-    of the capture, so that other threads draw random numbers meanwhile as in eager: the capture's
-    random operations draw from a generator of its own (``watch.generator``, seeded from the default
-    one's seed and the recording's number), which each replay advances. Without it, torch's own
-    ``capture_begin``: the default generator is captured, and is in capture mode for every thread
-    until the capture ends.
-    """
-    decoy = torch.Generator(device=f"cuda:{device}")
-    seed = torch.cuda.default_generators[device].initial_seed()
-    decoy.manual_seed((seed * 6364136223846793005 + next(_decoys)) % (1 << 63))
-    if _torch.begin_capture(graph, pool_id, device, decoy):
-        watch.generator = decoy
+def begin_capture(
+    graph: torch.cuda.CUDAGraph, pool_id: tuple[int, int], device: int, watch: _torch.StateWatch, callee_id: int = 0
+) -> bool:
+    """Begin capturing into ``graph`` on the current stream, in thread-local mode, its random
+    operations drawing what eager draws (:mod:`graphtree.tree.draws`; ``callee_id``: the graphed
+    callable, whose warm-ups said which explicit generators it draws from). True when the
+    generators were kept out of the capture (other threads draw meanwhile)."""
+    return _draws.Draws(device, _draws.seen(callee_id)).begin(graph, pool_id, watch)
 
 
 def user_code_section() -> contextlib.AbstractContextManager[None]:
@@ -455,12 +448,12 @@ def capture_isolated(
     stream.wait_stream(current)
     watch = _torch.StateWatch({})
     error: BaseException | None = None
-    broken = began = ended = False
+    broken = began = ended = isolated = False
     out: Any = None
     try:
         with _Inside(), _no_collection(), _no_autocast_cache(), torch.cuda.device(device), torch.cuda.stream(stream):
             try:
-                begin_capture(graph, pool_id, device, watch)
+                isolated = begin_capture(graph, pool_id, device, watch)
                 began = True
             except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
                 error, broken = e, True
@@ -481,7 +474,7 @@ def capture_isolated(
         current.wait_stream(stream)
         watch.close()
     if broken:  # the stream capture broke: what torch left in capture state is put back
-        _torch.end_failed_capture(device, pool_id, began and not ended)
+        _torch.end_failed_capture(device, pool_id, began and not ended, isolated)
     if error is not None:
         raise error
     return out

@@ -38,6 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from graphtree import _streams, _torch
+from graphtree.tree import draws as _draws
 
 STALE_BACKWARD = (
     "graphtree: the backward of an earlier call of `{name}` ran after a later call's forward replay: "
@@ -159,7 +160,7 @@ class TrainingRecording:
                 f"`{self.name}`: a parameter moved since it was recorded (replaced, not updated in place): "
                 "record it again"
             )
-        self.forward_graph.replay()
+        _draws.replay(self.forward_graph)
         self.generation += 1
         self.open = True
         return self.generation
@@ -180,7 +181,7 @@ class TrainingRecording:
                 static.copy_(g)
         self.open = False
         if self.backward_graph is not None:
-            self.backward_graph.replay()
+            _draws.replay(self.backward_graph)
         # copies in one call: a clone() each cost ~16 µs of CPU (ResNet-18: 1 ms a step, on the H100)
         copies = iter(_torch.copies([g for g in self.static_grads if g is not None]))
         return tuple(next(copies) if g is not None else None for g in self.static_grads)
@@ -211,11 +212,11 @@ class TrainingRecording:
         still alive, would tie the captured backward to that stream ("operation would make the
         legacy stream depend on a capturing blocking stream", on the H100).
 
-        Limits: the capture's random operations draw from a generator of its own
-        (:func:`graphtree.tree.recorder.begin_capture`), so dropout's masks differ from an eager
-        copy's run from the same seed; BatchNorm with ``momentum=None`` reads a count on the host
-        and cannot be captured. Autocast's cache is off during the captures, as
-        ``make_graphed_callables`` asks of its users."""
+        Random operations draw what eager draws: the warm-ups' draws are taken back (the device's
+        generator is forked around them), and each forward replay hands its generator's seed and
+        offset to the capture's stand-in (:mod:`graphtree.tree.draws`). Limits: BatchNorm with
+        ``momentum=None`` reads a count on the host and cannot be captured. Autocast's cache is off
+        during the captures, as ``make_graphed_callables`` asks of its users."""
         from graphtree.tree.recorder import capture_isolated, user_code_section  # (it imports nothing of this module)
 
         name = str(name or getattr(fn, "__qualname__", type(fn).__name__))
@@ -243,11 +244,13 @@ class TrainingRecording:
         kept = [b.detach().clone() for b in buffers]
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # one stream for all (autograd runs a backward on its forward's stream), graphtree's alone
-        side = _streams.own_stream(torch.cuda.current_device())
+        side = _streams.own_stream(torch.cuda.current_device())  # (the device's own, as the forks below)
         current = torch.cuda.current_stream()
         side.wait_stream(current)
+        device = torch.cuda.current_device()
         try:
-            with torch.cuda.stream(side), user_code_section():  # (as the tree's warm-ups: one at a time)
+            # (warm-ups are not calls: the random numbers they draw are drawn again by the replay)
+            with torch.cuda.stream(side), user_code_section(), torch.random.fork_rng(devices=[device]):
                 try:
                     for _ in range(warmup):
                         try:

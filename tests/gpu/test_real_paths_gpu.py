@@ -377,3 +377,26 @@ def test_a_function_that_turns_grad_on_inside_no_grad_is_not_recorded():
         assert out.requires_grad and out.grad_fn is not None
     s = graphtree.stats()
     assert s.recordings == 0 and any("requires grad" in k for k in s.eager), s
+
+
+def test_a_closure_cell_rebound_to_a_new_tensor_is_read_by_the_next_call():
+    # Issue 44: the graphed function read its closure's tensor as recorded; after `w = new` the old
+    # one's memory was reused and the next call returned a wrong result without an error.
+    w = torch.full((4096,), 2.0, device=DEV)
+
+    def scale(x):
+        return x * w
+
+    g = graphtree.graphed(scale, name="scale")
+    x = torch.ones(4096, device=DEV)
+    for _ in range(3):
+        graphtree.mark_step()
+        torch.testing.assert_close(g(x), x * 2)
+    for value in (3.0, 5.0, 7.0):
+        w = torch.full((4096,), value, device=DEV)  # (read by scale through its cell)
+        junk = torch.full((4096,), -1.0, device=DEV)  # may land on the old tensor's freed memory
+        for _ in range(3):
+            graphtree.mark_step()
+            assert torch.equal(g(x), x * value), value
+        del junk
+    assert graphtree.stats().replays >= 6, graphtree.stats()

@@ -1,0 +1,305 @@
+"""What graphtree does to torch while it warms up and captures a call: the allocator's routing into
+a tree's pool, beginning a capture and cleaning up after one that failed, the random generators a
+capture draws from (tree/draws.py says why), and the dispatch mode that watches it all (StateWatch).
+
+Part of :mod:`graphtree._torch`, which re-exports every name here: these touch torch private
+APIs too, gated by torch version as the rest of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphtree import _streams
+from graphtree._torch.gate import (
+    _UNSAFE_TAG,
+    _private,
+    _strided,
+    generator_key,
+    storage_ptr,
+    weak_expired,
+    weak_free,
+    weak_ref,
+)
+
+
+def begin_allocate_to_pool(device: int, pool_id: tuple[int, int]) -> None:
+    """Route this thread's allocations on ``device`` into ``pool_id`` (``_cuda_beginAllocateCurrentThreadToPool``).
+
+    Warm-ups run this way, so their memory comes from (and returns to) the tree's pool.
+    """
+    _private("_cuda_beginAllocateCurrentThreadToPool")(device, pool_id)
+
+
+def end_allocate_to_pool(device: int, pool_id: tuple[int, int]) -> None:
+    """Stop routing allocations into ``pool_id`` (``_cuda_endAllocateToPool``) and drop the
+    reference :func:`begin_allocate_to_pool` took (``_cuda_releasePool``)."""
+    _private("_cuda_endAllocateToPool")(device, pool_id)
+    _private("_cuda_releasePool")(device, pool_id)
+
+
+def end_failed_capture(device: int, pool_id: tuple[int, int], began: bool = True, isolated: bool = False) -> int:
+    """Undo what a capture that raised left behind; returns how many routing entries it removed.
+
+    When ``cudaStreamEndCapture`` fails, torch's ``capture_end`` throws before it stops routing
+    allocations into the pool, before the CUDA random generators leave capture mode, and without
+    the graph ever giving back the reference it took on the pool. The first makes the next
+    capture into the pool fail ("already recording to mempool_id"), the second the next random op
+    ("Offset increment outside graph capture"), the third keeps the pool's memory reserved for
+    good (measured: 18 MiB stayed reserved after a failed capture on an H200, none with the
+    release). All three are undone here: the routing entries are removed, an empty capture on a
+    scratch stream puts the generators back in normal mode, and, if ``capture_begin`` had
+    succeeded (``began``), the pool reference is released (``_cuda_releasePool``).
+
+    An ``isolated`` capture (:func:`begin_capture` kept the default generator out) left only its
+    stand-ins in capture mode, which nothing else draws from: no empty capture then, for torch's
+    would put the default generator in capture mode for a moment, and another thread's random op
+    would fail in it.
+    """
+    removed = 0
+    while removed < 8:
+        try:
+            _private("_cuda_endAllocateToPool")(device, pool_id)
+        except RuntimeError:  # nothing (more) routed there
+            break
+        removed += 1
+    if began:
+        _private("_cuda_releasePool")(device, pool_id)
+    if not isolated:
+        capture_empty(torch.cuda.CUDAGraph(), device)
+    return removed
+
+
+def stream_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` is capturing into a CUDA graph now."""
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def end_open_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
+    """End the capture ``graph`` left open on ``stream`` (its ``capture_begin`` or ``capture_end``
+    raised before ``cudaStreamEndCapture``); True when it ended, so that the graph now owns its
+    reference on the pool. A stream left capturing would fail every later operation queued on it."""
+    if not stream_capturing(stream):
+        return False
+    with torch.cuda.stream(stream):
+        try:
+            graph.capture_end()
+        except Exception:  # noqa: BLE001 - the capture is broken: end_failed_capture cleans up
+            return False
+        return True
+
+
+_empty_capture_lock = threading.Lock()
+
+
+def begin_capture(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, device: int, standin: torch.Generator | None
+) -> bool:
+    """Begin capturing into ``graph`` on the current stream, in thread-local mode; True when the
+    device's default CUDA generator was kept out of it.
+
+    With a ``standin`` and graphtree's native CUDA part (torch before 2.12), the capture registers the
+    stand-in's state instead of the default generator's (``_native.capture_begin_isolated``), so that
+    other threads' random ops are not disturbed while it runs; the capture's own random ops must
+    then draw from the stand-in (:func:`draw_from`), and its replays go through
+    ``_native.replay_drawing`` (tree/draws.py). Otherwise torch's own ``capture_begin``.
+    """
+    from graphtree import _native  # loaded after this module, in the background
+
+    begin = getattr(_native.loaded, "capture_begin_isolated", None)
+    if standin is None or begin is None:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[arg-type]  # (int, int)
+        return False
+    begin(graph, pool or (0, 0), standin)
+    return True
+
+
+def capture_empty(
+    graph: torch.cuda.CUDAGraph, device: int, pool: tuple[int, int] | None = None, isolated: bool = False
+) -> None:
+    """Capture nothing into ``graph`` on a scratch stream of ``device`` (into ``pool`` if given).
+
+    ``isolated``: keep the default CUDA generator out of it where graphtree's native CUDA part is
+    built, so that other threads' random ops are not disturbed; not when the empty capture is meant
+    to put that generator back in normal mode (:func:`end_failed_capture`).
+
+    torch warns "The CUDA Graph is empty", which is meant here: the warning is silenced, one
+    thread at a time (``warnings.catch_warnings`` is process-wide state; two threads inside it
+    at once restore each other's filters, and the warning leaks).
+    """
+    with _empty_capture_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.cuda.device(device), _streams.borrowed(device) as stream, torch.cuda.stream(stream):
+            begin_capture(graph, pool, device, torch.Generator(device=f"cuda:{device}") if isolated else None)
+            graph.capture_end()
+
+
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+
+
+class RandomOutsideCapture(RuntimeError):
+    """A random operation a capture that keeps the default generator out cannot give a stand-in
+    (see :func:`draw_from`): it would not draw eager's numbers, so the call runs eagerly."""
+
+
+@functools.cache
+def _generator_overload(func: Any) -> Any:
+    """``func`` if it takes a ``generator``, else its overload with the same arguments and a
+    ``generator`` (``aten.randn.default`` -> ``aten.randn.generator``), or None."""
+    names = {a.name for a in func._schema.arguments}
+    if "generator" in names:
+        return func
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        if {a.name for a in other._schema.arguments} == names | {"generator"}:
+            return other
+    return None
+
+
+def generator_of(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The ``generator`` argument a random operation was given, or None (it draws from the default one)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "generator":
+            gen = kwargs.get("generator", args[i] if i < len(args) and not a.kwarg_only else None)
+            return gen if isinstance(gen, torch.Generator) else None
+    return None
+
+
+def draw_from(
+    standin_of: Callable[[torch.Generator | None], torch.Generator], func: Any, args: tuple, kwargs: dict
+) -> Any:
+    """Run the random operation ``func`` drawing from ``standin_of(g)`` in place of the generator ``g``
+    it was given (None: the default one), through the same kernel as eager.
+
+    Operators without a generator argument take their overload that has one (``aten.randn.default``
+    -> ``aten.randn.generator``: the same kernel); ``native_dropout``'s kernel is ``_fused_dropout``'s
+    with a bool mask (the same draws and the same output; the mask is made bool). Others (the fused
+    attention kernels with dropout on) can only draw from the default generator: they raise
+    :class:`RandomOutsideCapture` naming the operator, before anything is launched."""
+    if func is _NATIVE_DROPOUT:
+        x, p, train = (*args, *kwargs.values(), None)[:3]
+        if train is not False and p < 1 and x.numel():  # (else it draws nothing)
+            out, mask = torch.ops.aten._fused_dropout(x, 1.0 - p, generator=standin_of(None))
+            return out, mask.bool()
+        return func(*args, **kwargs)
+    target = _generator_overload(func)
+    if target is None:
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:  # torch checks before it launches anything: the capture is intact
+            if "not in capture mode" not in str(e):
+                raise
+            raise RandomOutsideCapture(
+                f"{func.name()} draws random numbers from the device's default generator only, which a "
+                "recording cannot hand eager's sequence on torch < 2.12 while other threads may draw"
+            ) from None
+    named = dict(zip((a.name for a in func._schema.arguments), args))
+    named.update(kwargs)
+    named["generator"] = standin_of(named.get("generator"))
+    return target(**named)
+
+
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+
+
+class StateWatch(TorchDispatchMode):
+    """While active, notes what the operations of a warm-up or capture do to memory.
+
+    - ``written``: which of the ``watched`` storages (data_ptr -> leaf index) an operation
+      writes to. Read from the operators' schemas (an argument whose alias info says it is
+      written), so it works for inference tensors too, which keep no version counter.
+    - ``made``: weak references (:func:`weak_ref`) to the storages the operations allocated
+      (returned, and not one of those they were given: in-place and view results are not
+      new), by address: :meth:`kept` says which are still alive after the call.
+    - ``read`` (only with ``track_reads``): ``(weak ref, nbytes)`` of every CUDA storage an
+      operation was given, by address: what a graph captured under this watch reads.
+
+    Release the weak references with :meth:`close`.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code inside the call is compiled (under a mode that says False, dynamo skips the
+        frame, and goes on skipping its code), and the watch sees the compiled artifact's operators."""
+        return True
+
+    def __init__(self, watched: dict[int, int], track_reads: bool = False) -> None:
+        super().__init__()
+        self.watched = watched
+        self.written: list[int] = []
+        self.made: dict[int, int] = {}
+        self.read: dict[int, tuple[int, int]] = {}
+        self.unsafe = ""  # the first operation tagged torch.Tag.cudagraph_unsafe, by name
+        # random ops draw from standin_of(their generator) (tree/draws.py); explicit CUDA generators seen,
+        # by generator_key
+        self.standin_of: Callable[[torch.Generator | None], torch.Generator] | None = None
+        self.generators: dict[int, torch.Generator] = {}
+        self._track_reads = track_reads
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _UNSAFE_TAG is not None and not self.unsafe and _UNSAFE_TAG in func.tags:
+            self.unsafe = str(func.name())
+        if self.watched and func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                info = arg.alias_info
+                if info is None or not info.is_write:
+                    continue
+                val = kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else kwargs.get(arg.name))
+                if isinstance(val, torch.Tensor) and val.layout is _strided and not val.is_nested:
+                    idx = self.watched.get(storage_ptr(val.untyped_storage()))
+                    if idx is not None and idx not in self.written:
+                        self.written.append(idx)
+        given: set[int] = set()  # storages the operation was given: what it returns of them is not new
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
+                    st = t.untyped_storage()
+                    ptr = storage_ptr(st)
+                    given.add(ptr)
+                    if self._track_reads and ptr and ptr not in self.read:
+                        self.read[ptr] = (weak_ref(st), st.nbytes())
+        if _SEEDED in func.tags:
+            gen = generator_of(func, args, kwargs)
+            if gen is not None and gen.device.type == "cuda":
+                self.generators[generator_key(gen)] = gen
+        if self.standin_of is not None and _SEEDED in func.tags:
+            out = draw_from(self.standin_of, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
+                st = t.untyped_storage()
+                ptr = storage_ptr(st)
+                if ptr and ptr not in given:
+                    old = self.made.get(ptr)
+                    if old is None or weak_expired(old):
+                        if old is not None:
+                            weak_free(old)
+                        self.made[ptr] = weak_ref(st)
+        return out
+
+    def kept(self, known: set[int]) -> list[int]:
+        """Addresses of storages the operations made that are still alive, other than ``known``
+        (the ``StorageImpl`` pointers of :func:`storage_id` of the outputs and inputs)."""
+        return [ptr for ptr, r in self.made.items() if not weak_expired(r) and r not in known]
+
+    def close(self) -> None:
+        """Release every weak reference the watch holds."""
+        for r in self.made.values():
+            weak_free(r)
+        for r, _ in self.read.values():
+            weak_free(r)
+        self.made.clear()
+        self.read.clear()
