@@ -152,6 +152,9 @@ for stage in $stages; do
         timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -1 | tee -a "$OUT/files.log"
       done
       ;;
+    random_replay)  # issue 43: what a draw costs a replay, torch's prologue against graphtree's hand-off
+      timeout 180 python3 benchmarks/random_replay.py --json "$OUT/random_replay.json" 2>&1 | tail -8
+      ;;
     per_call)
       if [ -d .before ]; then
         (cd .before && TORCH_EXTENSIONS_DIR=/tmp/ext_before PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \

@@ -986,6 +986,16 @@ void* driver_symbol(const char* name) {
   return nullptr;
 }
 
+WriteValue64 stream_write64() {
+  void* f = driver_symbol("cuStreamWriteValue64_v2");
+  return reinterpret_cast<WriteValue64>(f ? f : driver_symbol("cuStreamWriteValue64"));
+}
+
+// drawing_writes() -> str: how launch_drawing writes the seeds and offsets (for the benchmarks' notes).
+PyObject* drawing_writes(PyObject*, PyObject* const*, Py_ssize_t) {
+  return PyUnicode_FromString(stream_write64() ? "cuStreamWriteValue64" : "cudaMemcpyAsync (pageable, staged)");
+}
+
 void drawing_launch_free(PyObject* capsule) {
   delete static_cast<DrawingLaunch*>(PyCapsule_GetPointer(capsule, "graphtree.DrawingLaunch"));
 }
@@ -1031,7 +1041,7 @@ PyObject* prepare_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // current stream, write them into the graph's slots (cuStreamWriteValue64: no kernel) and launch.
 PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   static GraphLaunch graph_launch = reinterpret_cast<GraphLaunch>(runtime_symbol("cudaGraphLaunch"));
-  static WriteValue64 write64 = reinterpret_cast<WriteValue64>(driver_symbol("cuStreamWriteValue64_v2"));
+  static WriteValue64 write64 = stream_write64();
   static MemcpyAsyncT memcpy_async = reinterpret_cast<MemcpyAsyncT>(runtime_symbol("cudaMemcpyAsync"));
   auto* d = nargs == 1 ? static_cast<DrawingLaunch*>(PyCapsule_GetPointer(args[0], "graphtree.DrawingLaunch")) : nullptr;
   if (d == nullptr || graph_launch == nullptr || memcpy_async == nullptr) {
@@ -1120,6 +1130,8 @@ PyMethodDef methods[] = {
      "prepare_drawing(graph, pairs, slots, increments) -> capsule"},
     {"launch_drawing", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(launch_drawing)), METH_FASTCALL,
      "launch_drawing(capsule) -> None"},
+    {"drawing_writes", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(drawing_writes)), METH_FASTCALL,
+     "drawing_writes() -> str"},
 #endif
     {nullptr, nullptr, 0, nullptr},
 };

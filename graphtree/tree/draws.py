@@ -42,7 +42,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -52,7 +52,8 @@ log = logging.getLogger("graphtree")
 
 _ATTR = "graphtree_draws"
 """A graph's attribute: how its replays hand its stand-ins their generators' seeds and offsets (a
-:class:`_Pending` before its first replay, then ``_native.prepare_drawing``'s capsule), or None."""
+:class:`_Pending` before its first replay, then ``_native.launch_drawing`` bound to what
+``_native.prepare_drawing`` made), or None."""
 
 _NATIVE_WAIT_S = 300.0
 
@@ -109,7 +110,7 @@ class Draws:
             return False
         watch.standin_of = self.standin_of
         slots = tuple(helpers.standin_slots(standin) for standin, _ in self.pairs)  # (read while capturing)
-        setattr(graph, _ATTR, _Pending(self.pairs, slots))
+        setattr(graph, _ATTR, _Pending(helpers, self.pairs, slots))
         return True
 
     def standin_of(self, gen: torch.Generator | None) -> torch.Generator:
@@ -130,6 +131,7 @@ class Draws:
 class _Pending(NamedTuple):
     """A graph captured with stand-ins, not yet replayed: its first replay finds out what it draws."""
 
+    helpers: Any  # graphtree's native helpers, which began the capture (tests switch _native.loaded off)
     pairs: tuple[tuple[torch.Generator, torch.Generator], ...]
     slots: tuple[tuple[int, int], ...]  # where its kernels read each stand-in's seed and offset
 
@@ -143,17 +145,15 @@ def replay(graph: torch.cuda.CUDAGraph) -> None:
     how = getattr(graph, _ATTR, None)
     if how is None:
         graph.replay()
-        return
-    helpers = _native.loaded
-    assert helpers is not None  # (loaded before a capture that made stand-ins)
-    if not isinstance(how, _Pending):
-        helpers.launch_drawing(how)
-        return
-    increments = helpers.replay_drawing(graph, how.pairs)
-    if not any(increments):
-        setattr(graph, _ATTR, None)  # it draws nothing: plain replays from now on
-    elif len(how.pairs) <= 2:
-        setattr(graph, _ATTR, helpers.prepare_drawing(graph, how.pairs, how.slots, increments))
+    elif not isinstance(how, _Pending):
+        how()
+    else:
+        increments = how.helpers.replay_drawing(graph, how.pairs)
+        if not any(increments):
+            setattr(graph, _ATTR, None)  # it draws nothing: plain replays from now on
+        elif len(how.pairs) <= 2:  # (more generators: each replay goes through replay_drawing)
+            prepared = how.helpers.prepare_drawing(graph, how.pairs, how.slots, increments)
+            setattr(graph, _ATTR, functools.partial(how.helpers.launch_drawing, prepared))
 
 
 def launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], Any]:
@@ -163,9 +163,7 @@ def launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], Any]:
         return _torch.graph_launcher(graph)
     if isinstance(how, _Pending):  # (a segment made before its first replay: tree/breaks.py)
         return functools.partial(replay, graph)
-    helpers = _native.loaded
-    assert helpers is not None
-    return functools.partial(helpers.launch_drawing, how)
+    return cast(Callable[[], Any], how)
 
 
 _waited = False
