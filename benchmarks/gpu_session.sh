@@ -16,7 +16,7 @@
 #
 # Set-up on a fresh clone (both folders are git-ignored through .git/info/exclude):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl cupti-python==13.0.1 cloudpickle       # the device has no network
+#       -d .whl cupti-python==13.0.1 cloudpickle expecttest   # the device has no network
 #   mkdir -p .before && git archive b6016dc graphtree benchmarks | tar -x -C .before   # issue 24's base
 # and pass carry=[".whl", ".before"] to the device call.
 set -u
@@ -151,6 +151,24 @@ for stage in $stages; do
         printf '%s: ' "$f" | tee -a "$OUT/files.log"
         timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -1 | tee -a "$OUT/files.log"
       done
+      ;;
+    conform)  # issue 44: PyTorch's OpInfo database through graphtree (benchmarks/conformance/opinfo_sweep.py,
+              # ~10 min on one GPU: CONFORM_OPS names some operators, CONFORM_TIMEOUT its limit), then the
+              # ported CUDA-graph tests; conformance.json holds both (needs the expecttest wheel in .whl)
+      timeout -s INT ${CONFORM_TIMEOUT:-480} python3 benchmarks/conformance/opinfo_sweep.py --workers ${CONFORM_WORKERS:-4} --budget ${CONFORM_BUDGET:-330} \
+        ${CONFORM_OPS:+--ops "$CONFORM_OPS"} --json "$OUT/conformance.json" --records "$OUT/conformance-records.jsonl" 2>&1 | tee "$OUT/conform.log" | tail -40
+      timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_random_gpu.py 2>&1 | tee "$OUT/ported.log" | tail -3
+      python3 - "$OUT" <<'PY'
+import json, re, sys
+out = sys.argv[1]
+line = open(f"{out}/ported.log").read().strip().splitlines()[-1]
+count = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped)", line)}
+path = f"{out}/conformance.json"
+res = json.load(open(path))
+res["ported_tests"] = {"passed": count.get("passed", 0), "failed": count.get("failed", 0), "not_applicable": 1}
+json.dump(res, open(path, "w"), indent=2)
+print("ported_tests:", res["ported_tests"])
+PY
       ;;
     random_replay)  # issue 43: what a draw costs a replay, torch's prologue against graphtree's hand-off
       timeout 180 python3 benchmarks/random_replay.py --json "$OUT/random_replay.json" 2>&1 | tail -8

@@ -1,0 +1,486 @@
+"""PyTorch's operator database through graphtree: every sample of every operator, graphed as users
+call it, compared with eager (issue 44).
+
+For each operator of ``op_db`` that runs on the device, in float32 and each of float16, bfloat16,
+int64, bool and complex64 it supports, for each of its sample inputs (at most ``--max-samples``):
+
+- **plain**: ``graphtree.graphed(lambda *a, **k: op(*a, **k))`` called four times (warm-up,
+  recording, two replays) with fresh sample tensors of the same signature (the samples drawn again
+  under another seed), each call compared with eager on a copy of the same sample;
+- **grad**: the same with inputs that require grad (where the operator supports autograd): the
+  outputs and the inputs' gradients of ``sum(outputs)``;
+- **autocast**: float32 samples under ``torch.autocast(device, torch.bfloat16)``;
+- **inplace**: the in-place variant (``add_``...) on a fresh copy of the input each call, compared
+  by the input it wrote (counted apart);
+- **raw**: the first sample under a plain ``torch.cuda.graph`` capture and one replay: the ceiling
+  (what is capturable at all).
+
+Random operators are compared under the same seed (graphtree draws eager's numbers). Each sample is
+classified: ``replayed`` (equal to eager, and at least two calls replayed), ``eager`` (equal, run
+eagerly: the reasons graphtree gave are collected), ``error_as_eager`` (graphtree raised what eager
+raised), ``wrong`` (differs from eager without an error) or ``crash`` (an error eager does not
+raise, a process left unusable, a worker killed or timed out). Operators run in worker processes;
+a worker that dies or is left unusable is replaced, and its operator counted as a crash.
+
+    python benchmarks/conformance/opinfo_sweep.py --json conformance.json [--workers 4]
+        [--ops add,mul] [--max-samples 4] [--modes plain,grad,autocast,inplace,raw] [--device cuda]
+
+The summary JSON: ``device, torch, ops, samples, replayed, eager, error_as_eager, wrong, crash,
+raw_capturable, in_place{samples, replayed, eager, wrong}`` (top-level counts over out-of-place
+samples of every mode), ``reasons`` (each eager reason, grouped, with its count), ``failures``
+(every wrong and crash case) and ``seconds``. ``benchmarks/gpu_session.sh conform`` adds the ported
+CUDA-graph tests' counts (``ported_tests``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "int64", "bool", "complex64")
+MODES = ("plain", "grad", "autocast", "inplace", "raw")
+CALLS = 4  # warm-up, recording, two replays
+OP_TIMEOUT_S = 120.0
+
+
+# --- comparing one call with eager -----------------------------------------------------------------
+def _tensors(x: Any) -> list[Any]:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _copy(x: Any) -> Any:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(
+        lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, x
+    )
+
+
+def same(got: Any, want: Any) -> str | None:
+    """None when ``got`` equals ``want`` as OpInfo tests compare (``assert_close``'s tolerances for
+    the dtype, NaNs equal), else what differs."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    g, gs = tree_flatten(got)
+    w, ws = tree_flatten(want)
+    if gs != ws:
+        return f"structure {gs} != {ws}"
+    for a, b in zip(g, w):
+        if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return f"{type(a).__name__} where eager gives a tensor"
+            try:
+                torch.testing.assert_close(a, b, equal_nan=True, check_device=True)
+            except AssertionError as e:
+                return str(e).strip().splitlines()[0][:200]
+        elif a != b and not (a != a and b != b):  # (NaN == NaN here)
+            return f"{a!r} != {b!r}"
+    return None
+
+
+def classify(
+    graphed: Callable[..., Any],
+    eager: Callable[..., Any],
+    calls: list[tuple[tuple, dict]],
+    seeded: bool,
+    replays: Callable[[], int],
+    reasons: Callable[[], list[str]],
+    result: Callable[[Any, tuple], Any] = lambda out, args: out,
+) -> dict[str, Any]:
+    """Call ``graphed`` and ``eager`` on each of ``calls`` (the eager one on copies, first), compare,
+    and classify the sample. ``result(out, args)``: what is compared (the output; for an in-place
+    variant, the input it wrote). ``replays()``: replays so far; ``reasons()``: eager reasons so far."""
+    import torch
+
+    before = replays()
+    for k, (args, kwargs) in enumerate(calls):
+        eager_args = _copy(args)
+        eager_error = graphed_error = None
+        try:
+            if seeded:
+                torch.manual_seed(k)
+            want = result(eager(*eager_args, **kwargs), eager_args)
+        except Exception as e:  # noqa: BLE001 - what eager raises is what graphtree must raise
+            eager_error = e
+        try:
+            if seeded:
+                torch.manual_seed(k)
+            got = result(graphed(*args, **kwargs), args)
+        except Exception as e:  # noqa: BLE001 - classified below
+            graphed_error = e
+        if eager_error is not None and graphed_error is not None:
+            if type(graphed_error) is type(eager_error) or isinstance(graphed_error, type(eager_error)):
+                return {"outcome": "error_as_eager", "reason": f"{type(eager_error).__name__}"}
+            return {"outcome": "crash", "reason": f"call {k}: {type(graphed_error).__name__}: {graphed_error}"[:300]}
+        if graphed_error is not None:
+            return {"outcome": "crash", "reason": f"call {k}: {type(graphed_error).__name__}: {graphed_error}"[:300]}
+        if eager_error is not None:
+            return {"outcome": "wrong", "reason": f"call {k}: eager raised {type(eager_error).__name__}, graphtree not"}
+        diff = same(got, want)
+        if diff is not None:
+            return {"outcome": "wrong", "reason": f"call {k}: {diff}"}
+        del got, want
+    if replays() - before >= 2:
+        return {"outcome": "replayed", "reason": ""}
+    return {"outcome": "eager", "reason": "; ".join(sorted(set(reasons())))[:300] or "not replayed"}
+
+
+# --- one operator, in a worker -------------------------------------------------------------------
+def _seeded(op: Any) -> bool:
+    import torch
+
+    tag = getattr(torch.Tag, "nondeterministic_seeded", None)
+    fn = getattr(op, "aten_name", None)
+    packet = getattr(torch.ops.aten, fn, None) if isinstance(fn, str) else None
+    tags = {t for name in (packet.overloads() if packet is not None else ()) for t in getattr(packet, name).tags}
+    return tag in tags or "dropout" in op.name or op.name.startswith(("rand", "normal", "bernoulli", "multinomial"))
+
+
+def _samples(op: Any, device: str, dtype: Any, requires_grad: bool, max_samples: int) -> list[list[Any]]:
+    """``max_samples`` samples, each drawn CALLS times under other seeds (same signatures, new values)."""
+    import torch
+
+    draws = []
+    for seed in range(CALLS):
+        torch.manual_seed(1000 + seed)
+        it = op.sample_inputs(device, dtype, requires_grad=requires_grad)
+        draws.append([s for _, s in zip(range(max_samples), it)])
+    out = []
+    for i in range(len(draws[0])):
+        group = [d[i] for d in draws if i < len(d)]
+        shapes = {tuple((tuple(t.shape), t.dtype) for t in _tensors((s.input, s.args, s.kwargs))) for s in group}
+        out.append(group if len(shapes) == 1 else group[:1] * CALLS)  # (a sample of another shape: the same again)
+    return out
+
+
+def _stats() -> tuple[Callable[[], int], Callable[[], list[str]]]:
+    import graphtree
+
+    return (lambda: graphtree.stats().replays), (lambda: list(graphtree.stats().eager))
+
+
+def sweep_op(op: Any, device: str, modes: tuple[str, ...], max_samples: int) -> Iterator[dict[str, Any]]:
+    """Every sample record of one operator (see the module's docstring)."""
+    import torch
+
+    import graphtree
+
+    replays, reasons = _stats()
+    seeded = _seeded(op)
+    supported = {str(d).removeprefix("torch.") for d in op.supported_dtypes(device)}
+    for dname in (d for d in DTYPE_NAMES if d in supported):
+        dtype = getattr(torch, dname)
+        base = {"op": op.name, "variant": op.variant_test_name, "dtype": dname}
+        plans: list[tuple[str, bool]] = [("plain", False)]
+        if "grad" in modes and op.supports_autograd and dtype.is_floating_point:
+            plans.append(("grad", True))
+        if "autocast" in modes and dname == "float32" and device == "cuda":
+            plans.append(("autocast", False))
+        if "inplace" in modes and op.inplace_variant is not None:
+            plans.append(("inplace", False))
+        for mode, grad in plans:
+            try:
+                groups = _samples(op, device, dtype, grad, max_samples)
+            except Exception as e:  # noqa: BLE001 - the database's own sample code failed: not graphtree's
+                yield {**base, "mode": mode, "sample": -1, "outcome": "skipped", "reason": f"samples: {e}"[:200]}
+                continue
+            for i, group in enumerate(groups):
+                graphtree.reset()
+                calls = [((s.input, *s.args), dict(s.kwargs)) for s in group]
+                fn = op.inplace_variant if mode == "inplace" else op.op
+                graphed = graphtree.graphed(lambda *a, _fn=fn, **k: _fn(*a, **k), name=f"{op.name}.{mode}")
+                result: Callable[[Any, tuple], Any] = (
+                    (lambda out, args: args[0]) if mode == "inplace" else _with_grads(grad)
+                )
+                if mode == "inplace":  # a fresh copy of the input each call (the caller's tensor is written)
+                    calls = [((a[0].detach().clone(), *a[1:]), k) for a, k in calls]
+                ctx = torch.autocast(device, torch.bfloat16) if mode == "autocast" else _nothing()
+                with ctx:
+                    rec = classify(graphed, fn, calls, seeded, replays, reasons, result)
+                yield {**base, "mode": mode, "sample": i, **rec}
+                if "raw" in modes and mode == "plain" and i == 0 and device == "cuda":
+                    yield {**base, "mode": "raw", "sample": i, **raw_capture(fn, calls[0], seeded)}
+                if not _healthy(device):
+                    raise SystemExit(3)  # the worker is replaced; the operator counts as a crash
+
+
+def _written(out: Any, args: tuple) -> Any:
+    """What an in-place call is compared by: the input it wrote."""
+    return args[0]
+
+
+def _with_grads(grad: bool) -> Callable[[Any, tuple], Any]:
+    """What a grad-mode call is compared by: its outputs and the inputs' gradients of their sum."""
+    if not grad:
+        return lambda out, args: out
+
+    def outputs_and_grads(out: Any, args: tuple) -> Any:
+        import torch
+
+        leaves = [t for t in _tensors(args) if t.requires_grad]
+        outs = [o for o in _tensors(out) if o.requires_grad and (o.is_floating_point() or o.is_complex())]
+        if not outs or not leaves:
+            return out
+        total = sum(o.real.sum() if o.is_complex() else o.sum() for o in outs)
+        grads = torch.autograd.grad(total, leaves, allow_unused=True)
+        return (_copy(out), [g if g is not None else torch.zeros(()) for g in grads])
+
+    return outputs_and_grads
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def raw_capture(fn: Callable[..., Any], call: tuple[tuple, dict], seeded: bool) -> dict[str, Any]:
+    """Whether the sample can be captured at all: a plain ``torch.cuda.graph`` capture after a
+    warm-up on a side stream, one replay, compared with eager (``raw_capturable`` / ``raw_not``)."""
+    import torch
+
+    args, kwargs = call
+    static = _copy(args)
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(*_copy(static), **kwargs)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn(*static, **kwargs)
+        if seeded:
+            torch.manual_seed(0)
+        g.replay()
+        torch.cuda.synchronize()
+        if seeded:
+            torch.manual_seed(0)
+        diff = same(out, fn(*_copy(args), **kwargs))
+    except Exception as e:  # noqa: BLE001 - not capturable: the ceiling says so
+        return {"outcome": "raw_not", "reason": f"{type(e).__name__}: {e}"[:200]}
+    return {"outcome": "raw_capturable" if diff is None else "raw_not", "reason": diff or ""}
+
+
+def _healthy(device: str) -> bool:
+    """Whether the process can still run CUDA work (a sticky error or a capture left open poisons it)."""
+    if device != "cuda":
+        return True
+    import torch
+
+    try:
+        x = torch.randn(16, device=device)
+        (x @ x).item()
+        torch.cuda.synchronize()
+        return not torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - poisoned
+        return False
+
+
+def worker(device: str, modes: tuple[str, ...], max_samples: int) -> int:
+    """Read operator indices from stdin, write one JSON record per sample and ``DONE <index>``."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    for line in sys.stdin:
+        index = int(line)
+        for rec in sweep_op(op_db[index], device, modes, max_samples):
+            print(json.dumps(rec), flush=True)
+        print(f"DONE {index}", flush=True)
+    return 0
+
+
+# --- the driver ------------------------------------------------------------------------------------
+def _selected(names: set[str] | None, device: str) -> list[int]:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return [i for i, op in enumerate(op_db) if op.supported_dtypes(device) and (names is None or op.name in names)]
+
+
+class _Worker:
+    """A worker process and the operator it is on."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.err: collections.deque[str] = collections.deque(maxlen=20)
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line.rstrip("\n"))
+
+    def run(self, index: int, timeout: float) -> tuple[list[dict[str, Any]], str | None]:
+        """The records of operator ``index``, and why the worker died or was killed (None: it finished)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{index}\n")
+        self.proc.stdin.flush()
+        records: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.kill()
+                return records, f"timed out after {timeout:.0f} s"
+            if line is None:
+                self.proc.wait()
+                tail = " | ".join(list(self.err)[-3:])[:300]
+                return records, f"worker exited with status {self.proc.returncode}: {tail}"
+            if line == f"DONE {index}":
+                return records, None
+            if line.startswith("{"):
+                records.append(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def sweep(
+    ops: list[int], argv: list[str], workers: int, timeout: float, budget: float | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """Run ``ops`` over ``workers`` worker processes (``argv`` starts one); replace a worker that dies.
+    No operator is started after ``budget`` seconds; returns the records and how many were not run."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    todo: queue.Queue[int] = queue.Queue()
+    for i in ops:
+        todo.put(i)
+    out: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    end = time.monotonic() + budget if budget is not None else None
+
+    def drive() -> None:
+        w = _Worker(argv)
+        while end is None or time.monotonic() < end:
+            try:
+                index = todo.get_nowait()
+            except queue.Empty:
+                break
+            records, died = w.run(index, timeout)
+            if died is not None:
+                op = op_db[index]
+                records.append({"op": op.name, "variant": op.variant_test_name, "dtype": "", "mode": "process",
+                                "sample": -1, "outcome": "crash", "reason": died})  # fmt: skip
+                w.close()
+                w = _Worker(argv)
+            with lock:
+                out.extend(records)
+        w.close()
+
+    threads = [threading.Thread(target=drive) for _ in range(max(1, workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, todo.qsize()
+
+
+def summarize(
+    records: list[dict[str, Any]], device: str, torch_version: str, seconds: float, not_run: int = 0
+) -> dict[str, Any]:
+    """The conformance JSON (see the module's docstring) from every sample record."""
+    outer = [r for r in records if r["mode"] in ("plain", "grad", "autocast", "process")]
+    inplace = [r for r in records if r["mode"] == "inplace"]
+    count = collections.Counter(r["outcome"] for r in outer)
+    icount = collections.Counter(r["outcome"] for r in inplace)
+    reasons = collections.Counter(r["reason"] for r in records if r["outcome"] == "eager")
+    return {
+        "device": device,
+        "torch": torch_version,
+        "ops": len({(r["op"], r["variant"]) for r in records}),
+        "samples": sum(count[k] for k in ("replayed", "eager", "error_as_eager", "wrong", "crash")),
+        "replayed": count["replayed"],
+        "eager": count["eager"],
+        "error_as_eager": count["error_as_eager"],
+        "wrong": count["wrong"] + icount["wrong"],
+        "crash": count["crash"] + icount["crash"],
+        "raw_capturable": sum(1 for r in records if r["outcome"] == "raw_capturable"),
+        "raw_tried": sum(1 for r in records if r["mode"] == "raw"),
+        "in_place": {
+            "samples": len(inplace),
+            "replayed": icount["replayed"],
+            "eager": icount["eager"],
+            "wrong": icount["wrong"],
+            "crash": icount["crash"],
+        },
+        "skipped": count["skipped"],
+        "reasons": dict(reasons.most_common()),
+        "failures": [r for r in records if r["outcome"] in ("wrong", "crash")],
+        "seconds": round(seconds, 1),
+        "ops_not_run": not_run,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--ops", help="operator names, comma-separated (default: every one on the device)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-samples", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=OP_TIMEOUT_S, help="seconds one operator may take")
+    p.add_argument("--budget", type=float, help="start no operator after this many seconds (the summary says how many)")
+    p.add_argument("--json", help="write the summary here")
+    p.add_argument("--records", help="write every sample's record here (JSON lines)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if a.worker:
+        return worker(a.device, modes, a.max_samples)
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("the sweep needs a CUDA GPU (or --device cpu, where graphtree runs everything eagerly)")
+        return 2
+    names = set(a.ops.split(",")) if a.ops else None
+    ops = _selected(names, a.device)
+    argv_worker = [sys.executable, os.path.abspath(__file__), "--worker", "--device", a.device, "--modes", a.modes,
+                   "--max-samples", str(a.max_samples)]  # fmt: skip
+    t0 = time.perf_counter()
+    records, not_run = sweep(ops, argv_worker, a.workers, a.timeout, a.budget)
+    device = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    res = summarize(records, device, torch.__version__, time.perf_counter() - t0, not_run)
+    keys = ("ops", "samples", "replayed", "eager", "error_as_eager", "wrong", "crash", "raw_capturable", "raw_tried")
+    print(f"{device}, torch {torch.__version__}: " + ", ".join(f"{k} {res[k]}" for k in keys))
+    print(f"in place: {res['in_place']}; {res['seconds']} s; operators not run (budget): {not_run}")
+    for r in res["failures"][:30]:
+        print(f"  {r['outcome'].upper():6} {r['op']}{'.' + r['variant'] if r['variant'] else ''} {r['dtype']} "
+              f"{r['mode']} #{r['sample']}: {r['reason']}")  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    if a.records:
+        with open(a.records, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
