@@ -26,7 +26,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <torch/csrc/Generator.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
@@ -796,6 +796,20 @@ PyObject* ambient(PyObject*, PyObject* const*, Py_ssize_t) {
 }
 
 #ifdef GRAPHTREE_CUDA
+// body() with its C++ exceptions raised as Python ones: pybind11's (a cast that failed) as TypeError,
+// any other as RuntimeError with its message.
+template <typename Body>
+PyObject* raising(Body&& body) {
+  try {
+    return body();
+  } catch (const pybind11::error_already_set& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 // capture_begin_isolated(graph, pool, standin) -> None: graph.capture_begin(pool, thread-local mode)
 // with the device's default CUDA generator kept out of the capture (torch < 2.12).
 //
@@ -813,7 +827,7 @@ PyObject* capture_begin_isolated(PyObject*, PyObject* const* args, Py_ssize_t na
     PyErr_SetString(PyExc_TypeError, "capture_begin_isolated(graph, pool, standin) takes 3 arguments");
     return nullptr;
   }
-  try {
+  return raising([&]() -> PyObject* {
     auto& graph = pybind11::handle(args[0]).cast<at::cuda::CUDAGraph&>();
     auto pool = pybind11::handle(args[1]).cast<std::pair<unsigned long long, unsigned long long>>();
     at::Generator standin = reinterpret_cast<THPGenerator*>(args[2])->cdata;
@@ -832,13 +846,7 @@ PyObject* capture_begin_isolated(PyObject*, PyObject* const* args, Py_ssize_t na
       gen.graphsafe_set_state(own);
     }
     Py_RETURN_NONE;
-  } catch (const pybind11::error_already_set& e) {
-    PyErr_SetString(PyExc_TypeError, e.what());
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 // replay_drawing(graph, pairs) -> int: replay a graph whose random operations drew, in its capture,
@@ -859,7 +867,7 @@ PyObject* replay_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "replay_drawing(graph, pairs: tuple) takes 2 arguments");
     return nullptr;
   }
-  try {
+  return raising([&]() -> PyObject* {
     auto& graph = pybind11::handle(args[0]).cast<at::cuda::CUDAGraph&>();
     c10::SmallVector<std::pair<at::CUDAGeneratorImpl*, at::CUDAGeneratorImpl*>, 4> gens;
     c10::SmallVector<std::mutex*, 4> locks;
@@ -920,13 +928,7 @@ PyObject* replay_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(k), PyLong_FromUnsignedLongLong(drawn[k]));
     }
     return out;
-  } catch (const pybind11::error_already_set& e) {
-    PyErr_SetString(PyExc_TypeError, e.what());
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 // standin_slots(standin) -> (seed address, offset address): where the kernels a capture draws from
@@ -937,7 +939,7 @@ PyObject* standin_slots(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "standin_slots(standin: torch.Generator) takes 1 argument");
     return nullptr;
   }
-  try {
+  return raising([&]() -> PyObject* {
     at::Generator gen = reinterpret_cast<THPGenerator*>(args[0])->cdata;
     auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
     at::PhiloxCudaState state;
@@ -951,10 +953,7 @@ PyObject* standin_slots(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     return Py_BuildValue("(KK)", reinterpret_cast<unsigned long long>(state.seed_.ptr),
                          reinterpret_cast<unsigned long long>(state.offset_.ptr));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 // A graph that draws, ready to launch with its generators' seeds and offsets written to its slots:
@@ -1008,7 +1007,7 @@ PyObject* prepare_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "prepare_drawing(graph, pairs, slots, increments): tuples of one length, at most 2");
     return nullptr;
   }
-  try {
+  return raising([&]() -> PyObject* {
     auto& graph = pybind11::handle(args[0]).cast<at::cuda::CUDAGraph&>();
     auto launch = std::make_unique<DrawingLaunch>();
     launch->exec = graph.raw_cuda_graph_exec();
@@ -1027,13 +1026,7 @@ PyObject* prepare_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     std::sort(launch->locks.begin(), launch->locks.end());
     launch->locks.erase(std::unique(launch->locks.begin(), launch->locks.end()), launch->locks.end());
     return PyCapsule_New(launch.release(), "graphtree.DrawingLaunch", drawing_launch_free);
-  } catch (const pybind11::error_already_set& e) {
-    PyErr_SetString(PyExc_TypeError, e.what());
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 // launch_drawing(capsule) -> None: under the generators' mutexes, read each generator's seed and
@@ -1048,9 +1041,9 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "launch_drawing(capsule): no capsule, or no CUDA runtime");
     return nullptr;
   }
-  try {
+  return raising([&]() -> PyObject* {
     c10::cuda::CUDAGuard guard(d->device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(d->device).stream();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(d->device).stream();
     uint64_t seed[2], offset[2];
     for (auto* m : d->locks) m->lock();
     try {
@@ -1089,10 +1082,7 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return nullptr;
     }
     Py_RETURN_NONE;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 #endif
 

@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,11 +36,7 @@ class Reach:
         elif inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
             self.module = fn.__self__
         else:
-            for cell in getattr(fn, "__closure__", None) or ():
-                try:
-                    v = cell.cell_contents
-                except ValueError:
-                    continue
+            for cell, v in _contents(getattr(fn, "__closure__", None) or ()):
                 if isinstance(v, torch.Tensor):
                     cells.append(cell)
                 elif isinstance(v, torch.nn.Module) and self.module is None:
@@ -61,12 +57,13 @@ class Reach:
 
 def _cell_tensors(cells: tuple[Any, ...]) -> list[torch.Tensor]:
     """The tensors ``cells`` hold now (a cell emptied or rebound to something else holds none)."""
-    out = []
+    return [v for _, v in _contents(cells) if isinstance(v, torch.Tensor)]
+
+
+def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
+    """Each cell that holds a value, with it (an empty cell, ``del``-ed in its scope, holds none)."""
     for cell in cells:
         try:
-            v = cell.cell_contents
+            yield cell, cell.cell_contents
         except ValueError:
             continue
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-    return out
