@@ -26,7 +26,8 @@ from graphtree import (
 )
 from graphtree.tree.breaks import eager
 from graphtree.tree.describe import describe
-from graphtree.tree.graphed import GraphedCallable, GraphedModule, graphed, mark_static
+from graphtree.tree.graphed import GraphedCallable, graphed, mark_static
+from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.manager import mark_step, reset, stats
 from graphtree.tree.stats import Stats
 

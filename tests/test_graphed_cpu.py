@@ -467,3 +467,49 @@ def test_the_collector_is_paused_while_a_graph_is_captured_and_restored_after():
         assert not gc.isenabled(), "a collector the user turned off stays off"
     finally:
         gc.enable()
+
+
+# --- copies (issue 45: what users do to modules) -----------------------------------------------------
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_a_deep_copy_of_a_graphed_module_is_graphed_anew_over_a_copy_of_the_model():
+    import copy
+
+    g = graphtree.graphed(_net(), warmup=2, name="net")
+    c = copy.deepcopy(g)  # EMA weights, a snapshot
+    assert isinstance(c, graphtree.GraphedModule) and c is not g
+    assert c.graphed_callable is not g.graphed_callable and c.graphed_callable.warmup == 2
+    assert c.graphed_callable.name == "net" and c.graphed_callable.id != g.graphed_callable.id
+    for a, b in zip(g.parameters(), c.parameters()):
+        assert a is not b and torch.equal(a, b)
+    x = torch.randn(3, 4)
+    assert torch.equal(c(x), g(x))
+    with torch.no_grad():
+        next(c.parameters()).add_(1.0)  # the copy's weights are its own
+    assert not torch.equal(c(x), g(x))
+    assert list(c.state_dict()) == list(g.state_dict()) == list(_net().state_dict())
+
+
+def test_a_graphed_module_saved_whole_loads_graphed(tmp_path):
+    g = graphtree.graphed(_net(), max_rerecords=3)
+    torch.save(g, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert isinstance(back, graphtree.GraphedModule) and back.graphed_callable.max_rerecords == 3
+    x = torch.randn(2, 4)
+    assert torch.equal(back(x), g(x))
+
+
+def test_a_graphed_function_and_a_graphed_method_can_be_copied():
+    import copy
+    import pickle
+
+    f = graphtree.graphed(torch.sin, name="sin")
+    again = pickle.loads(pickle.dumps(f))
+    assert again is not f and again.name == "sin" and torch.equal(again(torch.ones(2)), torch.ones(2).sin())
+    net = _net()
+    m = graphtree.graphed(net.forward)
+    m2 = copy.deepcopy(m)  # a method: a copy of its module
+    assert m2.fn.__self__ is not net and torch.equal(m2(torch.ones(1, 4)), net(torch.ones(1, 4)))

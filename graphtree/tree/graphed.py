@@ -19,6 +19,7 @@ from graphtree.tree import manager as _manager
 from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
+from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
 from graphtree.tree.inputs import (
     Bucketing,
@@ -125,6 +126,19 @@ class GraphedCallable:
         _check_options(
             buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts
         )
+        # what a copy is made with (copy.deepcopy, pickle, torch.save): the same options, no recordings
+        self._options = {
+            "buckets": buckets,
+            "bucket_dim": bucket_dim,
+            "warmup": warmup,
+            "max_rerecords": max_rerecords,
+            "name": name,
+            "debug": debug,
+            "max_break_values": max_break_values,
+            "lockstep_timeout": lockstep_timeout,
+            "parts": parts,
+            "min_ops": min_ops,
+        }
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         self.fn = fn
         self.id = next(_ids)
@@ -189,6 +203,16 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"graphed({self.name})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (``copy.deepcopy``, pickle) is the same callable graphed anew with the same options:
+        it shares no recording (its function deep-copied where the copy is deep: a module's method
+        with a copy of the module)."""
+        return (_graphed_again, (type(self), self.fn, self.copy_options()))
+
+    def copy_options(self) -> dict[str, Any]:
+        """The options it was made with, for a copy (``buckets``, ``warmup``, ``name``...)."""
+        return dict(self._options)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a decorator on a method: bind to the instance like a function would."""
@@ -453,103 +477,9 @@ class GraphedPart(GraphedCallable):
         return super().__call__(*args, **kwargs)
 
 
-class GraphedModule(torch.nn.Module):
-    """What :func:`graphed` returns for an ``nn.Module``: the same module, its calls recorded
-    and replayed as CUDA graphs.
-
-    It shares the wrapped module's parameters, buffers and submodules (the very same objects,
-    so ``state_dict()`` has the same keys and ``load_state_dict`` loads into the original);
-    ``.to()``, ``.eval()``, ``.train()`` act on the original too; attributes it does not have
-    itself are read from and written to the original. Moving the module to another device or
-    dtype moves its parameters' memory: the next call records again (a replay checks every
-    address it reads in place). The original's own methods (``model.generate``) still call the
-    original's ``forward``; graph that with ``model.forward = graphtree.graphed(model.forward)``.
-
-    Example::
-
-        model = graphtree.graphed(MyModel().cuda().eval())
-        model.load_state_dict(torch.load("weights.pt"))
-        with torch.inference_mode():
-            y = model(x)
-    """
-
-    def __init__(self, module: torch.nn.Module, call: GraphedCallable) -> None:
-        super().__init__()
-        for name in _SHARED:
-            object.__setattr__(self, name, getattr(module, name))
-        object.__setattr__(self, "_graphtree_module", module)
-        object.__setattr__(self, "__wrapped__", module)  # inspect.unwrap and signature see the original
-        object.__setattr__(self, "_graphtree_call", call)
-        object.__setattr__(self, "training", module.training)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._graphtree_call(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__.get("_graphtree_module")
-            if module is None:
-                raise
-            return getattr(module, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        module = self.__dict__.get("_graphtree_module")
-        if module is None or name == "training":
-            super().__setattr__(name, value)
-        else:
-            setattr(module, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        delattr(self._graphtree_module, name)
-
-    # Containers (nn.Sequential, nn.ModuleList, ...): indexing, length and iteration are the original's.
-    def __getitem__(self, index: Any) -> Any:
-        return self._graphtree_module[index]
-
-    def __len__(self) -> int:
-        return len(self._graphtree_module)
-
-    def __iter__(self) -> Any:
-        return iter(self._graphtree_module)
-
-    def train(self, mode: bool = True) -> GraphedModule:
-        self._graphtree_module.train(mode)
-        object.__setattr__(self, "training", mode)
-        return self
-
-    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._graphtree_module._save_to_state_dict(*args, **kwargs)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._graphtree_module._load_from_state_dict(*args, **kwargs)
-
-    def warm_up(self, *example_args: Any, sizes: Sequence[int] | None = None, **example_kwargs: Any) -> None:
-        """See :meth:`GraphedCallable.warm_up`."""
-        self._graphtree_call.warm_up(*example_args, sizes=sizes, **example_kwargs)
-
-    @property
-    def graphed_callable(self) -> GraphedCallable:
-        """The graphed call behind this module (its name, buckets and options)."""
-        call: GraphedCallable = self._graphtree_call
-        return call
-
-    def __repr__(self) -> str:
-        return f"graphed({self._graphtree_module!r})"
-
-
-# The state a GraphedModule shares with the module it wraps: the same dicts, not copies.
-_SHARED = (
-    "_parameters",
-    "_buffers",
-    "_non_persistent_buffers_set",
-    "_modules",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
+def _graphed_again(cls: type[GraphedCallable], fn: Callable[..., Any], options: dict[str, Any]) -> GraphedCallable:
+    """What a copy of a graphed callable is rebuilt with (see ``GraphedCallable.__reduce__``)."""
+    return cls(fn, **options)
 
 
 def _no_auto_compile(model: torch.nn.Module) -> bool:
@@ -643,10 +573,14 @@ def graphed(
 
     Constraints: a graph reads tensors it was not given (globals, closures, attributes that are
     not parameters or buffers) at the address they had when it was recorded. graphtree finds
-    them while recording and records again when one is freed or moves; but rebinding a name to
-    a *new* tensor while the old one stays alive cannot be seen: the replay keeps reading the
-    old one. Update such tensors in place (``W.copy_(new)``), mark them with
-    :func:`mark_static` and pass them as arguments, or keep them in a module. Under autograd
+    them while recording and records again when one is freed or moves, or when a closure cell is
+    rebound to a new tensor; but rebinding a global or an attribute to a *new* tensor while the
+    old one stays alive cannot be seen: the replay keeps reading the old one. Update such
+    tensors in place (``W.copy_(new)``), mark them with :func:`mark_static` and pass them as
+    arguments, or keep them in a module.
+
+    A graphed callable or module can be copied (``copy.deepcopy``, pickle, ``torch.save``): the
+    copy is graphed anew with the same options, over a copy of the module, and records its own. Under autograd
     (grad mode on and an input or parameter requiring grad) the call runs eagerly, unless the
     function turns grad off itself (``@torch.no_grad()``, ``@torch.inference_mode()``).
 

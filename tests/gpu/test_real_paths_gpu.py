@@ -400,3 +400,28 @@ def test_a_closure_cell_rebound_to_a_new_tensor_is_read_by_the_next_call():
             assert torch.equal(g(x), x * value), value
         del junk
     assert graphtree.stats().replays >= 6, graphtree.stats()
+
+
+def test_a_deep_copy_of_a_graphed_module_records_its_own_and_replays():
+    # Issue 45, item 1: copy.deepcopy of a graphed module raised "cannot pickle '_thread.lock' object".
+    import copy
+
+    torch.manual_seed(0)
+    g = graphtree.graphed(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).to(DEV).eval())
+    x = torch.randn(8, 64, device=DEV)
+    with torch.inference_mode():
+        for _ in range(3):
+            graphtree.mark_step()
+            g(x)
+    ema = copy.deepcopy(g)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    with torch.inference_mode():
+        for _ in range(3):
+            graphtree.mark_step()
+            a, b = g(x).clone(), ema(x).clone()
+        torch.testing.assert_close(a, g.graphed_callable.fn(x))
+        torch.testing.assert_close(b, ema.graphed_callable.fn(x))
+    assert not torch.equal(a, b)
+    assert graphtree.stats().recordings >= 2 and graphtree.stats().replays >= 3, graphtree.stats()
