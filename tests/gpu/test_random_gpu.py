@@ -9,8 +9,8 @@ place of ``torch.cuda.graph`` / ``torch.compile(mode="reduce-overhead")``; origi
 | test_cuda.py test_graph_rng_distributions               | test_graph_rng_distributions                    |
 | test_cuda.py test_graph_two_successive                  | test_graph_two_successive                       |
 | test_cuda.py test_graph_graphsafe_set_get_rng_state     | test_graph_graphsafe_set_get_rng_state          |
-| test_cuda.py test_graph_manual_seed_mismatch_raises     | not applicable: graphtree follows a new seed    |
-|   (a seed changed between capture and replay raises)    |   as eager does (test_manual_seed_between_calls)|
+| test_cuda.py test_graph_manual_seed_mismatch_raises     | in test_ported_test_cuda_gpu.py; a seed changed |
+|   (a seed changed between capture and replay raises)    |   between calls: test_manual_seed_between_calls |
 | test_cudagraph_trees.py test_rng_trees                  | test_rng_trees                                  |
 | test_cudagraph_trees.py test_rng_non_trees              | test_rng_non_trees                              |
 | test_cudagraph_trees.py test_multinomial                | test_multinomial                                |
