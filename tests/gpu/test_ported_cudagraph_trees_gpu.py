@@ -103,16 +103,17 @@ def test_run_simple():
     assert _stats().recordings == 2, _stats()
 
 
-def test_mutation_on_inp():
-    def foo(x):
-        x.add_(2)
-        return x
+def _add_two(x):
+    x.add_(2)
+    return x
 
-    g = graphtree.graphed(foo)
+
+def test_mutation_on_inp():
+    g = graphtree.graphed(_add_two)
     for _ in range(3):
         graphtree.mark_step()
         a, b = torch.ones(10, device=DEV), torch.ones(10, device=DEV)
-        assert torch.equal(g(a), foo(b)) and torch.equal(a, b)
+        assert torch.equal(g(a), _add_two(b)) and torch.equal(a, b)
 
     class Mod(torch.nn.Module):
         def __init__(self):
@@ -135,12 +136,7 @@ def test_mutation_on_inp():
 
 def test_mutation_cudagraph_managed_tensors():
     foo = graphtree.graphed(lambda x: x + 1)
-
-    def mut(x):
-        x.add_(2)
-        return x
-
-    gmut = graphtree.graphed(mut)
+    gmut = graphtree.graphed(_add_two)
     for _ in range(4):
         graphtree.mark_step()
         inp = torch.rand(4, device=DEV)

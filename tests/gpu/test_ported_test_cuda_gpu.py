@@ -370,11 +370,16 @@ def test_graph_optims_with_explicitly_capturable_param_groups(name, second_captu
         [{"params": [params[0]], "capturable": True}, {"params": [params[1]], "capturable": second_capturable}], lr=0.1
     )
     ref_opt = cls([{"params": [ref[0]]}, {"params": [ref[1]]}], lr=0.1)
+    _steps_equal(opt, ref_opt, params, ref, seed=0)
+
+
+def _steps_equal(opt, ref_opt, params, ref, seed, steps=6):
+    """``opt.step`` graphed and ``ref_opt.step`` eager, each given the same gradients: equal parameters."""
     step = graphtree.graphed(opt.step)
-    gen = torch.Generator(DEV).manual_seed(0)
-    for _ in range(6):
-        grads = [torch.randn(1, device=DEV, generator=gen) for _ in range(2)]
-        for p, r, gr in zip(params, ref, grads):
+    gen = torch.Generator(DEV).manual_seed(seed)
+    for _ in range(steps):
+        for p, r in zip(params, ref):
+            gr = torch.randn(p.shape, device=DEV, generator=gen)
             p.grad, r.grad = gr.clone(), gr.clone()
         graphtree.mark_step()
         step()
@@ -475,17 +480,7 @@ def test_graph_optims(name):
     params = [torch.randn(s, device=DEV, requires_grad=True) for s in shapes]
     ref = [p.detach().clone().requires_grad_() for p in params]
     opt, ref_opt = cls(params, **kwargs), cls(ref, **{k: v for k, v in kwargs.items() if k != "capturable"})
-    step = graphtree.graphed(opt.step)
-    gen = torch.Generator(DEV).manual_seed(1)
-    for _ in range(6):
-        for p, r in zip(params, ref):
-            gr = torch.randn(p.shape, device=DEV, generator=gen)
-            p.grad, r.grad = gr.clone(), gr.clone()
-        graphtree.mark_step()
-        step()
-        ref_opt.step()
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p, r)
+    _steps_equal(opt, ref_opt, params, ref, seed=1)
 
 
 def test_graph_scaling_fused_optimizers():
