@@ -132,7 +132,7 @@ for stage in $stages; do
       ;;
     suite)  # tests marked own_process run all they check in subprocesses: no state of this process to
             # poison or be poisoned by; they run in `files` (and `own`), which keeps this under a call
-      timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-575} python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=30 tests/gpu 2>&1 | tee "$OUT/suite.log" | tail -30
       ;;
     suite_breaks_on)  # the one-process suite with breaks on by default (max_break_values=8), in a copy:
                       # what making them the default would do, before it is made
