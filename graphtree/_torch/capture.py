@@ -270,14 +270,12 @@ class StateWatch(TorchDispatchMode):
                     given.add(ptr)
                     if self._track_reads and ptr and ptr not in self.read:
                         self.read[ptr] = (weak_ref(st), st.nbytes())
-        if _SEEDED in func.tags:
+        seeded = _SEEDED in func.tags
+        if seeded:
             gen = generator_of(func, args, kwargs)
             if gen is not None and gen.device.type == "cuda":
                 self.generators[generator_key(gen)] = gen
-        if self.standin_of is not None and _SEEDED in func.tags:
-            out = draw_from(self.standin_of, func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out = draw_from(self.standin_of, func, args, kwargs) if seeded and self.standin_of else func(*args, **kwargs)
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
                 st = t.untyped_storage()

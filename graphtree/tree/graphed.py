@@ -577,12 +577,12 @@ def graphed(
     rebound to a new tensor; but rebinding a global or an attribute to a *new* tensor while the
     old one stays alive cannot be seen: the replay keeps reading the old one. Update such
     tensors in place (``W.copy_(new)``), mark them with :func:`mark_static` and pass them as
-    arguments, or keep them in a module.
+    arguments, or keep them in a module. Under autograd (grad mode on and an input or parameter
+    requiring grad) the call runs eagerly, unless the function turns grad off itself
+    (``@torch.no_grad()``, ``@torch.inference_mode()``).
 
     A graphed callable or module can be copied (``copy.deepcopy``, pickle, ``torch.save``): the
-    copy is graphed anew with the same options, over a copy of the module, and records its own. Under autograd
-    (grad mode on and an input or parameter requiring grad) the call runs eagerly, unless the
-    function turns grad off itself (``@torch.no_grad()``, ``@torch.inference_mode()``).
+    copy is graphed anew with the same options, over a copy of the module, and records its own.
 
     Example::
 
