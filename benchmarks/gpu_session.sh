@@ -143,6 +143,20 @@ for stage in $stages; do
         python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 \
         | tee "$OUT/suite_breaks_on.log" | tail -30)
       ;;
+    suite_bg)  # the one-process suite in the background, in a process session of its own, so that it
+               # outlives this call (the machine stays warm 30 s between calls) and may run past 600 s;
+               # `suite_wait` in the next call waits for it and brings its log back
+      mkdir -p /tmp/bg && rm -f /tmp/bg/*
+      setsid nohup bash -c "GRAPHTREE_TEST_TIMES=/tmp/bg/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
+        python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > /tmp/bg/suite.log 2>&1; \
+        echo \$? > /tmp/bg/rc" > /dev/null 2>&1 < /dev/null &
+      echo "suite started in the background at $(date +%T)" | tee "$OUT/suite_bg.txt"
+      ;;
+    suite_wait)  # wait for suite_bg's run (at most $WAIT_S seconds), then bring its log back
+      for _ in $(seq ${WAIT_S:-540}); do [ -f /tmp/bg/rc ] && break; sleep 1; done
+      cp /tmp/bg/suite.log "$OUT/suite.log" 2>/dev/null; cp /tmp/bg/test-times.txt "$OUT/suite-test-times.txt" 2>/dev/null
+      echo "suite rc: $(cat /tmp/bg/rc 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite.log"
+      ;;
     own)
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 | tee "$OUT/own.log" | tail -15
       ;;
@@ -156,7 +170,7 @@ for stage in $stages; do
               # ~10 min on one GPU: CONFORM_OPS names some operators, CONFORM_TIMEOUT its limit), then the
               # ported CUDA-graph tests; conformance.json holds both (needs the expecttest wheel in .whl)
       timeout -s INT ${CONFORM_TIMEOUT:-480} python3 benchmarks/conformance/opinfo_sweep.py --workers ${CONFORM_WORKERS:-4} --budget ${CONFORM_BUDGET:-330} \
-        ${CONFORM_OPS:+--ops "$CONFORM_OPS"} --json "$OUT/conformance.json" --records "$OUT/conformance-records.jsonl" 2>&1 | tee "$OUT/conform.log" | tail -40
+        ${CONFORM_OPS:+--ops "$CONFORM_OPS"} ${CONFORM_ARGS:-} --json "$OUT/conformance.json" --records "$OUT/conformance-records.jsonl" 2>&1 | tee "$OUT/conform.log" | tail -40
       timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_random_gpu.py tests/gpu/test_ported_test_cuda_gpu.py \
         tests/gpu/test_ported_cudagraph_trees_gpu.py 2>&1 | tee "$OUT/ported.log" | tail -3
       python3 - "$OUT" <<'PY'

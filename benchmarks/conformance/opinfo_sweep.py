@@ -50,6 +50,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "int64", "bool", "complex64")
 MODES = ("plain", "grad", "autocast", "inplace", "raw")
 CALLS = 4  # warm-up, recording, two replays
 OP_TIMEOUT_S = 120.0
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --- comparing one call with eager -----------------------------------------------------------------
@@ -316,8 +317,10 @@ class _Worker:
     """A worker process and the operator it is on."""
 
     def __init__(self, argv: list[str]) -> None:
+        env = dict(os.environ)  # the worker imports the graphtree this driver would (a checkout's, uninstalled)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.err: collections.deque[str] = collections.deque(maxlen=20)

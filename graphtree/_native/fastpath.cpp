@@ -25,6 +25,7 @@
 #ifdef GRAPHTREE_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/csrc/Generator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -956,6 +957,40 @@ PyObject* standin_slots(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   });
 }
 
+// standin_seal(standin) -> int: capture, as the last work of the capture under way, an add that moves
+// the stand-in's offset slot on by what the capture drew (its whole-graph increment, returned). Each
+// replay then leaves the slot where the generator is after it (launch_drawing advances the generator by
+// as much), so that the next replay needs no write unless something else drew in between. Call it on
+// the capturing stream, after the side streams are joined and right before capture_end. The add runs
+// past Python dispatch: a dispatch mode watching the capture must not take it for the caller's write.
+PyObject* standin_seal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1 || !THPGenerator_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "standin_seal(standin: torch.Generator) takes 1 argument");
+    return nullptr;
+  }
+  return raising([&]() -> PyObject* {
+    at::Generator gen = reinterpret_cast<THPGenerator*>(args[0])->cdata;
+    auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
+    at::PhiloxCudaState state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = impl->philox_cuda_state(0);
+    }
+    if (!state.captured_) {
+      PyErr_SetString(PyExc_RuntimeError, "standin_seal: the stand-in is not being captured");
+      return nullptr;
+    }
+    const auto drawn = static_cast<int64_t>(state.offset_intragraph_);
+    if (drawn > 0) {
+      c10::impl::ExcludeDispatchKeyGuard no_python(
+          c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+      auto options = at::TensorOptions().dtype(at::kLong).device(at::Device(at::kCUDA, impl->device().index()));
+      at::from_blob(state.offset_.ptr, {1}, options).add_(drawn);
+    }
+    return PyLong_FromLongLong(drawn);
+  });
+}
+
 // A graph that draws, ready to launch with its generators' seeds and offsets written to its slots:
 // what replay_drawing does, without torch's replay prologue, whose two fill_ kernels per generator
 // cost about 20 us of CPU a call on the H100 host (torch 2.11). The capsule holds no reference to the
@@ -971,8 +1006,11 @@ struct DrawingLaunch {
   c10::DeviceIndex device;
   c10::SmallVector<Slot, 2> slots;
   c10::SmallVector<std::mutex*, 2> locks;
+  bool sealed = false;  // each replay moves its offset slots on itself (standin_seal)
   uint64_t seed_written[2] = {0, 0};
   bool seed_known[2] = {false, false};
+  uint64_t offset_in_slot[2] = {0, 0};  // sealed: the offset a slot holds once the last launch has run
+  bool offset_known[2] = {false, false};
 };
 
 using GraphLaunch = int (*)(cudaGraphExec_t, cudaStream_t);
@@ -999,18 +1037,21 @@ void drawing_launch_free(PyObject* capsule) {
   delete static_cast<DrawingLaunch*>(PyCapsule_GetPointer(capsule, "graphtree.DrawingLaunch"));
 }
 
-// prepare_drawing(graph, pairs, slots, increments) -> capsule for launch_drawing; at most 2 pairs.
+// prepare_drawing(graph, pairs, slots, increments, sealed) -> capsule for launch_drawing; at most 2
+// pairs. sealed: the graph was captured with standin_seal (its replays move their offset slots on).
 PyObject* prepare_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
+  if (nargs != 5 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
       PyTuple_GET_SIZE(args[1]) != PyTuple_GET_SIZE(args[2]) || PyTuple_GET_SIZE(args[1]) != PyTuple_GET_SIZE(args[3]) ||
       PyTuple_GET_SIZE(args[1]) > 2) {
-    PyErr_SetString(PyExc_TypeError, "prepare_drawing(graph, pairs, slots, increments): tuples of one length, at most 2");
+    PyErr_SetString(PyExc_TypeError,
+                    "prepare_drawing(graph, pairs, slots, increments, sealed): tuples of one length, at most 2");
     return nullptr;
   }
   return raising([&]() -> PyObject* {
     auto& graph = pybind11::handle(args[0]).cast<at::cuda::CUDAGraph&>();
     auto launch = std::make_unique<DrawingLaunch>();
     launch->exec = graph.raw_cuda_graph_exec();
+    launch->sealed = PyObject_IsTrue(args[4]) == 1;
     launch->device = c10::cuda::current_device();
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); ++i) {
       PyObject* pair = PyTuple_GET_ITEM(args[1], i);
@@ -1032,6 +1073,8 @@ PyObject* prepare_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // launch_drawing(capsule) -> None: under the generators' mutexes, read each generator's seed and
 // offset and advance it by the graph's increment (as an eager call's draws would); then, on the
 // current stream, write them into the graph's slots (cuStreamWriteValue64: no kernel) and launch.
+// A slot that already holds the value is not written: a seed seldom changes, and a sealed graph's
+// last replay left its offset slots where the generators are unless something else drew since.
 PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   static GraphLaunch graph_launch = reinterpret_cast<GraphLaunch>(runtime_symbol("cudaGraphLaunch"));
   static WriteValue64 write64 = stream_write64();
@@ -1058,6 +1101,9 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       throw;
     }
     for (auto* m : d->locks) m->unlock();
+    auto forget = [d]() {  // after a failure, the slots' values are unknown: the next launch writes them
+      for (size_t i = 0; i < 2; ++i) d->seed_known[i] = d->offset_known[i] = false;
+    };
     for (size_t i = 0; i < d->slots.size(); ++i) {
       auto& slot = d->slots[i];
       int err = 0;
@@ -1065,19 +1111,23 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         err = write64 ? write64(stream, reinterpret_cast<uint64_t>(slot.seed), seed[i], 0)
                       : memcpy_async(slot.seed, &seed[i], 8, 1 /* host to device, pageable: staged */, stream);
         d->seed_written[i] = seed[i];
-        d->seed_known[i] = err == 0;
+        d->seed_known[i] = true;
       }
-      if (err == 0) {
+      if (err == 0 && !(d->sealed && d->offset_known[i] && d->offset_in_slot[i] == offset[i])) {
         err = write64 ? write64(stream, reinterpret_cast<uint64_t>(slot.offset), offset[i], 0)
                       : memcpy_async(slot.offset, &offset[i], 8, 1, stream);
       }
+      d->offset_in_slot[i] = offset[i] + slot.increment;  // (the replay's own add moves it there)
+      d->offset_known[i] = d->sealed;
       if (err != 0) {
+        forget();
         PyErr_Format(PyExc_RuntimeError, "graphtree: writing a generator's offset for a replay failed (CUDA error %d)", err);
         return nullptr;
       }
     }
     const int err = graph_launch(d->exec, stream);
     if (err != 0) {
+      forget();
       PyErr_Format(PyExc_RuntimeError, "graphtree: cudaGraphLaunch failed (CUDA error %d)", err);
       return nullptr;
     }
@@ -1116,8 +1166,10 @@ PyMethodDef methods[] = {
      "replay_drawing(graph, pairs) -> increments"},
     {"standin_slots", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(standin_slots)), METH_FASTCALL,
      "standin_slots(standin) -> (seed address, offset address)"},
+    {"standin_seal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(standin_seal)), METH_FASTCALL,
+     "standin_seal(standin) -> int"},
     {"prepare_drawing", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prepare_drawing)), METH_FASTCALL,
-     "prepare_drawing(graph, pairs, slots, increments) -> capsule"},
+     "prepare_drawing(graph, pairs, slots, increments, sealed) -> capsule"},
     {"launch_drawing", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(launch_drawing)), METH_FASTCALL,
      "launch_drawing(capsule) -> None"},
     {"drawing_writes", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(drawing_writes)), METH_FASTCALL,

@@ -320,6 +320,7 @@ class Breaks(TorchDispatchMode):
         """End the capture under way, first joining the side streams forked into it (a capture
         cannot end with work of a stream it forked unjoined); returns those streams."""
         joined = self._join()
+        _draws.seal(self.graph)
         self.open = False
         with warnings.catch_warnings():
             # a segment with no work (a read right before another, or before the call returns) is

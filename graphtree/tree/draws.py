@@ -19,9 +19,13 @@ as far as the stand-ins' did (how far each moves per replay: the capture's incre
 replays (``_native.launch_drawing``) read each generator's seed and offset and advance it by its
 increment under its mutex, write them into the slots on the stream (``cuStreamWriteValue64``, no
 kernel: torch's prologue launches two ``fill_`` kernels per generator, about 20 us of CPU a call on
-the H100 host) and launch the graph. The numbers are eager's at that point of the sequence, the
-generators end where eager leaves them, and other threads' random ops never meet a generator in
-capture mode (they wait on a mutex for a few reads). A graph that drew nothing replays plainly.
+the H100 host) and launch the graph. A slot that holds its value already is not written: the seed
+seldom changes, and each capture ends with an add that moves its offset slots on by what it drew
+(:func:`seal`), so that after a replay they hold where the generators are; only a draw by something
+else in between (an eager call, another graph, ``manual_seed``) makes the next replay write. The
+numbers are eager's at that point of the sequence, the generators end where eager leaves them,
+and other threads' random ops never meet a generator in capture mode (they wait on a mutex for a
+few reads). A graph that drew nothing replays plainly.
 
 Without the native part (or on torch >= 2.12), torch's own capture: the default generator and the
 explicit ones are registered as they are; replays draw eager's numbers through torch's prologue.
@@ -31,6 +35,7 @@ Example (what :mod:`graphtree.tree.recorder` does)::
     draws = Draws(device, seen(gc.id))
     draws.begin(graph, pool_id, watch)      # instead of graph.capture_begin(...)
     out = fn(*args)                         # captured; its random ops draw from the stand-ins
+    seal(graph)                             # each replay moves its offset slots on itself
     graph.capture_end()
     replay(graph)                           # the recording's outputs: eager's numbers
     launch = launcher(graph)                # each later replay: launch()
@@ -134,6 +139,20 @@ class _Pending(NamedTuple):
     helpers: Any  # graphtree's native helpers, which began the capture (tests switch _native.loaded off)
     pairs: tuple[tuple[torch.Generator, torch.Generator], ...]
     slots: tuple[tuple[int, int], ...]  # where its kernels read each stand-in's seed and offset
+    sealed: bool = False  # its replays move their offset slots on themselves (seal)
+
+
+def seal(graph: torch.cuda.CUDAGraph) -> None:
+    """Right before ``graph.capture_end()`` (side streams joined), on the capturing stream: if the
+    capture draws from stand-ins, capture as its last work an add that moves each stand-in's offset
+    slot on by what the capture drew. A replay then leaves the slots where the generators are after
+    it, and the next replay writes nothing unless something else drew in between
+    (``_native.launch_drawing``)."""
+    how = getattr(graph, _ATTR, None)
+    if isinstance(how, _Pending) and hasattr(how.helpers, "standin_seal"):
+        for standin, _ in how.pairs:
+            how.helpers.standin_seal(standin)
+        setattr(graph, _ATTR, how._replace(sealed=True))
 
 
 def replay(graph: torch.cuda.CUDAGraph) -> None:
@@ -152,7 +171,7 @@ def replay(graph: torch.cuda.CUDAGraph) -> None:
         if not any(increments):
             setattr(graph, _ATTR, None)  # it draws nothing: plain replays from now on
         elif len(how.pairs) <= 2:  # (more generators: each replay goes through replay_drawing)
-            prepared = how.helpers.prepare_drawing(graph, how.pairs, how.slots, increments)
+            prepared = how.helpers.prepare_drawing(graph, how.pairs, how.slots, increments, how.sealed)
             setattr(graph, _ATTR, functools.partial(how.helpers.launch_drawing, prepared))
 
 

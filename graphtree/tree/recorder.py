@@ -466,6 +466,7 @@ def capture_isolated(
                 except BaseException as e:  # noqa: BLE001 - raised below, after the capture ends
                     error = e
                 try:
+                    _draws.seal(graph)
                     graph.capture_end()
                 except BaseException as e:  # noqa: BLE001 - the function's error first, if any
                     error, broken = error or e, True

@@ -249,6 +249,39 @@ def test_manual_seed_between_calls():
         outs[seed] = out
 
 
+def test_replays_in_a_row_and_draws_between_them_are_eagers():
+    # A replay writes a generator's offset into its graph only when something else drew since its
+    # last replay (each capture ends by moving its own offset slot on): replays in a row, eager
+    # draws, another graph drawing from the same generator and set_rng_state between them.
+    x = torch.zeros(64, device=DEV)
+    fns = {"a": lambda t: t + torch.rand_like(t), "b": lambda t: F.dropout(t + 1, 0.5)}
+    program = "aaaa" + "e" + "aa" + "b" + "a" + "bb" + "s" + "aaa" + "S" + "ba" + "e" + "ab" * 3
+
+    def run(graphed: bool) -> list:
+        calls = {k: graphtree.graphed(f, name=f"row_{k}") if graphed else f for k, f in fns.items()}
+        torch.manual_seed(5)
+        outs, saved = [], None
+        for step in program:
+            if step == "e":
+                outs.append(torch.randn(7, device=DEV))
+            elif step == "s":
+                saved = torch.cuda.get_rng_state()
+            elif step == "S":
+                torch.cuda.set_rng_state(saved)
+            else:
+                graphtree.mark_step()
+                outs.append(calls[step](x).clone())
+        return outs
+
+    want = run(graphed=False)
+    state = torch.cuda.get_rng_state()
+    before = _replays()
+    got = run(graphed=True)
+    assert _replays() - before >= 14, graphtree.stats()
+    _assert_same(got, want)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
 def test_an_explicit_generator_is_honoured():
     gen = torch.Generator(device=DEV)
     twin = torch.Generator(device=DEV)
