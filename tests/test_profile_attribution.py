@@ -17,6 +17,12 @@ def test_user_files_and_internal_files():
     assert not is_user_file(json.__file__)
     assert not is_user_file(torch.nn.modules.module.__file__)
     assert not is_user_file(graphtree.__file__)
+    # graphtree's dispatch mode runs every captured operation: its frame is never the call site
+    # (the GPU profile tests named StateWatch.__torch_dispatch__ once _torch.py became a package)
+    from graphtree import _native
+    from graphtree._torch import capture
+
+    assert not is_user_file(capture.__file__) and not is_user_file(_native.__file__)
 
 
 def _inner(table):

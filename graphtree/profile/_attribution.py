@@ -151,7 +151,8 @@ _GRAPHTREE_MACHINERY = tuple(
         "profile" + os.sep,
         "bench" + os.sep,
         "debug" + os.sep,
-        "_torch.py",
+        "_torch" + os.sep,  # (a package: gate, capture, ...)
+        "_native" + os.sep,
         "_events.py",
         "__init__.py",
     )
