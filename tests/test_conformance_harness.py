@@ -5,6 +5,7 @@ CPU graphtree runs every call eagerly, so every sample is ``eager``)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -40,8 +41,92 @@ def test_each_outcome_is_told_apart():
     assert crash["outcome"] == "crash" and "boom" in crash["reason"]
     assert _classify(raises, eager=raises)["outcome"] == "error_as_eager"
     assert _classify(torch.sin, eager=raises)["outcome"] == "wrong"  # eager raises, graphtree did not
-    assert _classify(lambda x: torch.rand(3), eager=lambda x: torch.rand(3), seeded=True)["outcome"] == "eager"
-    assert _classify(lambda x: torch.rand(3), eager=lambda x: torch.rand(3))["outcome"] == "wrong"
+    seeded = _classify(lambda x: torch.rand(3), eager=lambda x: torch.rand(3), seeded=True)
+    assert seeded["outcome"] == "eager" and seeded["compared"] == "values"  # the seed makes the draws comparable
+    assert _classify(lambda x: torch.rand(3), eager=lambda x: torch.zeros(3))["outcome"] == "wrong"
+    # unseeded draws: eager does not reproduce its own values, so only their metadata is compared
+    unseeded = _classify(lambda x: torch.rand(3), eager=lambda x: torch.rand(3))
+    assert unseeded["outcome"] == "eager" and unseeded["compared"] == "metadata"
+
+
+def test_eager_that_does_not_reproduce_itself_is_compared_by_metadata():
+    draws = itertools.count()
+
+    def fresh(x):  # other values at each call, as an uninitialized output (torch.empty) has
+        return torch.full_like(x, float(next(draws)))
+
+    assert _classify(fresh, eager=fresh) == {"outcome": "eager", "reason": "no CUDA", "compared": "metadata"}
+    assert _classify(torch.sin)["compared"] == "values"
+    # the metadata still counts: shape, dtype, structure
+    shape = _classify(lambda x: fresh(x)[:2], eager=fresh)
+    assert shape["outcome"] == "wrong" and shape["reason"].startswith("call 0: shape")
+    dtype = _classify(lambda x: fresh(x).double(), eager=fresh)
+    assert dtype["outcome"] == "wrong" and "dtype" in dtype["reason"]
+    assert _classify(lambda x: (fresh(x),), eager=fresh)["outcome"] == "wrong"
+
+    def late(x):  # reproducible on calls 0 and 1, not from call 2 on (x[0] is the call's index)
+        return torch.sin(x) + (next(draws) if x[0] >= 2 else 0)
+
+    # the values that differ on call 0 are not held against graphtree: eager turns out not reproducible
+    assert _classify(torch.cos, eager=late)["compared"] == "metadata"
+    assert _classify(torch.cos, eager=late)["outcome"] == "eager"
+
+
+def _rec(op, mode, outcome, dtype="float32", sample=0, **more):
+    return {"op": op, "variant": "", "dtype": dtype, "mode": mode, "sample": sample, "outcome": outcome,
+            "reason": "", **more}  # fmt: skip
+
+
+def test_summary_counts_raw_pairs_like_for_like_and_the_slowest_operators():
+    records = [
+        _rec("a", "plain", "replayed", compared="values"),
+        _rec("a", "raw", "raw_capturable"),
+        _rec("a", "plain", "replayed", sample=1),  # no raw try: not in raw_pairs
+        _rec("a", "grad", "replayed"),
+        _rec("b", "plain", "eager", compared="metadata"),
+        _rec("b", "raw", "raw_capturable"),  # capturable, graphtree ran it eagerly
+        _rec("c", "plain", "replayed", dtype="int64"),
+        _rec("c", "raw", "raw_not", dtype="int64"),  # replayed, not raw-capturable: not counted
+        _rec("c", "inplace", "eager", compared="metadata"),
+        *(_rec(f"op{i}", "op", "done", dtype="", sample=-1, seconds=float(i)) for i in range(12)),
+    ]
+    res = sweep.summarize(records, "cpu", torch.__version__, 1.0)
+    assert res["raw_pairs"] == {"raw_capturable": 2, "replayed": 1}
+    assert res["replayed"] == 4 and res["raw_capturable"] == 2 and res["raw_tried"] == 3  # (unchanged fields)
+    assert res["metadata_only"] == 2
+    assert res["ops"] == 3  # (the operators' bookkeeping records are not samples)
+    assert list(res["op_seconds"].items()) == [(f"op{i}", float(i)) for i in range(11, 1, -1)]
+
+
+def test_a_raw_try_that_leaves_the_process_unusable_is_blamed_on_the_raw_step(monkeypatch):
+    tries = [({"op": name, "mode": "raw", "sample": 0}, name, ((), {})) for name in ("ok", "poisons", "later")]
+    poisoned = []
+    monkeypatch.setattr(sweep, "raw_capture", lambda fn, call, seeded: poisoned.append(fn == "poisons") or {
+        "outcome": "raw_not", "reason": "RuntimeError: capture failed"})  # fmt: skip
+    monkeypatch.setattr(sweep, "_healthy", lambda device: not any(poisoned))
+    got = []
+    with pytest.raises(sweep.Unusable):
+        got.extend(sweep.raw_ceilings(tries, False, "cuda"))
+    assert [r["op"] for r in got] == ["ok", "poisons"]  # the try after it is not made
+    assert got[1]["outcome"] == "raw_not" and "left the process unusable" in got[1]["reason"]
+    assert "capture failed" in got[1]["reason"]
+
+
+def test_a_worker_left_unusable_by_a_raw_try_is_replaced_without_a_crash(tmp_path):
+    pytest.importorskip("expecttest")  # (op_db imports it)
+    fake = tmp_path / "worker.py"  # answers its first operator, says it is unusable, exits
+    fake.write_text(
+        "import json, sys\n"
+        "index = int(sys.stdin.readline())\n"
+        "print(json.dumps({'op': 'x', 'variant': '', 'dtype': 'float32', 'mode': 'raw', 'sample': 0,"
+        " 'outcome': 'raw_not', 'reason': 'the raw capture left the process unusable'}), flush=True)\n"
+        "print(f'DONE {index} 1.25 unusable', flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    records, not_run = sweep.sweep([0, 1, 2], [sys.executable, str(fake)], workers=1, timeout=60)
+    assert not_run == 0
+    assert not [r for r in records if r["outcome"] == "crash"]  # each operator ran on a fresh worker
+    assert [r["seconds"] for r in records if r["mode"] == "op"] == [1.25] * 3
 
 
 def test_nan_equals_nan_and_structure_counts():
@@ -67,3 +152,5 @@ def test_a_small_sweep_writes_the_summary(tmp_path):
     assert res["ops"] == 2 and res["samples"] > 0 and res["wrong"] == 0 and res["crash"] == 0
     assert res["eager"] == res["samples"] and res["in_place"]["samples"] > 0  # the CPU runs everything eagerly
     assert set(res["reasons"]) == {"no CUDA"}
+    assert res["metadata_only"] == 0 and res["raw_pairs"] == {"raw_capturable": 0, "replayed": 0}
+    assert set(res["op_seconds"]) == {"add", "nn.functional.dropout"}

@@ -12,24 +12,36 @@ int64, bool and complex64 it supports, for each of its sample inputs (at most ``
 - **autocast**: float32 samples under ``torch.autocast(device, torch.bfloat16)``;
 - **inplace**: the in-place variant (``add_``...) on a fresh copy of the input each call, compared
   by the input it wrote (counted apart);
-- **raw**: the first sample under a plain ``torch.cuda.graph`` capture and one replay: the ceiling
-  (what is capturable at all).
+- **raw**: the first plain sample of each dtype captured on a stream of its own with
+  ``CUDAGraph.capture_begin(capture_error_mode="thread_local")`` and replayed once: the ceiling
+  (what is capturable at all). The raw tries run after the operator's graphtree samples, and the
+  process is checked after each: one that leaves it unusable is recorded as ``raw_not`` (the worker
+  is replaced, the operator's other raw tries are not made, no crash is counted).
 
-Random operators are compared under the same seed (graphtree draws eager's numbers). Each sample is
-classified: ``replayed`` (equal to eager, and at least two calls replayed), ``eager`` (equal, run
-eagerly: the reasons graphtree gave are collected), ``error_as_eager`` (graphtree raised what eager
-raised), ``wrong`` (differs from eager without an error) or ``crash`` (an error eager does not
-raise, a process left unusable, a worker killed or timed out). Operators run in worker processes;
-a worker that dies or is left unusable is replaced, and its operator counted as a crash.
+Eager runs twice per call, each on its own copy and from the same seed. Where the two results
+differ (uninitialized outputs such as ``empty_like``, unseeded draws, kernels with atomics), the
+sample's values are not comparable: each of its calls is compared by structure, shapes, dtypes and
+devices only (the record's ``compared`` is ``metadata``, else ``values``). Random operators are
+compared under the same seed (graphtree draws eager's numbers). Each sample is classified:
+``replayed`` (equal to eager, and at least two calls replayed), ``eager`` (equal, run eagerly: the
+reasons graphtree gave are collected), ``error_as_eager`` (graphtree raised what eager raised),
+``wrong`` (differs from eager without an error) or ``crash`` (an error eager does not raise, a
+process left unusable, a worker killed or timed out). Operators run in worker processes; a worker
+that dies or is left unusable by a sample is replaced, and its operator counted as a crash.
 
     python benchmarks/conformance/opinfo_sweep.py --json conformance.json [--workers 4]
         [--ops add,mul] [--max-samples 4] [--modes plain,grad,autocast,inplace,raw] [--device cuda]
 
 The summary JSON: ``device, torch, ops, samples, replayed, eager, error_as_eager, wrong, crash,
-raw_capturable, in_place{samples, replayed, eager, wrong}`` (top-level counts over out-of-place
-samples of every mode), ``reasons`` (each eager reason, grouped, with its count), ``failures``
-(every wrong and crash case) and ``seconds``. ``benchmarks/gpu_session.sh conform`` adds the ported
-CUDA-graph tests' counts (``ported_tests``).
+raw_capturable, raw_tried, in_place{samples, replayed, eager, wrong, crash}, skipped`` (top-level
+counts over out-of-place samples of every mode; ``raw_*`` over raw tries), ``raw_pairs{raw_capturable,
+replayed}`` (over the samples that had a raw try only: how many were raw-capturable, and how many of
+those graphtree replayed), ``metadata_only`` (samples of every mode, in place included, compared by
+metadata only), ``reasons`` (each eager reason, grouped, with its count), ``failures`` (every wrong
+and crash case), ``op_seconds`` (the 10 slowest operators and their seconds), ``seconds`` and
+``ops_not_run`` (past ``--budget``). The records (``--records``) hold one line per sample and one
+``mode: "op"`` line per operator with its ``seconds``. ``benchmarks/gpu_session.sh conform`` adds
+the ported CUDA-graph tests' counts (``ported_tests``).
 """
 
 from __future__ import annotations
@@ -93,6 +105,39 @@ def same(got: Any, want: Any) -> str | None:
     return None
 
 
+def same_metadata(got: Any, want: Any) -> str | None:
+    """None when ``got`` has ``want``'s structure and each of its tensors ``want``'s shape, dtype and
+    device (what is compared where eager does not reproduce its own values), else what differs."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    g, gs = tree_flatten(got)
+    w, ws = tree_flatten(want)
+    if gs != ws:
+        return f"structure {gs} != {ws}"
+    for a, b in zip(g, w):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return f"{type(a).__name__} where eager gives {type(b).__name__}"
+        for what in ("shape", "dtype", "device") if isinstance(b, torch.Tensor) else ():
+            if getattr(a, what) != getattr(b, what):
+                return f"{what} {getattr(a, what)} != {getattr(b, what)}"
+    return None
+
+
+def _run(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, seed: int | None, result: Callable[[Any, tuple], Any]
+) -> tuple[Any, Exception | None]:
+    """``result`` of one call of ``fn`` (after ``torch.manual_seed(seed)`` unless None), or what it raised."""
+    import torch
+
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        return result(fn(*args, **kwargs), args), None
+    except Exception as e:  # noqa: BLE001 - classified by the caller
+        return None, e
+
+
 def classify(
     graphed: Callable[..., Any],
     eager: Callable[..., Any],
@@ -102,42 +147,49 @@ def classify(
     reasons: Callable[[], list[str]],
     result: Callable[[Any, tuple], Any] = lambda out, args: out,
 ) -> dict[str, Any]:
-    """Call ``graphed`` and ``eager`` on each of ``calls`` (the eager one on copies, first), compare,
-    and classify the sample. ``result(out, args)``: what is compared (the output; for an in-place
+    """Call ``graphed`` and ``eager`` on each of ``calls`` (eager first, twice, each on its own copy and
+    from the same seed), compare, and classify the sample. Where eager's two results differ on any call,
+    eager does not reproduce its own values (uninitialized outputs, unseeded draws, atomics): the
+    sample's calls are compared by structure, shapes, dtypes and devices only (``compared``:
+    ``metadata``, else ``values``). ``result(out, args)``: what is compared (the output; for an in-place
     variant, the input it wrote). ``replays()``: replays so far; ``reasons()``: eager reasons so far."""
-    import torch
-
     before = replays()
+    by_values = True
+    value_diff: str | None = None  # the first call whose values differ: wrong unless by_values turns False
+
+    def done(outcome: str, reason: str) -> dict[str, Any]:
+        if by_values and value_diff is not None:  # a call whose values differ came first
+            outcome, reason = "wrong", value_diff
+        return {"outcome": outcome, "reason": reason, "compared": "values" if by_values else "metadata"}
+
     for k, (args, kwargs) in enumerate(calls):
-        eager_args = _copy(args)
-        eager_error = graphed_error = None
-        try:
-            if seeded:
-                torch.manual_seed(k)
-            want = result(eager(*eager_args, **kwargs), eager_args)
-        except Exception as e:  # noqa: BLE001 - what eager raises is what graphtree must raise
-            eager_error = e
-        try:
-            if seeded:
-                torch.manual_seed(k)
-            got = result(graphed(*args, **kwargs), args)
-        except Exception as e:  # noqa: BLE001 - classified below
-            graphed_error = e
+        seed = k if seeded else None
+        want, eager_error = _run(eager, _copy(args), kwargs, seed, result)
+        if eager_error is None and by_values:
+            again, again_error = _run(eager, _copy(args), kwargs, seed, result)
+            by_values = again_error is None and same(again, want) is None
+            del again
+        got, graphed_error = _run(graphed, args, kwargs, seed, result)
         if eager_error is not None and graphed_error is not None:
             if type(graphed_error) is type(eager_error) or isinstance(graphed_error, type(eager_error)):
-                return {"outcome": "error_as_eager", "reason": f"{type(eager_error).__name__}"}
-            return {"outcome": "crash", "reason": f"call {k}: {type(graphed_error).__name__}: {graphed_error}"[:300]}
+                return done("error_as_eager", f"{type(eager_error).__name__}")
+            return done("crash", f"call {k}: {type(graphed_error).__name__}: {graphed_error}"[:300])
         if graphed_error is not None:
-            return {"outcome": "crash", "reason": f"call {k}: {type(graphed_error).__name__}: {graphed_error}"[:300]}
+            return done("crash", f"call {k}: {type(graphed_error).__name__}: {graphed_error}"[:300])
         if eager_error is not None:
-            return {"outcome": "wrong", "reason": f"call {k}: eager raised {type(eager_error).__name__}, graphtree not"}
-        diff = same(got, want)
+            return done("wrong", f"call {k}: eager raised {type(eager_error).__name__}, graphtree not")
+        diff = same_metadata(got, want)
         if diff is not None:
-            return {"outcome": "wrong", "reason": f"call {k}: {diff}"}
+            return done("wrong", f"call {k}: {diff}")
+        if by_values and value_diff is None:
+            diff = same(got, want)
+            value_diff = f"call {k}: {diff}" if diff is not None else None
         del got, want
+    if by_values and value_diff is not None:
+        return done("wrong", value_diff)
     if replays() - before >= 2:
-        return {"outcome": "replayed", "reason": ""}
-    return {"outcome": "eager", "reason": "; ".join(sorted(set(reasons())))[:300] or "not replayed"}
+        return done("replayed", "")
+    return done("eager", "; ".join(sorted(set(reasons())))[:300] or "not replayed")
 
 
 # --- one operator, in a worker -------------------------------------------------------------------
@@ -182,6 +234,7 @@ def sweep_op(op: Any, device: str, modes: tuple[str, ...], max_samples: int) -> 
 
     replays, reasons = _stats()
     seeded = _seeded(op)
+    raw_tries: list[tuple[dict[str, Any], Callable[..., Any], tuple[tuple, dict]]] = []
     supported = {str(d).removeprefix("torch.") for d in op.supported_dtypes(device)}
     for dname in (d for d in DTYPE_NAMES if d in supported):
         dtype = getattr(torch, dname)
@@ -214,9 +267,11 @@ def sweep_op(op: Any, device: str, modes: tuple[str, ...], max_samples: int) -> 
                     rec = classify(graphed, fn, calls, seeded, replays, reasons, result)
                 yield {**base, "mode": mode, "sample": i, **rec}
                 if "raw" in modes and mode == "plain" and i == 0 and device == "cuda":
-                    yield {**base, "mode": "raw", "sample": i, **raw_capture(fn, calls[0], seeded)}
+                    raw_tries.append(({**base, "mode": "raw", "sample": i}, fn, calls[0]))
                 if not _healthy(device):
                     raise SystemExit(3)  # the worker is replaced; the operator counts as a crash
+    # The ceilings last: a raw capture that leaves the process unusable then costs no graphtree result.
+    yield from raw_ceilings(raw_tries, seeded, device)
 
 
 def _written(out: Any, args: tuple) -> Any:
@@ -251,36 +306,84 @@ class _nothing:
         return None
 
 
+class Unusable(Exception):
+    """A raw capture left the worker's process unusable (recorded as ``raw_not``; the worker is replaced)."""
+
+
+def raw_ceilings(
+    tries: list[tuple[dict[str, Any], Callable[..., Any], tuple[tuple, dict]]], seeded: bool, device: str
+) -> Iterator[dict[str, Any]]:
+    """The raw record of each of ``tries`` (record's start, operator, call). The process is checked after
+    each: a try that leaves it unusable is ``raw_not`` with that reason, and raises ``Unusable`` (the
+    tries after it are not made)."""
+    for rec, fn, call in tries:
+        raw = raw_capture(fn, call, seeded)
+        if not _healthy(device):
+            why = f"the raw capture left the process unusable ({raw['outcome']}: {raw['reason']})"[:300]
+            yield {**rec, **raw, "outcome": "raw_not", "reason": why}
+            raise Unusable(why)
+        yield {**rec, **raw}
+
+
+def _end_capture(g: Any, s: Any) -> None:
+    """End a capture that a failure left open on stream ``s`` (an open capture poisons the process).
+    Never raises: what it cannot mend, ``_healthy`` finds right after the raw try."""
+    import torch
+
+    try:
+        with torch.cuda.stream(s):
+            if torch.cuda.is_current_stream_capturing():
+                g.capture_end()  # (an invalidated capture ends, then raises)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
 def raw_capture(fn: Callable[..., Any], call: tuple[tuple, dict], seeded: bool) -> dict[str, Any]:
-    """Whether the sample can be captured at all: a plain ``torch.cuda.graph`` capture after a
-    warm-up on a side stream, one replay, compared with eager (``raw_capturable`` / ``raw_not``)."""
+    """Whether the sample can be captured at all: a warm-up and a ``CUDAGraph`` capture on a stream of its
+    own (``thread_local`` error mode, a failed capture ended), one replay, compared with eager as
+    ``classify`` does (by metadata where eager's two runs differ): ``raw_capturable`` / ``raw_not``."""
     import torch
 
     args, kwargs = call
     static = _copy(args)
+    s = g = None
     try:
-        s = torch.cuda.Stream()
+        s, g = torch.cuda.Stream(), torch.cuda.CUDAGraph()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             fn(*_copy(static), **kwargs)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fn(*static, **kwargs)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):  # (restores the current stream whatever fn does)
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = fn(*static, **kwargs)
+            except BaseException:
+                _end_capture(g, s)
+                raise
+            g.capture_end()
+        seed = 0 if seeded else None
         if seeded:
             torch.manual_seed(0)
         g.replay()
         torch.cuda.synchronize()
-        if seeded:
-            torch.manual_seed(0)
-        diff = same(out, fn(*_copy(args), **kwargs))
+        want, error = _run(fn, _copy(args), kwargs, seed, lambda o, a: o)
+        if error is not None:
+            raise error
+        again, again_error = _run(fn, _copy(args), kwargs, seed, lambda o, a: o)
+        by_values = again_error is None and same(again, want) is None
+        diff = same(out, want) if by_values else same_metadata(out, want)
     except Exception as e:  # noqa: BLE001 - not capturable: the ceiling says so
+        if s is not None:
+            _end_capture(g, s)  # (a capture_end that failed before ending it)
         return {"outcome": "raw_not", "reason": f"{type(e).__name__}: {e}"[:200]}
-    return {"outcome": "raw_capturable" if diff is None else "raw_not", "reason": diff or ""}
+    compared = "values" if by_values else "metadata"
+    return {"outcome": "raw_capturable" if diff is None else "raw_not", "reason": diff or "", "compared": compared}
 
 
 def _healthy(device: str) -> bool:
-    """Whether the process can still run CUDA work (a sticky error or a capture left open poisons it)."""
+    """Whether the process can still run CUDA work: a sticky error, a capture left open or a side stream
+    left current poisons it. Setting another seed raises while the current stream captures
+    (``CUDAGeneratorImpl::set_current_seed``; the same seed would not), as the harness's seeding would."""
     if device != "cuda":
         return True
     import torch
@@ -289,20 +392,33 @@ def _healthy(device: str) -> bool:
         x = torch.randn(16, device=device)
         (x @ x).item()
         torch.cuda.synchronize()
-        return not torch.cuda.is_current_stream_capturing()
+        if torch.cuda.is_current_stream_capturing() or torch.cuda.current_stream() != torch.cuda.default_stream():
+            return False
+        seed = torch.cuda.initial_seed()
+        torch.cuda.manual_seed(seed ^ 1)
+        torch.cuda.manual_seed(seed)
+        return True
     except Exception:  # noqa: BLE001 - poisoned
         return False
 
 
 def worker(device: str, modes: tuple[str, ...], max_samples: int) -> int:
-    """Read operator indices from stdin, write one JSON record per sample and ``DONE <index>``."""
+    """Read operator indices from stdin, write one JSON record per sample and ``DONE <index> <seconds>``
+    (``DONE <index> <seconds> unusable``, then exit, where a raw capture left the process unusable)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     for line in sys.stdin:
         index = int(line)
-        for rec in sweep_op(op_db[index], device, modes, max_samples):
-            print(json.dumps(rec), flush=True)
-        print(f"DONE {index}", flush=True)
+        t0 = time.perf_counter()
+        unusable = False
+        try:
+            for rec in sweep_op(op_db[index], device, modes, max_samples):
+                print(json.dumps(rec), flush=True)
+        except Unusable:
+            unusable = True
+        print(f"DONE {index} {time.perf_counter() - t0:.2f}{' unusable' if unusable else ''}", flush=True)
+        if unusable:
+            return 3  # the driver starts another worker
     return 0
 
 
@@ -338,25 +454,30 @@ class _Worker:
         for line in self.proc.stderr:
             self.err.append(line.rstrip("\n"))
 
-    def run(self, index: int, timeout: float) -> tuple[list[dict[str, Any]], str | None]:
-        """The records of operator ``index``, and why the worker died or was killed (None: it finished)."""
+    def run(self, index: int, timeout: float) -> tuple[list[dict[str, Any]], str | None, float, bool]:
+        """The records of operator ``index``, why the worker died or was killed (None: it finished), the
+        operator's seconds (its ``DONE`` line's, else the time waited) and whether the worker must be
+        replaced without blame (a raw capture left it unusable)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"{index}\n")
         self.proc.stdin.flush()
         records: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while True:
             try:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 self.proc.kill()
-                return records, f"timed out after {timeout:.0f} s"
+                return records, f"timed out after {timeout:.0f} s", time.monotonic() - t0, False
             if line is None:
                 self.proc.wait()
                 tail = " | ".join(list(self.err)[-3:])[:300]
-                return records, f"worker exited with status {self.proc.returncode}: {tail}"
-            if line == f"DONE {index}":
-                return records, None
+                why = f"worker exited with status {self.proc.returncode}: {tail}"
+                return records, why, time.monotonic() - t0, False
+            done = line.split()
+            if done[:2] == ["DONE", str(index)]:  # DONE <index> <seconds> [unusable]
+                return records, None, float(done[2]), done[3:] == ["unusable"]
             if line.startswith("{"):
                 records.append(json.loads(line))
 
@@ -386,11 +507,15 @@ def sweep(
                 index = todo.get_nowait()
             except queue.Empty:
                 break
-            records, died = w.run(index, timeout)
+            records, died, seconds, unusable = w.run(index, timeout)
+            op = op_db[index]
+            name = {"op": op.name, "variant": op.variant_test_name, "dtype": "", "sample": -1}
             if died is not None:
-                op = op_db[index]
-                records.append({"op": op.name, "variant": op.variant_test_name, "dtype": "", "mode": "process",
-                                "sample": -1, "outcome": "crash", "reason": died})  # fmt: skip
+                records.append({**name, "mode": "process", "outcome": "crash", "reason": died})
+            # the operator's bookkeeping: its seconds (for op_seconds), not a sample
+            records.append({**name, "mode": "op", "outcome": "done" if died is None else "died", "reason": "",
+                            "seconds": round(seconds, 2)})  # fmt: skip
+            if died is not None or unusable:
                 w.close()
                 w = _Worker(argv)
             with lock:
@@ -405,19 +530,27 @@ def sweep(
     return out, todo.qsize()
 
 
+def _sample_key(r: dict[str, Any]) -> tuple[str, str, str, int]:
+    return r["op"], r["variant"], r["dtype"], r["sample"]
+
+
 def summarize(
     records: list[dict[str, Any]], device: str, torch_version: str, seconds: float, not_run: int = 0
 ) -> dict[str, Any]:
-    """The conformance JSON (see the module's docstring) from every sample record."""
+    """The conformance JSON (see the module's docstring) from every record."""
     outer = [r for r in records if r["mode"] in ("plain", "grad", "autocast", "process")]
     inplace = [r for r in records if r["mode"] == "inplace"]
     count = collections.Counter(r["outcome"] for r in outer)
     icount = collections.Counter(r["outcome"] for r in inplace)
     reasons = collections.Counter(r["reason"] for r in records if r["outcome"] == "eager")
+    # like for like: the samples that had a raw try (plain, sample 0 of each dtype), raw and graphtree
+    raw_ok = {_sample_key(r) for r in records if r["mode"] == "raw" and r["outcome"] == "raw_capturable"}
+    replayed_ok = {_sample_key(r) for r in records if r["mode"] == "plain" and r["outcome"] == "replayed"}
+    timed = sorted((r for r in records if r["mode"] == "op"), key=lambda r: -r["seconds"])[:10]
     return {
         "device": device,
         "torch": torch_version,
-        "ops": len({(r["op"], r["variant"]) for r in records}),
+        "ops": len({(r["op"], r["variant"]) for r in records if r["mode"] != "op"}),
         "samples": sum(count[k] for k in ("replayed", "eager", "error_as_eager", "wrong", "crash")),
         "replayed": count["replayed"],
         "eager": count["eager"],
@@ -426,6 +559,8 @@ def summarize(
         "crash": count["crash"] + icount["crash"],
         "raw_capturable": sum(1 for r in records if r["outcome"] == "raw_capturable"),
         "raw_tried": sum(1 for r in records if r["mode"] == "raw"),
+        "raw_pairs": {"raw_capturable": len(raw_ok), "replayed": len(raw_ok & replayed_ok)},
+        "metadata_only": sum(1 for r in outer + inplace if r.get("compared") == "metadata"),
         "in_place": {
             "samples": len(inplace),
             "replayed": icount["replayed"],
@@ -436,6 +571,7 @@ def summarize(
         "skipped": count["skipped"],
         "reasons": dict(reasons.most_common()),
         "failures": [r for r in records if r["outcome"] in ("wrong", "crash")],
+        "op_seconds": {r["op"] + (f".{r['variant']}" if r["variant"] else ""): r["seconds"] for r in timed},
         "seconds": round(seconds, 1),
         "ops_not_run": not_run,
     }
@@ -472,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     res = summarize(records, device, torch.__version__, time.perf_counter() - t0, not_run)
     keys = ("ops", "samples", "replayed", "eager", "error_as_eager", "wrong", "crash", "raw_capturable", "raw_tried")
     print(f"{device}, torch {torch.__version__}: " + ", ".join(f"{k} {res[k]}" for k in keys))
-    print(f"in place: {res['in_place']}; {res['seconds']} s; operators not run (budget): {not_run}")
+    print(f"in place: {res['in_place']}; raw pairs: {res['raw_pairs']}; compared by metadata only: "
+          f"{res['metadata_only']}; {res['seconds']} s; operators not run (budget): {not_run}")  # fmt: skip
+    print("slowest operators (s): " + ", ".join(f"{k} {v}" for k, v in list(res["op_seconds"].items())[:5]))
     for r in res["failures"][:30]:
         print(f"  {r['outcome'].upper():6} {r['op']}{'.' + r['variant'] if r['variant'] else ''} {r['dtype']} "
               f"{r['mode']} #{r['sample']}: {r['reason']}")  # fmt: skip

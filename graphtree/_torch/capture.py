@@ -211,6 +211,55 @@ def draw_from(
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 
 
+# --- the CUDA generators' state, set or read by the code of a warm-up or capture ------------------
+_STATE_FUNCTIONS = (
+    "get_rng_state",
+    "get_rng_state_all",
+    "set_rng_state",
+    "set_rng_state_all",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "seed_all",
+)
+_watching = threading.local()  # .watch: this thread's active StateWatch
+_wrapped: dict[str, Any] = {}  # torch.cuda's own functions, while wrapped
+_wrap_lock = threading.Lock()
+_wrap_count = 0
+
+
+def _noting(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        watch = getattr(_watching, "watch", None)
+        if watch is not None and not watch.generator_state:
+            watch.generator_state = f"torch.cuda.{name}"
+        return fn(*args, **kwargs)
+
+    return noted
+
+
+def _watch_generator_state(on: bool) -> None:
+    """Wrap torch.cuda's functions that read or set the CUDA generators' state while any StateWatch
+    is active (``torch.manual_seed``, ``torch.random.fork_rng`` and ``torch.utils.checkpoint`` call
+    them through the module), so that a watch notes them: a recording draws from a stand-in
+    generator (tree/draws.py), and such a call would read or set the real one. Calls of other
+    threads pass through."""
+    global _wrap_count
+    with _wrap_lock:
+        _wrap_count += 1 if on else -1
+        if on and _wrap_count == 1:
+            for name in _STATE_FUNCTIONS:
+                fn = getattr(torch.cuda, name, None)
+                if fn is not None:
+                    _wrapped[name] = fn
+                    setattr(torch.cuda, name, _noting(name, fn))
+        elif not on and _wrap_count == 0:
+            for name, fn in _wrapped.items():
+                setattr(torch.cuda, name, fn)
+            _wrapped.clear()
+
+
 class StateWatch(TorchDispatchMode):
     """While active, notes what the operations of a warm-up or capture do to memory.
 
@@ -239,6 +288,7 @@ class StateWatch(TorchDispatchMode):
         self.made: dict[int, int] = {}
         self.read: dict[int, tuple[int, int]] = {}
         self.unsafe = ""  # the first operation tagged torch.Tag.cudagraph_unsafe, by name
+        self.generator_state = ""  # the first torch.cuda function that read or set a generator's state
         # random ops draw from standin_of(their generator) (tree/draws.py); explicit CUDA generators seen,
         # by generator_key
         self.standin_of: Callable[[torch.Generator | None], torch.Generator] | None = None
@@ -292,6 +342,17 @@ class StateWatch(TorchDispatchMode):
         """Addresses of storages the operations made that are still alive, other than ``known``
         (the ``StorageImpl`` pointers of :func:`storage_id` of the outputs and inputs)."""
         return [ptr for ptr, r in self.made.items() if not weak_expired(r) and r not in known]
+
+    def __enter__(self) -> StateWatch:
+        _watch_generator_state(True)
+        self._outer_watch = getattr(_watching, "watch", None)
+        _watching.watch = self
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        _watching.watch = self._outer_watch
+        _watch_generator_state(False)
+        super().__exit__(*exc)
 
     def close(self) -> None:
         """Release every weak reference the watch holds."""

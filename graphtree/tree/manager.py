@@ -153,6 +153,10 @@ class TreeManager:
         self.warmed: dict[tuple[int, Any], int] = {}
         self._pool: Pool | None = None
         self._stream: torch.cuda.Stream | None = None
+        # The stream the pool's last launches were queued on (see _follow_stream)
+        self._raw_stream = _torch.raw_stream_getter()
+        self._last_stream: torch.cuda.Stream | None = None
+        self._last_raw = -1  # (none yet: the legacy default stream's handle is 0)
         self._collected_seen = len(_collected)
         self._clear()
 
@@ -204,6 +208,7 @@ class TreeManager:
                     log.warning(_NO_STEP, MAX_PATH_DEPTH)
                 leaves = call.leaves = self._new_step(leaves)
             self.called.add(gc.id)
+            self._follow_stream()
             if not self.warming:
                 kids = self.current.children.get((gc.id, call.key))
                 if kids:
@@ -248,6 +253,25 @@ class TreeManager:
                     return gc.run_eager(call, gc.churn.reason(gc.name))
                 return self._warm_up(gc, call)
             return self._record(gc, call)
+
+    def _follow_stream(self) -> None:
+        """Queue this call's work on the pool after the pool's last launches.
+
+        The recordings of a tree share one pool, its blocks reused from one recording to the next
+        in the order they were recorded: two of them replayed at once on two streams would write
+        each other's memory (torch's test_graph_concurrent_replay gave wrong sums). A call on
+        another stream than the last one's therefore waits for that stream first (an event, only
+        when the stream changes; not inside a capture, where the capture's own stream is current).
+        """
+        raw = self._raw_stream(self.device) if self._raw_stream is not None else 0
+        if raw == self._last_raw:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if _torch.stream_capturing(stream):
+            return
+        if self._last_stream is not None:
+            stream.wait_stream(self._last_stream)
+        self._last_stream, self._last_raw = stream, raw
 
     def _start_together(self, gc: Callee, call: Call, warm: bool) -> Any:
         """A call of a function that calls collectives, which no recording replays: its ranks agree

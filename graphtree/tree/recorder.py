@@ -138,7 +138,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
         reason = (
             _mutation_reason(watch.written)
             if watch.written
-            else (_output_reason(out) or sync.found or _unsafe_reason(gc.name, watch.unsafe))
+            else (_output_reason(out) or sync.found or _unsafe_reason(gc.name, watch))
         )
         grads: list[torch.Tensor] = []  # a training step's gradients are the caller's, not state it keeps
         if step is not None:
@@ -155,13 +155,32 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
     return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops)
 
 
-def _unsafe_reason(name: str, op: str) -> str | None:
-    if not op:
-        return None
-    return (
-        f"`{name}` calls {op}, tagged torch.Tag.cudagraph_unsafe (it reads state on the host that a "
-        f"recording would freeze)"
-    )
+_CAPTURE_ONLY = ("during cuda graph capture", "during stream capture", "when stream is capturing")
+
+
+def _refused_in_capture(error: BaseException | None) -> bool:
+    """Whether ``error`` is torch refusing an operation because a capture is under way (a copy from
+    unpinned host memory, say), which the same call run eagerly does not meet."""
+    if not isinstance(error, RuntimeError):
+        return False
+    first = (str(error).strip().splitlines() or [""])[0].lower()
+    return any(s in first for s in _CAPTURE_ONLY)
+
+
+def _unsafe_reason(name: str, watch: _torch.StateWatch) -> str | None:
+    """Why what the call did under ``watch`` cannot be recorded, or None."""
+    if watch.generator_state:
+        return (
+            f"`{name}` calls {watch.generator_state} (torch.utils.checkpoint's preserve_rng_state, "
+            f"fork_rng and manual_seed do): a recording draws from a generator of its own, and cannot "
+            f"read or set the CUDA generator's state where eager does"
+        )
+    if watch.unsafe:
+        return (
+            f"`{name}` calls {watch.unsafe}, tagged torch.Tag.cudagraph_unsafe (it reads state on the host "
+            f"that a recording would freeze)"
+        )
+    return None
 
 
 def _output_reason(out: Any) -> str | None:
@@ -308,6 +327,10 @@ def record(
         if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
             del args, kwargs, graph_leaves, owning, graph, breaks
             raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
+        if _refused_in_capture(user_error):  # (eager runs it: so does this call, with the reason)
+            msg = explain_capture_error(user_error, tracker, gc.name)
+            del args, kwargs, graph_leaves, owning, graph, breaks, user_error
+            raise CaptureFailed(msg)
         if user_error is not None:
             # The capture itself ended well: the graph is dropped (its destructor gives back its
             # reference on the pool) and the function's error reaches the caller as it was raised.
@@ -322,7 +345,7 @@ def record(
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph
             raise CaptureFailed(_mutation_reason(watch.written))
-        problem = _unsafe_reason(gc.name, watch.unsafe) or _output_reason(out)
+        problem = _unsafe_reason(gc.name, watch) or _output_reason(out)
         if problem:
             del out, owning, graph
             raise CaptureFailed(problem)
@@ -478,6 +501,8 @@ def capture_isolated(
         _torch.end_failed_capture(device, pool_id, began and not ended, isolated)
     if error is not None:
         raise error
+    if watch.generator_state:  # (its replays would not draw what eager draws)
+        raise RuntimeError(_unsafe_reason(getattr(fn, "__name__", "the function"), watch))
     return out
 
 
