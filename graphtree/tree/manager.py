@@ -36,8 +36,9 @@ from graphtree.tree.breaks import Segment
 from graphtree.tree.callee import Callee
 from graphtree.tree.capture import CaptureFailed
 from graphtree.tree.inputs import Call, param_epoch
+from graphtree.tree.launch_order import LaunchOrder
 from graphtree.tree.lockstep import Vote, environment_problem
-from graphtree.tree.node import Node, Root, below, signature
+from graphtree.tree.node import Node, Root, below, drop_subtree, signature
 from graphtree.tree.pool import Pool
 from graphtree.tree.replay_error import explain, is_cuda_error
 from graphtree.tree.stats import Counters, Stats, log, log_fallback
@@ -57,19 +58,6 @@ _collected: list[int] = []
 def forget(gc_id: int) -> None:
     """A graphed callable was garbage-collected: its recordings go at each tree's next step."""
     _collected.append(gc_id)
-
-
-def _drop_subtree(node: Node) -> None:
-    """Unlink a dropped recording and all below it, so that reference counting frees their graphs
-    (a node and its children refer to each other) without waiting for the collector."""
-    stack = [node, *node.branches()]  # (and the recordings of its call's other values: tree/breaks.py)
-    while stack:
-        n = stack.pop()
-        stack.extend(below(n))
-        n.children = {}
-        n.parent = None  # type: ignore[assignment]
-        if n.first is not None:
-            n.first.unlink()
 
 
 # --- the calling thread's trees ---------------------------------------------------------------------
@@ -153,10 +141,7 @@ class TreeManager:
         self.warmed: dict[tuple[int, Any], int] = {}
         self._pool: Pool | None = None
         self._stream: torch.cuda.Stream | None = None
-        # The stream the pool's last launches were queued on (see _follow_stream)
-        self._raw_stream = _torch.raw_stream_getter()
-        self._last_stream: torch.cuda.Stream | None = None
-        self._last_raw = -1  # (none yet: the legacy default stream's handle is 0)
+        self.order = LaunchOrder(device)  # a call on another stream waits for the last one's
         self._collected_seen = len(_collected)
         self._clear()
 
@@ -208,7 +193,7 @@ class TreeManager:
                     log.warning(_NO_STEP, MAX_PATH_DEPTH)
                 leaves = call.leaves = self._new_step(leaves)
             self.called.add(gc.id)
-            self._follow_stream()
+            self.order.follow()
             if not self.warming:
                 kids = self.current.children.get((gc.id, call.key))
                 if kids:
@@ -253,25 +238,6 @@ class TreeManager:
                     return gc.run_eager(call, gc.churn.reason(gc.name))
                 return self._warm_up(gc, call)
             return self._record(gc, call)
-
-    def _follow_stream(self) -> None:
-        """Queue this call's work on the pool after the pool's last launches.
-
-        The recordings of a tree share one pool, its blocks reused from one recording to the next
-        in the order they were recorded: two of them replayed at once on two streams would write
-        each other's memory (torch's test_graph_concurrent_replay gave wrong sums). A call on
-        another stream than the last one's therefore waits for that stream first (an event, only
-        when the stream changes; not inside a capture, where the capture's own stream is current).
-        """
-        raw = self._raw_stream(self.device) if self._raw_stream is not None else 0
-        if raw == self._last_raw:
-            return
-        stream = torch.cuda.current_stream(self.device)
-        if _torch.stream_capturing(stream):
-            return
-        if self._last_stream is not None:
-            stream.wait_stream(self._last_stream)
-        self._last_stream, self._last_raw = stream, raw
 
     def _start_together(self, gc: Callee, call: Call, warm: bool) -> Any:
         """A call of a function that calls collectives, which no recording replays: its ranks agree
@@ -393,7 +359,7 @@ class TreeManager:
             parent = stack.pop()
             for key in [k for k in parent.children if k[0] in dead]:
                 for node in parent.children.pop(key):
-                    _drop_subtree(node)
+                    drop_subtree(node)
             stack.extend(below(parent))
         self.warmed = {k: v for k, v in self.warmed.items() if k[0] not in dead}
         if self.last_replayed is not None and self.last_replayed.key[0] in dead:

@@ -390,6 +390,19 @@ def below(parent: Node | Root) -> list[Node]:
     return [x for kids in parent.children.values() for k in kids for x in (k, *k.branches())]
 
 
+def drop_subtree(node: Node) -> None:
+    """Unlink a dropped recording and all below it, so that reference counting frees their graphs
+    (a node and its children refer to each other) without waiting for the collector."""
+    stack = [node, *node.branches()]  # (and the recordings of its call's other values: tree/breaks.py)
+    while stack:
+        n = stack.pop()
+        stack.extend(below(n))
+        n.children = {}
+        n.parent = None  # type: ignore[assignment]
+        if n.first is not None:
+            n.first.unlink()
+
+
 def signature(node: Node) -> str:
     """A recording as people read it: its function and the call's signature, e.g. ``step(float32[4, 8], 2)``
     (for messages, ``describe()`` and the replay-error explanation)."""
