@@ -50,6 +50,18 @@ pytree_nodes: dict[type, Any] = _pytree.SUPPORTED_NODES
 but namedtuples, which pytrees flatten implicitly."""
 
 
+def _whole_size(x: Any) -> bool:
+    return type(x) is torch.Size
+
+
+def flatten_outputs(tree: Any) -> tuple[list[Any], Any]:
+    """:func:`tree_flatten` of what a function returned, each ``torch.Size`` one leaf: torch registers
+    ``torch.Size`` as a pytree node whose unflatten makes a plain ``tuple`` (torch.fx's proxy_tensor),
+    so outputs rebuilt from their leaves would change type (``torch.broadcast_shapes``). A Size holds
+    ints only: as a leaf it is returned as it was."""
+    return _pytree.tree_flatten(tree, is_leaf=_whole_size)
+
+
 # --- allocator checkpoints: branch the tree without multiplying memory -------------------------
 def checkpoint_pool(device: int, pool_id: tuple[int, int]) -> Any:
     """Snapshot which blocks of ``pool_id`` are allocated (``_cuda_getCheckpointState``).
@@ -111,6 +123,25 @@ tensor_on: Callable[[dict[str, Any], torch.UntypedStorage], torch.Tensor] = (
 """``tensor_on(meta, storage)``: a CUDA tensor with ``meta``'s size, stride, dtype and storage
 offset on ``storage``, built in C++ (``_construct_CUDA_Tensor_From_Storage_And_Metadata``,
 several times faster than ``Tensor.set_``; the slow path is the fallback)."""
+
+CONJ, NEG = 1, 2
+"""The bits :func:`lazy_bits` returns."""
+
+
+def lazy_bits(t: torch.Tensor) -> int:
+    """``t``'s conjugate (:data:`CONJ`) and negative (:data:`NEG`) bits: a view made by ``torch.conj``
+    (or ``.imag`` of one) reads its memory conjugated (negated). A tensor rebuilt on the memory
+    (:data:`tensor_on`, ``as_strided`` of another view) does not carry them."""
+    return (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+
+
+def flip_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """A view of ``t`` with the bits set in ``bits`` flipped (``torch._neg_view``, ``Tensor.conj``): no copy."""
+    if bits & NEG:
+        t = torch._neg_view(t)
+    if bits & CONJ:
+        t = t.conj()
+    return t
 
 
 def graph_launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
@@ -389,6 +420,7 @@ def default_store() -> Any:
 
 
 from graphtree._torch.capture import (  # noqa: E402, F401 - re-exported; it imports the helpers above
+    EagerDispatchMode,
     RandomOutsideCapture,
     StateWatch,
     begin_allocate_to_pool,

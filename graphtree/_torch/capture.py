@@ -209,6 +209,81 @@ def draw_from(
 
 
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+_HOST_READS = frozenset(
+    {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default}
+)
+_AS_STRIDED = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default})
+# Operators that, called under a dispatch mode (graphtree's watches), compute otherwise than eagerly
+# (found by the OpInfo sweep, issue 44), with why:
+_RNG_STATE_OUT = "returns its random-number state as CUDA tensors in a capture, as CPU tensors eagerly"
+_UNLIKE_EAGER = {
+    "aten::_efficient_attention_forward": _RNG_STATE_OUT,
+    "aten::_flash_attention_forward": _RNG_STATE_OUT,
+}
+
+
+def _span(size: Any, stride: Any, offset: int) -> tuple[int, int]:
+    """The first and last storage offsets a view of ``size`` and ``stride`` at ``offset`` reaches
+    (last < first: no element)."""
+    lo = hi = offset
+    for n, s in zip(size, stride):
+        if n == 0:
+            return offset, offset - 1
+        lo, hi = lo + min(0, (n - 1) * s), hi + max(0, (n - 1) * s)
+    return lo, hi
+
+
+def strided_elsewhere(x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``as_strided(x, size, stride, storage_offset)`` (``args`` after ``x``) may view memory
+    other than ``x``'s own elements: an explicit ``storage_offset`` (it counts from the start of the
+    storage, not from ``x``), a view past ``x``'s first or last element, or ``x`` with gaps."""
+    named = dict(zip(("size", "stride", "storage_offset"), args))
+    named.update(kwargs)
+    if named.get("storage_offset") is not None:
+        return True
+    offset = int(x.storage_offset())
+    lo, hi = _span(named["size"], named["stride"], offset)
+    if hi < lo:
+        return False
+    first, last = _span(x.shape, x.stride(), offset)
+    if lo < first or hi > last:
+        return True
+    step = 1  # dense: each dimension's stride the product of the sizes of those with smaller strides
+    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n != 1):
+        if s != step:
+            return True
+        step *= n
+    return False
+
+
+# --- dispatch modes that run operators as eager runs them ----------------------------------------
+# torch calls a dispatch mode's handler with every key above Python off, autocast's included, and an
+# operator's kernel then calls the operators inside it without autocast. For most operators that is
+# what eager does too (autocast has cast their inputs, or they call nothing autocast casts); for
+# these, eager's kernels run their inside under autocast (linalg_pinv's matmuls: bfloat16 eagerly,
+# float32 below a mode; found by the OpInfo sweep, issue 44, on CUDA, where no operator autocast
+# casts calls them):
+_AUTOCAST_INSIDE = frozenset({"aten::linalg_pinv"})
+
+
+class EagerDispatchMode(TorchDispatchMode):
+    """A dispatch mode whose handler runs each operator as eager would (:meth:`run`): the operators
+    of :data:`_AUTOCAST_INSIDE` with CUDA autocast on inside them, where it was on when the mode was
+    entered. Only the innermost mode's handler runs the kernel: every graphtree mode uses :meth:`run`."""
+
+    _autocast = False
+
+    def __enter__(self) -> Any:
+        self._autocast = torch.is_autocast_enabled("cuda")
+        return super().__enter__()
+
+    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)``, as eager runs it."""
+        if not (self._autocast and func._schema.name in _AUTOCAST_INSIDE):
+            return func(*args, **kwargs)
+        excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutocastCUDA)
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+            return func(*args, **kwargs)
 
 
 # --- the CUDA generators' state, set or read by the code of a warm-up or capture ------------------
@@ -260,7 +335,7 @@ def _watch_generator_state(on: bool) -> None:
             _wrapped.clear()
 
 
-class StateWatch(TorchDispatchMode):
+class StateWatch(EagerDispatchMode):
     """While active, notes what the operations of a warm-up or capture do to memory.
 
     - ``written``: which of the ``watched`` storages (data_ptr -> leaf index) an operation
@@ -271,6 +346,13 @@ class StateWatch(TorchDispatchMode):
       new), by address: :meth:`kept` says which are still alive after the call.
     - ``read`` (only with ``track_reads``): ``(weak ref, nbytes)`` of every CUDA storage an
       operation was given, by address: what a graph captured under this watch reads.
+    - ``strided``: the first ``as_strided`` of a watched storage that may view memory beyond the
+      tensor it is given (:func:`strided_elsewhere`), as ``"aten::as_strided on input i"``: a copied
+      input's placeholder holds that input's elements only, at another storage offset.
+    - ``host_read``: the first watched CPU tensor (a 0-dim input, which a recording fills into a
+      CUDA placeholder) an operation read on the host, by leaf index (-1: none). ``.item()`` and
+      operators that take it as a host value (``torch.tensor_split``'s indices) read it so; given the
+      placeholder, they would synchronize or refuse a CUDA tensor.
 
     Release the weak references with :meth:`close`.
     """
@@ -288,7 +370,10 @@ class StateWatch(TorchDispatchMode):
         self.made: dict[int, int] = {}
         self.read: dict[int, tuple[int, int]] = {}
         self.unsafe = ""  # the first operation tagged torch.Tag.cudagraph_unsafe, by name
+        self.host_read = -1  # the first watched CPU input read on the host, by leaf index
+        self.strided = ""  # the first as_strided that may view memory beyond a watched input
         self.generator_state = ""  # the first torch.cuda function that read or set a generator's state
+        self.unlike_eager = ""  # the first operator that computes otherwise under a dispatch mode, and why
         # random ops draw from standin_of(their generator) (tree/draws.py); explicit CUDA generators seen,
         # by generator_key
         self.standin_of: Callable[[torch.Generator | None], torch.Generator] | None = None
@@ -301,6 +386,19 @@ class StateWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if _UNSAFE_TAG is not None and not self.unsafe and _UNSAFE_TAG in func.tags:
             self.unsafe = str(func.name())
+        if func in _HOST_READS and self.host_read < 0 and self.watched:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and not x.is_cuda and x.layout is _strided:
+                self.host_read = self.watched.get(storage_ptr(x.untyped_storage()), -1)
+        if not self.unlike_eager:
+            name = func._schema.name
+            why = _UNLIKE_EAGER.get(name)
+            if why:
+                self.unlike_eager = f"{name} ({why})"
+        if func in _AS_STRIDED and not self.strided and self.watched and isinstance(args[0], torch.Tensor):
+            idx = self.watched.get(storage_ptr(args[0].untyped_storage()))
+            if idx is not None and strided_elsewhere(args[0], args[1:], kwargs):
+                self.strided = f"{func.name()} on input {idx}"
         if self.watched and func._schema.is_mutable:
             for i, arg in enumerate(func._schema.arguments):
                 info = arg.alias_info
@@ -325,7 +423,11 @@ class StateWatch(TorchDispatchMode):
             gen = generator_of(func, args, kwargs)
             if gen is not None and gen.device.type == "cuda":
                 self.generators[generator_key(gen)] = gen
-        out = draw_from(self.standin_of, func, args, kwargs) if seeded and self.standin_of else func(*args, **kwargs)
+        out = (
+            draw_from(self.standin_of, func, args, kwargs)
+            if seeded and self.standin_of
+            else self.run(func, args, kwargs)
+        )
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _strided and not t.is_nested:
                 st = t.untyped_storage()

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphtree import _torch
 from graphtree.tree import draws as _draws
@@ -213,7 +212,7 @@ class EagerPart:
 
     def land(self, out: Any) -> Any:
         """Copy ``out``'s tensors into :attr:`landing`; what the next segment is keyed on."""
-        outs, spec = _torch.tree_flatten(out)
+        outs, spec = _torch.flatten_outputs(out)
         tensors = [t for t in outs if isinstance(t, torch.Tensor)]
         if len(tensors) != len(self.landing) or any(
             a.shape != b.shape or a.dtype != b.dtype for a, b in zip(tensors, self.landing)
@@ -273,7 +272,7 @@ class BreakFailed(RuntimeError):
     recording it extends did, or an eager part returned what a graph cannot take."""
 
 
-class Breaks(TorchDispatchMode):
+class Breaks(_torch.EagerDispatchMode):
     """While capturing a call, ends the segment at each host read and begins the next.
 
     Args:
@@ -433,7 +432,7 @@ class Breaks(TorchDispatchMode):
                 self.changes_state = any(
                     _torch.storage_ptr(t.untyped_storage()) not in self.made for t in _written(func, args, kwargs)
                 )
-            out = func(*args, **kwargs)
+            out = self.run(func, args, kwargs)
             outs = out if isinstance(out, (list, tuple)) else (out,)
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -449,7 +448,7 @@ class Breaks(TorchDispatchMode):
         where = _where()  # the user's line, taken where the stack is the read's
         _seg, value = self._break(
             lambda brk: isinstance(brk, Read) and brk.source.ptr == ptr,
-            lambda: (Read(func, args, kwargs, where), func(*args, **kwargs)),
+            lambda: (Read(func, args, kwargs, where), self.run(func, args, kwargs)),
         )
         return value
 
@@ -466,7 +465,7 @@ class Breaks(TorchDispatchMode):
         return chain
 
 
-class WarmUpReads(TorchDispatchMode):
+class WarmUpReads(_torch.EagerDispatchMode):
     """In a warm-up: counts host reads of a CUDA scalar whose synchronisation the sync watch has not
     seen yet (``pending``), so that it lets each pass: they will be breaks.
 
@@ -508,7 +507,7 @@ class WarmUpReads(TorchDispatchMode):
         self.ops += 1
         if self.count_reads and is_read(func, args, kwargs):
             self.pending += 1
-        return func(*args, **kwargs)
+        return self.run(func, args, kwargs)
 
 
 _here = threading.local()  # .breaks: the recording under way in this thread, if any

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphtree import _torch
 
@@ -65,7 +64,7 @@ class UnagreedCollective(RuntimeError):
     """A capture met a collective on a group its ranks had not agreed to record (raised before it runs)."""
 
 
-class CollectiveWatch(TorchDispatchMode):
+class CollectiveWatch(_torch.EagerDispatchMode):
     """In a warm-up: the process groups (name and global ranks) of the collectives the function calls.
 
     In a capture (``known``: the groups agreed on, empty for a function no warm-up saw call one): a
@@ -97,7 +96,7 @@ class CollectiveWatch(TorchDispatchMode):
                         self.groups[found[0]] = found[1]
                         if str(func) not in self.ops:
                             self.ops.append(str(func))
-        return func(*args, **kwargs)
+        return self.run(func, args, kwargs)
 
 
 def _group_of(arg: Any) -> tuple[str, tuple[int, ...]] | None:

@@ -127,7 +127,7 @@ class ModuleCalls:
             return eager(args, kwargs, PENDING.format(name=self.name))
         outs = apply(rec, args)
         _manager.count_untreed("replays")
-        return outs[0] if rec.single else outs
+        return rec.returned(outs)
 
     def _record(self, fn: Callable[..., Any], args: tuple[Any, ...], key: Any) -> tuple[TrainingRecording | None, str]:
         """A recording of this signature, or None and why not. An exception the module raises in

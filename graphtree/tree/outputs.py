@@ -60,25 +60,47 @@ def stale_message(fn_name: str, outputs: Sequence[int], where: str) -> str:
 # ``make(storages, in_leaves, done)``: the leaf for this replay, given the group storages, the
 # caller's leaves and the leaves built so far.
 class FromPool(NamedTuple):
-    """A tensor on pool memory: output group ``group`` (one storage), with ``meta``'s layout."""
+    """A tensor on pool memory: output group ``group`` (one storage), with ``meta``'s layout and the
+    conjugate and negative bits ``bits`` (:func:`graphtree._torch.lazy_bits`)."""
 
     group: int
     meta: dict[str, Any]
+    bits: int = 0
 
     def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
-        return _torch.tensor_on(self.meta, storages[self.group])
+        t = _torch.tensor_on(self.meta, storages[self.group])
+        return _torch.flip_bits(t, self.bits) if self.bits else t
 
 
 class FromInput(NamedTuple):
-    """A view of input ``leaf`` (the function returned its input, or a view of it)."""
+    """A view of input ``leaf`` (the function returned its input, or a view of it) as ``dtype``
+    (``view_as_real``, ``.imag``, ``Tensor.view(dtype)`` change it); ``offset`` counts bytes from the
+    input's own storage offset (a copied input's placeholder starts its storage; the caller's tensor
+    may be a view into a larger one); ``bits``: the conjugate and negative bits the view flips
+    (:func:`graphtree._torch.lazy_bits`: ``torch.conj``)."""
 
     leaf: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    dtype: torch.dtype
+    bits: int = 0
 
     def make(self, storages: list[torch.UntypedStorage], in_leaves: Sequence[Any], done: list[Any]) -> Any:
-        return in_leaves[self.leaf].as_strided(self.size, self.stride, self.offset)
+        x = in_leaves[self.leaf]
+        offset = x.storage_offset() * x.element_size() + self.offset
+        if x.dtype != self.dtype:
+            x = _retyped(x, self.dtype)
+        t = x.as_strided(self.size, self.stride, offset // x.element_size())
+        return _torch.flip_bits(t, self.bits) if self.bits else t
+
+
+def _retyped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A view of ``x``'s whole storage as ``dtype``, from its first byte (what a view that changed
+    the dtype is an ``as_strided`` of)."""
+    nbytes = x.untyped_storage().nbytes()
+    whole = x.as_strided((nbytes // x.element_size(),), (1,), 0).view(torch.uint8)
+    return whole[: nbytes - nbytes % dtype.itemsize].view(dtype)
 
 
 class Constant(NamedTuple):
@@ -162,7 +184,7 @@ class OutputPlan:
         self.bucket = bucket
         self.nbytes = sum(g.nbytes for g in groups)
         self.single: SingleOutput | None = None
-        if spec is None and len(kinds) == 1 and isinstance(kinds[0], FromPool) and not slice_idx:
+        if spec is None and len(kinds) == 1 and isinstance(kinds[0], FromPool) and not kinds[0].bits and not slice_idx:
             self.single = SingleOutput(groups[0].ptr, groups[0].nbytes, kinds[0].meta)
 
     @classmethod
@@ -186,7 +208,7 @@ class OutputPlan:
         elif type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
             leaves, spec = list(out), "tuple"
         else:
-            leaves, spec = _torch.tree_flatten(out)
+            leaves, spec = _torch.flatten_outputs(out)
         input_storage: dict[int, int] = {}
         input_objects: dict[int, int] = {}
         for i, x in enumerate(in_leaves):
@@ -219,13 +241,16 @@ class OutputPlan:
             if storage.nbytes() == 0:
                 kinds.append(Empty(_torch.meta_of(t)))
             elif ptr in input_storage:
-                kinds.append(FromInput(input_storage[ptr], tuple(t.shape), t.stride(), int(t.storage_offset())))
+                x = in_leaves[input_storage[ptr]]
+                offset = t.storage_offset() * t.element_size() - x.storage_offset() * x.element_size()
+                bits = _torch.lazy_bits(t) ^ _torch.lazy_bits(x)
+                kinds.append(FromInput(input_storage[ptr], tuple(t.shape), t.stride(), offset, t.dtype, bits))
             elif in_pool(ptr):
                 g = group_of.setdefault(ptr, len(group_outputs))
                 if g == len(group_outputs):
                     group_outputs.append([])
                 group_outputs[g].append(j)
-                kinds.append(FromPool(g, _torch.meta_of(t)))
+                kinds.append(FromPool(g, _torch.meta_of(t), _torch.lazy_bits(t)))
             else:  # memory the function holds elsewhere (a parameter, a global): same object
                 kinds.append(Constant(t))
         groups = []

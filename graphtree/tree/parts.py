@@ -225,7 +225,7 @@ def own_copies(out: Any, since: dict[int, int]) -> Any:
     held = _manager.step_outputs(since)
     if not held:
         return out
-    leaves, spec = _torch.tree_flatten(out)
+    leaves, spec = _torch.flatten_outputs(out)
     shared = [isinstance(t, torch.Tensor) and t.is_cuda and _torch.storage_id(t) in held for t in leaves]
     if not any(shared):
         return out

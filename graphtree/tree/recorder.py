@@ -180,6 +180,19 @@ def _unsafe_reason(name: str, watch: _torch.StateWatch) -> str | None:
             f"`{name}` calls {watch.unsafe}, tagged torch.Tag.cudagraph_unsafe (it reads state on the host "
             f"that a recording would freeze)"
         )
+    if watch.unlike_eager:
+        return f"`{name}` calls {watch.unlike_eager}"
+    if watch.strided:
+        return (
+            f"`{name}` calls {watch.strided} with a storage offset of its own or reaching past the input's "
+            f"elements: a recording copies the input into a tensor that holds those elements only"
+        )
+    if watch.host_read >= 0:
+        return (
+            f"`{name}` reads its 0-dim CPU tensor input {watch.host_read} on the host (.item(), or an operator "
+            f"that takes it as a host value, such as torch.tensor_split's indices): a recording gives it a "
+            f"CUDA tensor filled with the value on each call"
+        )
     return None
 
 
@@ -359,7 +372,7 @@ def record(
             if not chain:  # (the segments before the last ran at their reads)
                 inputs.copy_in(call.leaves, call.n)
             _draws.replay(graph)
-            leaves, spec = _torch.tree_flatten(out)
+            leaves, spec = _torch.flatten_outputs(out)
             result = _torch.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
             del out, owning, graph, leaves
             raise CaptureFailed(str(e), pool_tainted=True, result=result) from None
@@ -501,8 +514,9 @@ def capture_isolated(
         _torch.end_failed_capture(device, pool_id, began and not ended, isolated)
     if error is not None:
         raise error
-    if watch.generator_state:  # (its replays would not draw what eager draws)
-        raise RuntimeError(_unsafe_reason(getattr(fn, "__name__", "the function"), watch))
+    refusal = _unsafe_reason(getattr(fn, "__name__", "the function"), watch)
+    if refusal:  # (its replays would not compute what eager computes)
+        raise RuntimeError(refusal)
     return out
 
 

@@ -101,6 +101,7 @@ class TrainingRecording:
         forward_graph: Any,
         backward_graph: Any,
         single: bool = False,
+        spec: Any = None,
     ) -> None:
         self.name = name
         self.static_inputs = static_inputs
@@ -112,6 +113,7 @@ class TrainingRecording:
         self.backward_graph = backward_graph
         self.generation = 0  # forward replays so far: a backward belongs to the last one
         self.single = single  # the function returned one tensor, not a tuple or list
+        self.spec = spec  # how to rebuild what it returned (see _structure); None: one tensor or a plain tuple
         self.open = False  # a forward replayed whose backward has not run
         self._pending: Callable[[], _Pending | None] = lambda: None  # (a weak reference to the last forward's)
         self._param_ptrs = [p.data_ptr() for p in params]
@@ -164,6 +166,13 @@ class TrainingRecording:
         self.generation += 1
         self.open = True
         return self.generation
+
+    def returned(self, outs: tuple[torch.Tensor, ...]) -> Any:
+        """``outs`` (what :func:`apply` returned) as the function returned them: one tensor, a tuple, or
+        the list, namedtuple or structseq (``torch.return_types.sort``) it returned."""
+        if self.single:
+            return outs[0]
+        return outs if self.spec is None else _torch.tree_unflatten(list(outs), self.spec)
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         """Copies of the forward's outputs (the caller's to keep)."""
@@ -305,6 +314,7 @@ class TrainingRecording:
             forward_graph,
             backward_graph,
             single=isinstance(returned[0], torch.Tensor),
+            spec=_structure(returned[0]),
         )
 
 
@@ -331,6 +341,16 @@ def _check_leaves(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], nam
             f"`{name}` reads {len(others)} tensor(s) that require grad besides its arguments and its module's "
             f"parameters ({shapes}): a recorded backward would not give them their gradients"
         )
+
+
+def _structure(out: Any) -> Any:
+    """The pytree spec that rebuilds ``out`` (a list or tuple of tensors) from a tuple of its tensors,
+    or None where the tuple itself is right: one tensor, a plain tuple, or a tuple subclass pytrees
+    do not flatten."""
+    if isinstance(out, torch.Tensor) or type(out) is tuple:
+        return None
+    leaves, spec = _torch.tree_flatten(out)
+    return spec if len(leaves) == len(out) else None
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

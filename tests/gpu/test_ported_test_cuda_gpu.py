@@ -1,7 +1,9 @@
 """PyTorch's CUDA-graph tests of ``test/test_cuda.py`` (pytorch/pytorch at 000e43cd), ported to
 graphtree (issue 44): a graphed function called as users call it (warm-up, recording, replays) in
 place of ``torch.cuda.graph``; each original name kept. Written in the eleventh session from a
-reading of the file; not yet run on a GPU when written (the session's device time was spent).
+reading of the file; run on an H100 (torch 2.11) in the twelfth session, where they found the bugs
+fixed then (concurrent replays on two streams, checkpoint's RNG state, unpinned copies) and test bugs
+(eager oracles of another configuration, a scaler that had scaled nothing).
 
 | original                                                  | here                                       |
 | --------------------------------------------------------- | ------------------------------------------ |
@@ -9,12 +11,12 @@ reading of the file; not yet run on a GPU when written (the session's device tim
 | test_graph_capture_simple                                 | ported                                     |
 | test_graph_capture_oom                                    | ported: raised, the process stays usable   |
 | test_repeat_graph_capture_cublas_workspace_memory         | ported: 100 graphed matmuls, memory flat   |
-| test_graph_concurrent_replay                              | ported (the shared-pool branch: n/a)       |
+| test_graph_concurrent_replay                              | ported: replays on two streams in order    |
 | test_graph_three_successive                               | ported: held outputs never overwritten     |
-| test_graph_memory_stats_and_use_result_after_destroy_graph| ported: the use-after-destroy part         |
+| test_graph_memory_stats_and_use_result_after_destroy_graph| ported: read after destroy, memory back    |
 | test_graph_record_stream                                  | ported                                     |
 | test_graph_cudnn_dropout                                  | ported                                     |
-| test_graph_checkpoint_preserve_rng_state                  | ported                                     |
+| test_graph_checkpoint_preserve_rng_state                  | ported: eager with the reason (RNG state)  |
 | test_graph_manual_seed_mismatch_raises                    | ported: eager with the reason, or raises   |
 | test_graph_make_graphed_callables                         | ported: the whole step graphed, amp on/off |
 | test_graph_make_graphed_callables_parameterless_nograd_module | ported                                 |
@@ -26,7 +28,7 @@ reading of the file; not yet run on a GPU when written (the session's device tim
 | test_unpinned_memory_use(_device_to_host)                 | ported                                     |
 | TestCudaOptims.test_graph_optims                          | ported (a sample of the optimizers)        |
 | TestCudaOptims.test_graph_scaling_fused_optimizers        | ported                                     |
-| TestCudaOptims.test_graph_grad_scaling                    | ported                                     |
+| TestCudaOptims.test_graph_grad_scaling                    | ported: against an eager twin, each call   |
 | test_graph_rng_functional, _distributions, _two_successive, test_graphsafe_set_get_rng_state | in test_random_gpu.py |
 
 Not applicable: the raw CUDAGraph, allocator and pool APIs themselves:
@@ -199,13 +201,15 @@ def test_graph_memory_stats_and_use_result_after_destroy_graph():
     for _ in range(4):
         graphtree.mark_step()
         b = g(a)
-    del g
-    graphtree.reset()  # (the output outlives the tree's pool: it is still the caller's)
+    del g  # the graphed function destroyed: its last output is still the caller's (until the next step,
+    gc.collect()  # graphtree's contract, as cudagraph trees': a held output is read, or cloned, before it)
+    assert b.sum().item() == 6 * numel
+    del b
+    graphtree.reset()
     gc.collect()
     torch.cuda.empty_cache()
-    assert b.sum().item() == 6 * numel
     grown = torch.cuda.memory_stats()["active_bytes.all.current"] - before
-    assert grown <= numel * 4 + 2**20, grown  # only the output's bytes (and a block's rounding)
+    assert grown <= 2**20, grown  # all given back (but a block's rounding)
 
 
 def test_graph_record_stream():
@@ -266,6 +270,8 @@ def test_graph_checkpoint_preserve_rng_state():
         graphtree.mark_step()
         torch.manual_seed(42)
         assert torch.equal(g(), want)
+    # (a recording cannot stash and restore the generator's state where eager does: eager, with why)
+    assert any("get_rng_state" in r for r in graphtree.stats().eager), graphtree.stats()
 
 
 def test_graph_manual_seed_mismatch_raises():
@@ -517,29 +523,42 @@ def test_graph_scaling_fused_optimizers():
 
 
 def test_graph_grad_scaling():
-    scaler = torch.amp.GradScaler(init_scale=4.0)
-    weight = torch.ones(100, device=DEV, requires_grad=True)
-    opt = torch.optim.SGD([weight], lr=0.1)
+    # torch's sequence of gradients and scales (an overflow halves the scale and skips the step),
+    # from a graphed forward-backward, each call compared with an eager twin's (graphtree's warm-up
+    # and recording are calls too: both run the same calls from the start)
+    def make():
+        weight = torch.ones(100, device=DEV, requires_grad=True)
+        box = {"scaler": torch.amp.GradScaler(init_scale=4.0)}
 
-    def forward_backward(x):
-        if weight.grad is not None:
-            weight.grad.zero_()
-        loss = (weight.half() * x).sum()
-        scaler.scale(loss).backward()
-        return loss.detach()
+        def forward_backward(x):
+            if weight.grad is not None:
+                weight.grad.zero_()
+            loss = (weight.half() * x).sum()
+            box["scaler"].scale(loss).backward()
+            return loss.detach()
 
-    g = graphtree.graphed(forward_backward)
-    expected_grads = [20.0, float("inf"), 10.0, float("inf")]
-    expected_scales = [4.0, 2.0, 2.0, 1.0]
-    for _ in range(2):  # the warm-up and the recording first, at a value that does not overflow
+        return weight, box, torch.optim.SGD([weight], lr=0.1), forward_backward
+
+    weight, box, opt, fn = make()
+    twin_weight, twin_box, twin_opt, twin_fn = make()
+    g = graphtree.graphed(fn)
+    datas = [1.0, 1.0, 5.0, 20000.0, 5.0, 40000.0, 5.0]
+    for i, data in enumerate(datas):
         graphtree.mark_step()
-        g(torch.full((100,), 1.0, device=DEV, dtype=torch.half))
-        opt.zero_grad(set_to_none=False)
-    scaler = torch.amp.GradScaler(init_scale=4.0)  # (fresh: the warm-up calls stepped none)
-    for data, grad, scale in zip([5.0, 20000.0, 5.0, 40000.0], expected_grads, expected_scales):
-        graphtree.mark_step()
-        g(torch.full((100,), data, device=DEV, dtype=torch.half))
-        assert torch.equal(weight.grad, torch.full_like(weight, grad)), (data, weight.grad[:2], graphtree.stats())
-        scaler.step(opt)
-        scaler.update()
-        assert scaler.get_scale() == scale
+        x = torch.full((100,), data, device=DEV, dtype=torch.half)
+        g(x)
+        twin_fn(x.clone())
+        assert torch.equal(weight.grad, twin_weight.grad), (
+            i,
+            data,
+            weight.grad[:2],
+            twin_weight.grad[:2],
+            graphtree.stats(),
+        )
+        for b, o in ((box, opt), (twin_box, twin_opt)):
+            b["scaler"].step(o)
+            b["scaler"].update()
+        assert box["scaler"].get_scale() == twin_box["scaler"].get_scale(), i
+        assert torch.equal(weight, twin_weight), i
+    # and the scales torch's test expects of the calls after the first two: an overflow halves it
+    assert twin_box["scaler"].get_scale() == 1.0

@@ -1,0 +1,118 @@
+"""What PyTorch's operator database found wrong through graphtree (issue 44; `benchmarks/conformance/
+opinfo_sweep.py` on an H100, torch 2.11), each case as a user meets it: four calls (warm-up,
+recording, two replays) on fresh tensors, each equal to eager (values, dtype, type), or run eagerly
+with a reason. Each failed on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphtree
+
+DEV = "cuda"
+
+
+def _calls(fn, make, n=4):
+    """``fn`` graphed and eager on ``make(i)`` (fresh tensors each call): their outputs, in pairs."""
+    g = graphtree.graphed(fn)
+    pairs = []
+    for i in range(n):
+        graphtree.mark_step()
+        args = make(i)
+        twin = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+        pairs.append((g(*args), fn(*twin)))
+    return pairs
+
+
+def _same(got, want):
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.device == want.device and got.shape == want.shape
+        assert got.is_conj() == want.is_conj() or torch.equal(got.resolve_conj(), want.resolve_conj())
+        torch.testing.assert_close(got.resolve_conj().resolve_neg(), want.resolve_conj().resolve_neg())
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _same(a, b)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize(
+    "op",
+    [torch.view_as_real, lambda c: c.real, lambda c: c.imag, torch.conj, lambda c: c.mH, lambda c: c.conj().imag],
+    ids=["view_as_real", "real", "imag", "conj", "mH", "conj_imag"],
+)
+def test_views_of_a_complex_input_with_another_dtype_or_the_conj_bit(op):
+    for got, want in _calls(op, lambda i: (torch.randn(5, 5, dtype=torch.complex64, device=DEV),)):
+        _same(got, want)
+
+
+def test_view_as_complex_of_an_input():
+    for got, want in _calls(torch.view_as_complex, lambda i: (torch.randn(5, 5, 2, device=DEV),)):
+        _same(got, want)
+
+
+def test_broadcast_shapes_returns_a_size():
+    for got, want in _calls(
+        lambda x: (torch.broadcast_shapes(x.shape, (1, 3)), x + 1), lambda i: (torch.ones(2, 1, device=DEV),)
+    ):
+        _same(got, want)
+
+
+def test_tensor_split_by_a_cpu_index_tensor_runs_as_eager():
+    make = lambda i: (torch.randn(8, device=DEV), torch.tensor(3 + i % 2))  # noqa: E731
+    for got, want in _calls(torch.tensor_split, make):
+        _same(got, want)
+
+
+@pytest.mark.parametrize("offset", [None, 3])
+def test_as_strided_of_a_partial_view_input(offset):
+    def fn(x):
+        return torch.as_strided(x, (2, 2), (1, 2)) if offset is None else torch.as_strided(x, (2, 2), (1, 2), offset)
+
+    base = lambda i: (torch.randn(20, device=DEV)[2:10],)  # noqa: E731 - a view at an offset
+    for got, want in _calls(fn, base):
+        _same(got, want)
+
+
+def test_an_output_that_is_a_slice_of_an_input_view():
+    for got, want in _calls(lambda x: x[1:], lambda i: (torch.randn(20, device=DEV)[4:12],)):
+        _same(got, want)
+
+
+@pytest.mark.parametrize(
+    "op", [torch.sort, torch.frexp, lambda x: torch.linalg.qr(x.reshape(3, 3))], ids=["sort", "frexp", "qr"]
+)
+def test_a_structseq_under_autograd_keeps_its_type(op):
+    make = lambda i: (torch.randn(9, device=DEV, requires_grad=True),)  # noqa: E731
+    for got, want in _calls(op, make):
+        assert type(got) is type(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+def test_pinv_under_autocast_computes_in_autocasts_dtype():
+    def fn(x):
+        with torch.autocast("cuda", torch.bfloat16):
+            return torch.linalg.pinv(x), torch.pinverse(x)
+
+    for got, want in _calls(fn, lambda i: (torch.randn(6, 6, device=DEV),)):
+        _same(got, want)
+    assert graphtree.stats().replays >= 2, graphtree.stats()
+
+
+def test_the_attention_kernels_random_state_outputs_run_eagerly_with_the_reason():
+    q = torch.randn(2, 4, 16, 8, device=DEV, dtype=torch.float16)
+
+    def fn(q):
+        return torch.ops.aten._efficient_attention_forward(
+            q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), None, None, None, None, None, 0.0, 0, False
+        )
+
+    for got, want in _calls(fn, lambda i: (q.clone(),)):
+        assert got[0].shape == want[0].shape
+        torch.testing.assert_close(got[0], want[0])
+        assert [t.device for t in got[2:4]] == [t.device for t in want[2:4]]
+    assert any("_efficient_attention_forward" in r for r in graphtree.stats().eager), graphtree.stats()
