@@ -1,4 +1,5 @@
-"""CPU tests of the OpInfo sweep's findings 1-5 (issue 44; graphtree runs eagerly on CPU: these drive the parts directly).
+"""CPU tests of the OpInfo sweep's findings 1-5 (issue 44; graphtree runs eagerly on CPU: these drive
+the parts directly)."""
 
 import torch
 
