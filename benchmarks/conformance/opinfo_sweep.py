@@ -73,13 +73,23 @@ def _tensors(x: Any) -> list[Any]:
     return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
+def _twin(t: Any) -> Any:
+    """A copy of tensor ``t`` that is the same view of a copy of its whole storage (an operator that
+    reads the storage, ``as_strided`` with an offset, sees the same memory), a leaf like ``t``."""
+    import torch
+
+    if t.layout is not torch.strided or t.is_nested or t.is_conj() or t.is_neg() or t.device.type == "meta":
+        return t.detach().clone().requires_grad_(t.requires_grad)
+    storage = t.detach().untyped_storage().clone()
+    copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+    return copy.requires_grad_(t.requires_grad)
+
+
 def _copy(x: Any) -> Any:
     import torch
     from torch.utils._pytree import tree_map
 
-    return tree_map(
-        lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, x
-    )
+    return tree_map(lambda t: _twin(t) if isinstance(t, torch.Tensor) else t, x)
 
 
 def same(got: Any, want: Any) -> str | None:

@@ -431,5 +431,6 @@ from graphtree._torch.capture import (  # noqa: E402, F401 - re-exported; it imp
     end_failed_capture,
     end_open_capture,
     generator_of,
+    note_torch_call,
     stream_capturing,
 )

@@ -266,10 +266,24 @@ def strided_elsewhere(x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, 
 _AUTOCAST_INSIDE = frozenset({"aten::linalg_pinv"})
 
 
+_at_call = threading.local()  # .autocast: CUDA autocast on at the last torch call (note_torch_call)
+
+
+_NOW = object()
+
+
+def note_torch_call(state: Any = _NOW) -> None:
+    """A torch function is being called (a function mode's handler, before dispatch, where autocast's
+    state can still be read): :class:`EagerDispatchMode` runs the operators it reaches as eager.
+    ``note_torch_call(None)``: no call is under way (the function mode ends)."""
+    _at_call.autocast = torch.is_autocast_enabled("cuda") if state is _NOW else state
+
+
 class EagerDispatchMode(TorchDispatchMode):
     """A dispatch mode whose handler runs each operator as eager would (:meth:`run`): the operators
-    of :data:`_AUTOCAST_INSIDE` with CUDA autocast on inside them, where it was on when the mode was
-    entered. Only the innermost mode's handler runs the kernel: every graphtree mode uses :meth:`run`."""
+    of :data:`_AUTOCAST_INSIDE` with CUDA autocast on inside them where it was on at the torch call
+    that reached them (:func:`note_torch_call`; else where the mode was entered). Only the innermost
+    mode's handler runs the kernel: every graphtree mode uses :meth:`run`."""
 
     _autocast = False
 
@@ -279,7 +293,8 @@ class EagerDispatchMode(TorchDispatchMode):
 
     def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)``, as eager runs it."""
-        if not (self._autocast and func._schema.name in _AUTOCAST_INSIDE):
+        at_call = getattr(_at_call, "autocast", None)
+        if func._schema.name not in _AUTOCAST_INSIDE or not (self._autocast if at_call is None else at_call):
             return func(*args, **kwargs)
         excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutocastCUDA)
         with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphtree import _torch
+
 _NO_RESULT: Any = object()  # (a call's outputs may be None)
 
 
@@ -51,7 +53,12 @@ class OpTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.last = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
+        _torch.note_torch_call()  # (autocast's state, readable here and not below dispatch)
         return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc: Any) -> None:
+        _torch.note_torch_call(None)
+        super().__exit__(*exc)
 
 
 _INTERNAL_DIRS = (

@@ -124,7 +124,10 @@ def test_repeat_graph_capture_cublas_workspace_memory():
     torch.mm(a, b)
     torch.cuda.synchronize()
     # (the process's own reserved memory, where torch's test reads the device's: other processes on
-    # the GPU count there; cuBLAS's workspaces come from torch's allocator, so they show here too)
+    # the GPU count there; cuBLAS's workspaces come from torch's allocator, so they show here too.
+    # Cached blocks are emptied first, as torch.cuda.graph does at each capture of torch's test: a
+    # dropped graphed function's pool goes back to the allocator, cached until emptied or needed.)
+    torch.cuda.empty_cache()
     used_before = torch.cuda.memory_reserved()
     for _ in range(100):
         g = graphtree.graphed(torch.mm)
@@ -133,7 +136,9 @@ def test_repeat_graph_capture_cublas_workspace_memory():
             g(a, b)
         del g
     gc.collect()
+    graphtree.mark_step()  # (the last one's recordings go at its tree's next step)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     grown = torch.cuda.memory_reserved() - used_before
     assert grown < 0.1 * 2**30, grown / 2**20
 
