@@ -464,7 +464,7 @@ class StateWatch(EagerDispatchMode):
         _watch_generator_state(True)
         self._outer_watch = getattr(_watching, "watch", None)
         _watching.watch = self
-        return super().__enter__()  # type: ignore[no-any-return]
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         _watching.watch = self._outer_watch

@@ -340,7 +340,7 @@ def record(
         if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
             del args, kwargs, graph_leaves, owning, graph, breaks
             raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
-        if _refused_in_capture(user_error):  # (eager runs it: so does this call, with the reason)
+        if user_error is not None and _refused_in_capture(user_error):  # (eager runs it: so does this call)
             msg = explain_capture_error(user_error, tracker, gc.name)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
             raise CaptureFailed(msg)
