@@ -34,7 +34,9 @@ class LaunchOrder:
         """Make the current stream wait for the last call's, when it is another one (an event; the
         check costs one call into torch, 0.2 µs). Not inside a capture, whose own stream is current
         and cannot wait on work queued outside it."""
-        raw = self._raw_stream(self.device) if self._raw_stream is not None else 0
+        if self._raw_stream is None:  # (a build without CUDA: no streams to order)
+            return
+        raw = self._raw_stream(self.device)
         if raw == self._last_raw:
             return
         stream = torch.cuda.current_stream(self.device)
