@@ -154,3 +154,18 @@ def test_a_small_sweep_writes_the_summary(tmp_path):
     assert set(res["reasons"]) == {"no CUDA"}
     assert res["metadata_only"] == 0 and res["raw_pairs"] == {"raw_capturable": 0, "replayed": 0}
     assert set(res["op_seconds"]) == {"add", "nn.functional.dropout"}
+
+
+def test_a_view_input_that_requires_grad_is_twinned_as_a_view_and_its_leaf_gets_the_gradient():
+    import torch
+
+    leaf = torch.randn(2, 3, 4, requires_grad=True)
+    view = leaf.transpose(1, 2)  # (OpInfo's attention samples: make(shape).transpose(1, 2))
+    twin = sweep._copy((view,))[0]
+    assert not twin.is_leaf and twin._base.is_leaf and twin._base.requires_grad
+    assert twin.shape == view.shape and twin.stride() == view.stride() and torch.equal(twin, view)
+    assert sweep._grad_leaves((view, view, twin)) == [leaf, twin._base]
+    got = sweep._with_grads(True)(view * 2, (view,))
+    want = sweep._with_grads(True)(twin * 2, (twin,))
+    assert sweep.same(got, want) is None
+    assert got[1][0].shape == leaf.shape

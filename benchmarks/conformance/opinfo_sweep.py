@@ -75,9 +75,15 @@ def _tensors(x: Any) -> list[Any]:
 
 def _twin(t: Any) -> Any:
     """A copy of tensor ``t`` that is the same view of a copy of its whole storage (an operator that
-    reads the storage, ``as_strided`` with an offset, sees the same memory), a leaf like ``t``."""
+    reads the storage, ``as_strided`` with an offset, sees the same memory), a leaf like ``t``; for a
+    view of a leaf that requires grad (OpInfo's ``make(shape).transpose(1, 2)``), the same view of a
+    twin of that leaf, so that both sides' gradients are taken with respect to the same kind of
+    tensor (:func:`_grad_leaves`)."""
     import torch
 
+    base = t._base
+    if t.requires_grad and not t.is_leaf and base is not None and base.is_leaf and base.requires_grad:
+        return _twin(base).as_strided(t.shape, t.stride(), t.storage_offset())
     if t.layout is not torch.strided or t.is_nested or t.is_conj() or t.is_neg() or t.device.type == "meta":
         return t.detach().clone().requires_grad_(t.requires_grad)
     storage = t.detach().untyped_storage().clone()
@@ -305,7 +311,7 @@ def _with_grads(grad: bool) -> Callable[[Any, tuple], Any]:
     def outputs_and_grads(out: Any, args: tuple) -> Any:
         import torch
 
-        leaves = [t for t in _tensors(args) if t.requires_grad]
+        leaves = _grad_leaves(args)
         outs = [o for o in _tensors(out) if o.requires_grad and (o.is_floating_point() or o.is_complex())]
         if not outs or not leaves:
             return out
@@ -314,6 +320,19 @@ def _with_grads(grad: bool) -> Callable[[Any, tuple], Any]:
         return (_copy(out), [g if g is not None else torch.zeros(()) for g in grads])
 
     return outputs_and_grads
+
+
+def _grad_leaves(args: Any) -> list[Any]:
+    """The tensors a grad-mode call's gradients are taken with respect to: each argument that requires
+    grad, or, for a view of a leaf that does, that leaf (once each, in order)."""
+    out: dict[int, Any] = {}
+    for t in _tensors(args):
+        if not t.requires_grad:
+            continue
+        base = t._base
+        leaf = base if not t.is_leaf and base is not None and base.is_leaf and base.requires_grad else t
+        out.setdefault(id(leaf), leaf)
+    return list(out.values())
 
 
 class _nothing:
