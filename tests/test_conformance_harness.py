@@ -169,3 +169,25 @@ def test_a_view_input_that_requires_grad_is_twinned_as_a_view_and_its_leaf_gets_
     want = sweep._with_grads(True)(twin * 2, (twin,))
     assert sweep.same(got, want) is None
     assert got[1][0].shape == leaf.shape
+
+
+def test_a_leaf_viewing_another_leafs_memory_gets_memory_of_its_own_on_both_sides():
+    # OpInfo's attention samples are such leaves (make(shape).transpose(1, 2)): autograd routes their
+    # gradients elsewhere, so that the graphed side's gradients were None against its twin's (10 WRONG
+    # samples of the sweep on an H100, with graphtree running those calls eagerly).
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    op = next(o for o in op_db if o.name == "torch.ops.aten._flash_attention_forward")
+    sample = next(iter(op.sample_inputs_func(op, "cpu", torch.float32, True)))
+    odd = sample.input
+    assert odd.is_leaf and odd._base is not None and odd.requires_grad
+    assert torch.autograd.grad((odd * 2).sum(), [odd], allow_unused=True)[0] is None  # what the sweep met
+    (own, *_), kwargs = sweep._own_leaves(((odd, *sample.args), dict(sample.kwargs)))
+    assert own.is_leaf and own._base is None and own.requires_grad and kwargs == sample.kwargs
+    assert own.shape == odd.shape and own.stride() == odd.stride() and torch.equal(own, odd)
+    got = sweep._with_grads(True)(own * 2, (own,))
+    twin = sweep._copy((own,))
+    want = sweep._with_grads(True)(twin[0] * 2, twin)
+    assert sweep.same(got, want) is None and torch.equal(got[1][0], torch.full_like(own, 2.0))
+    plain = torch.randn(3, requires_grad=True)
+    assert sweep._own_leaves(((plain,), {}))[0][0] is plain  # an ordinary leaf is left as it is

@@ -91,6 +91,22 @@ def _twin(t: Any) -> Any:
     return copy.requires_grad_(t.requires_grad)
 
 
+def _own_leaves(x: Any) -> Any:
+    """``x`` with each tensor that requires grad and is a leaf viewing another leaf's memory (OpInfo's
+    attention samples: ``make(shape).transpose(1, 2)``, detached and made to require grad again)
+    replaced by a leaf of its own memory: autograd routes such a tensor's gradient to the other leaf,
+    so that gradients taken with respect to it are None, graphed or not, while its twin's are not."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def own(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and t._base is not None:
+            return _twin(t)
+        return t
+
+    return tree_map(own, x)
+
+
 def _copy(x: Any) -> Any:
     import torch
     from torch.utils._pytree import tree_map
@@ -278,7 +294,7 @@ def sweep_op(op: Any, device: str, modes: tuple[str, ...], max_samples: int) -> 
                 continue
             for i, group in enumerate(groups):
                 graphtree.reset()
-                calls = [((s.input, *s.args), dict(s.kwargs)) for s in group]
+                calls = [_own_leaves(((s.input, *s.args), dict(s.kwargs))) for s in group]
                 fn = op.inplace_variant if mode == "inplace" else op.op
                 graphed = graphtree.graphed(lambda *a, _fn=fn, **k: _fn(*a, **k), name=f"{op.name}.{mode}")
                 result: Callable[[Any, tuple], Any] = (
