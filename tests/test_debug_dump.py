@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,38 @@ def test_a_graphed_model_is_dumped_as_the_model_it_wraps(tmp_path):
         assert "torch.nn.modules.linear.Linear" in d.target_note, d.target_note
         again = d.resolve()
         assert type(again) is torch.nn.Linear and torch.equal(again.weight, net.weight)  # re-run eagerly
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python 3.12+ (the GPU image's)")
+def test_a_cuda_error_the_caller_catches_outside_graphed_calls_gets_the_dumps_in_its_notes(monkeypatch):
+    # Issue 45, item 5: the excepthook saw only errors nobody caught; a RAISE callback sees them where raised.
+    from graphtree.debug import late
+
+    class Snapshots:
+        calls = 2
+
+    snaps = Snapshots()
+    written: list[RuntimeError] = []
+
+    def dump(error: RuntimeError, _snaps: object) -> list[Path]:
+        written.append(error)
+        error.add_note("graphtree: a dump of the last call was written to d.gtdump")
+        return [Path("d.gtdump")]
+
+    late.watch(snaps, dump)
+
+    def users_sync() -> None:  # (torch.cuda.synchronize() meeting a device-side assert)
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    try:
+        users_sync()
+    except RuntimeError as e:
+        caught = e
+    assert written == [caught], written
+    assert "d.gtdump" in "".join(caught.__notes__)
+    try:
+        raise RuntimeError("shape mismatch")  # not a CUDA error: left alone
+    except RuntimeError:
+        pass
+    assert len(written) == 1
+    del snaps

@@ -7,14 +7,20 @@ every graphed function with ``debug=dir`` (and ``dump_on_error(..., snapshot=Tru
 snapshots of its last two calls are in host memory already; this module writes them when such a
 fault goes unhandled:
 
-- an uncaught CUDA error (``sys.excepthook``): the dumps are written and named on stderr, then
-  the usual traceback is printed;
+- a CUDA error raised anywhere in Python code (Python 3.12+: a ``sys.monitoring`` ``RAISE``
+  callback): the user's ``torch.cuda.synchronize()``, ``.item()``, ``.cpu()``, printing a tensor,
+  another library's call. The dumps are written where the error is raised, before any ``except``
+  sees it, named on stderr, and each is added as a note to the error itself, so that what reaches
+  the user (a traceback, pytest's report, a notebook's cell, an ``except`` clause) names them;
+- an uncaught CUDA error (``sys.excepthook``, the only way before Python 3.12): the dumps are
+  written and named on stderr, then the usual traceback is printed;
 - a CUDA error pending at exit (``atexit``: one ``torch.cuda.synchronize()``, only in a process
   that has such functions and has initialised CUDA).
 
-A CUDA error that the program catches itself and does not re-raise leaves no dump here (nothing
-sees it); a call of the graphed function after it does, as before. Costs nothing per call: the
-hooks are installed when the first such function is made.
+A CUDA error raised inside a graphed call is left to the call, which writes the dumps itself
+(:func:`graphtree.debug.dump.dump_failure`). Costs nothing per call: the hooks are installed when
+the first such function is made; the ``RAISE`` callback runs for every exception Python code
+raises while such a function lives (a type test for all but CUDA errors).
 
 Example::
 
@@ -29,7 +35,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -62,6 +68,7 @@ def watch(snapshots: Any, dump: Callable[[RuntimeError, Any], list[Path]]) -> No
 
             sys.excepthook = excepthook
             atexit.register(_at_exit)
+            _monitor_raises()
 
 
 def mark_dumped(error: BaseException) -> None:
@@ -87,6 +94,45 @@ def dump_all(error: RuntimeError) -> list[Path]:
             flush=True,
         )
     return written
+
+
+def _monitor_raises() -> None:
+    """Have :func:`_on_raise` called for every exception raised in Python code (Python 3.12+), under
+    a ``sys.monitoring`` tool id no other tool holds (none free: the excepthook alone)."""
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is None:
+        return
+    for tool in (4, 3, 5, 2, 1, 0):  # (the unnamed ids first: debuggers, coverage and profilers keep theirs)
+        if monitoring.get_tool(tool) is None:
+            monitoring.use_tool_id(tool, "graphtree late CUDA faults")
+            monitoring.register_callback(tool, monitoring.events.RAISE, _on_raise)
+            monitoring.set_events(tool, monitoring.get_events(tool) | monitoring.events.RAISE)
+            return
+
+
+def _on_raise(code: Any, offset: int, error: BaseException) -> None:
+    """A ``RAISE`` event: a CUDA error raised outside a graphed call writes every watched function's
+    dumps, named on stderr and in notes on ``error``. Never raises."""
+    if not isinstance(error, RuntimeError) or id(error) in _dumped or not _watched:
+        return
+    try:
+        if is_cuda_error(error) and not _inside_graphed_call():
+            dump_all(error)
+    except Exception:  # noqa: BLE001 - a hook must never replace the user's error
+        pass
+
+
+def _inside_graphed_call() -> bool:
+    """Whether this thread is inside a graphed call, whose own handler writes the dumps."""
+    from graphtree.tree.graphed import GraphedCallable
+
+    call = GraphedCallable.__call__.__code__
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is call:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _at_exit() -> None:
