@@ -62,8 +62,10 @@ def test_a_fresh_cache_is_initialized_as_its_first_update_would_and_generates_th
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_another_batch_length_or_model_dtype_is_left_alone():
+def test_another_batch_length_or_model_dtype_is_left_alone(monkeypatch):
     model = _model("llama")
+    # (the layouts learned from filled caches: what a model whose config cannot say does)
+    monkeypatch.setattr(type(model), "_get_static_cache_init_shape", lambda self: None)
     cfg = model.config
     layouts = CacheLayouts(model)
     ids = {"input_ids": torch.zeros(2, 5, dtype=torch.long)}
@@ -151,11 +153,11 @@ def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_genera
     with torch.inference_mode():
         want = model.generate(ids, **kw)
         model.forward = forward
-        got = model.generate(ids, **kw)  # its prefill allocates the cache (nothing to move)
-        again = model.generate(ids, **kw)  # its prefill gets a cache allocated before the call
+        got = model.generate(ids, **kw)  # each prefill gets a cache initialized before the call,
+        again = model.generate(ids, **kw)  # from the config (the first) or as learned (the second)
     assert torch.equal(got, want) and torch.equal(again, want)
     first, *rest = seen
-    assert lazy == [0] and first[1:4] == (0, 0, (int, 0))  # the first prefill only
+    assert lazy == [] and first[1:4] == (0, 0, (torch.Tensor, 0))  # (moved: 5 tokens fit in both windows)
     assert len([row for row in rest if row[0] == 1]) == 14
     for tokens, before, int_during, length_during, after, _ in rest:
         assert after == before + tokens  # the cache's own count, right after every call
@@ -229,3 +231,52 @@ def test_another_transformers_version_keeps_the_length_in_the_key(monkeypatch):
     moved = hf_cache._move_lengths(cache.layers, step)
     assert moved is not None
     moved.restore()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_cache_kept_across_generates_is_initialized_from_the_config_before_its_first_prefill(kind):
+    # Issue 45, item 4: its first prefill had initialized it lazily (state made inside the call: a
+    # warm-up of a signature no later prefill has), so the prefill recorded only at the third generate().
+    model = _model(kind)
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    layouts = CacheLayouts(model)
+    seen = []
+    original = model.forward
+
+    def forward(**kwargs):
+        before = all(lay.is_initialized for lay in kwargs["past_key_values"].layers)
+        layouts.before_call(kwargs)
+        seen.append((before, all(lay.is_initialized for lay in kwargs["past_key_values"].layers)))
+        return original(**kwargs)
+
+    lazy = transformers.StaticCache(config=model.config, max_cache_len=16)
+    kept = transformers.StaticCache(config=model.config, max_cache_len=16)
+    kw = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True}
+    with torch.inference_mode():
+        want = model.generate(ids, past_key_values=lazy, **kw)
+        model.forward = forward
+        got = [model.generate(ids, past_key_values=kept, **kw)]
+        kept.reset()
+        got.append(model.generate(ids, past_key_values=kept, **kw))
+    assert seen[0] == (False, True)  # the first prefill: initialized before the call
+    assert all(s == (True, True) for s in seen[1:])
+    assert all(torch.equal(g.sequences, want.sequences) for g in got)
+    assert _layouts(kept) == _layouts(lazy)
+    for a, b in zip(kept.layers, lazy.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_cache_is_left_to_its_lazy_initialization_under_autocast_or_mixed_dtypes(monkeypatch):
+    model = _model("llama")
+    layouts = CacheLayouts(model)
+    ids = {"input_ids": torch.zeros(2, 5, dtype=torch.long)}
+    autocast_on = torch.is_autocast_enabled
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: True if a == ("cuda",) else autocast_on(*a))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    layouts.before_call({**ids, "past_key_values": cache})  # (its keys' dtype is autocast's to say)
+    assert not any(lay.is_initialized for lay in cache.layers)
+    monkeypatch.undo()
+    model.lm_head.half()  # two floating dtypes: which one the keys get is not the config's to say
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    layouts.before_call({**ids, "past_key_values": cache})
+    assert not any(lay.is_initialized for lay in cache.layers)

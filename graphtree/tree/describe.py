@@ -39,6 +39,9 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
     for m in managers:
         pool = m.pool_bytes() / 2**20
         out.append(f"tree cuda:{m.device} (thread {m.thread}): pool {pool:.1f} MiB, step {m.generation}")
+        where = m.pool_breakdown()
+        if where:
+            out.append(f"  pool: {where}")
 
         def walk(node: Node | Root, prefix: str) -> None:
             kids = below(node)

@@ -16,6 +16,14 @@ allocates every layer before the call; graphtree does it for a graphed forward:
   is recorded once and replayed after, each new cache moving into the recording's memory
   (:mod:`graphtree.tree.adoption`).
 
+- a cache met with no layer initialized, of a kind not learned yet (the first ``generate()``, or a
+  ``StaticCache`` the user keeps and resets between ``generate()`` calls), is initialized as
+  transformers' ``generate()`` does for a compiled prefill: heads and head dim from the model's
+  ``_get_static_cache_init_shape()``, its dtype and device — where that is what the lazy
+  initialization would give (no autocast, one floating dtype for every parameter). A kept cache's
+  first prefill then warms up the signature every later prefill has (an initialized cache), so it
+  is recorded in the second ``generate()``, not the third, and nothing records after (issue 45).
+
 What it cannot vouch for it leaves alone: layers that do not support early initialization or are
 not static (a ``DynamicCache``), keys and values of different head dims, layers of different
 lengths than learned, a cache partly initialized, a batch not yet learned, a model cast or moved
@@ -124,6 +132,8 @@ class CacheLayouts:
         kind = (type(cache), len(layers), getattr(first, "max_cache_len", None), batch, *self._computes_in())
         layout = self._known.get(kind)
         if layout is None:
+            if self._initialize_from_config(cache, layers, batch):
+                return _move_lengths(layers, kwargs)
             try:
                 self._pending = (weakref.ref(cache), kind) if kind not in self._known else None
             except TypeError:  # no weak references to it: nothing learned
@@ -137,6 +147,27 @@ class CacheLayouts:
             return None
         cache.early_initialization(layout.batch, layout.heads, layout.head_dims, layout.dtype, layout.device)
         return _move_lengths(layers, kwargs)
+
+    def _initialize_from_config(self, cache: Any, layers: list[Any], batch: int | None) -> bool:
+        """Initialize a cache met with no layer initialized and of no kind learned yet as transformers'
+        ``generate()`` does for a compiled prefill: heads and head dim from the model's
+        ``_get_static_cache_init_shape()``, the model's dtype and device. Only where that is what its
+        lazy initialization would give: no autocast, one floating dtype for every parameter, a
+        known batch. The first prefill with a cache kept across ``generate()`` calls then warms up
+        the signature every later one has (an initialized cache), instead of one of its own."""
+        model = self._model
+        shape_of = getattr(model, "_get_static_cache_init_shape", None)
+        if model is None or shape_of is None or batch is None or torch.is_autocast_enabled("cuda"):
+            return False
+        if any(getattr(lay, "is_initialized", True) for lay in layers):
+            return False
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        shape = shape_of()
+        if shape is None or len(dtypes) != 1:
+            return False
+        device = next(model.parameters()).device
+        cache.early_initialization(batch, shape[0], shape[1], dtypes.pop(), device)
+        return True
 
     def _computes_in(self) -> tuple[Any, ...]:
         p = next(self._model.parameters(), None) if self._model is not None else None

@@ -177,6 +177,10 @@ class TreeManager:
         """Bytes the tree's pool holds on the device (0 before the first recording)."""
         return self._pool.reserved_bytes() if self._pool is not None else 0
 
+    def pool_breakdown(self) -> str:
+        """Where the pool's bytes go (:meth:`Pool.breakdown`), or "" before the first recording."""
+        return self._pool.breakdown() if self._pool is not None else ""
+
     # --- the entry point -----------------------------------------------------------------
     def call(self, gc: Callee, call: Call) -> Any:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
@@ -440,7 +444,8 @@ class TreeManager:
     # --- warm-up and record -------------------------------------------------------------------
     def _warm_up(self, gc: Callee, call: Call) -> Any:
         self.warming = True
-        done = recorder.warm_up(gc, call, self.stream, self.device)
+        self._sync_bookkeeping()  # (the warm-up's cuBLAS workspace comes from the pool)
+        done = recorder.warm_up(gc, call, self.stream, self.device, self.pool)
         self.counters.warmups += 1
         gc.churn.warmed_up()
         key = (gc.id, call.key)

@@ -82,6 +82,21 @@ class Pool:
         """Bytes the pool holds from the device (its segments' sizes)."""
         return sum(int(s["total_size"]) for s in self.segments())
 
+    def breakdown(self) -> str:
+        """Where the pool's bytes go, for :func:`graphtree.describe`: its segments of small blocks (2 MiB
+        each, for allocations under 1 MiB), its large segments, and what is allocated in them now
+        (the outputs the caller may still hold; the rest is free for the next recordings)."""
+        segs = self.segments()
+        small = [int(s["total_size"]) for s in segs if s.get("segment_type") == "small"]
+        large = sorted((int(s["total_size"]) for s in segs if s.get("segment_type") != "small"), reverse=True)
+        allocated = sum(int(s["allocated_size"]) for s in segs)
+        mib = 2**20
+        sizes = ", ".join(f"{b / mib:.1f}" for b in large[:4]) + (", ..." if len(large) > 4 else "")
+        return (
+            f"{sum(small) / mib:.1f} MiB in {len(small)} small segment(s), {sum(large) / mib:.1f} MiB in "
+            f"{len(large)} large ({sizes or 'none'} MiB); {allocated / mib:.1f} MiB allocated, the rest free"
+        )
+
     def address_test(self) -> Callable[[int], bool]:
         """``test(ptr)``: whether ``ptr`` lies in one of the pool's segments as they are now."""
         ranges = [(int(s["address"]), int(s["address"]) + int(s["total_size"])) for s in self.segments()]

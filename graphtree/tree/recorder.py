@@ -57,6 +57,15 @@ class _Inside:
 
 
 @contextmanager
+def _workspace_in(pool: Pool) -> Iterator[None]:
+    """cuBLAS's workspace for the current stream, made now in ``pool`` (inside :class:`_Inside`, which
+    cleared the workspaces before and frees this one after): ``current_blas_handle()`` makes it."""
+    with pool.allocating():
+        torch.cuda.current_blas_handle()
+    yield
+
+
+@contextmanager
 def _no_collection() -> Iterator[None]:
     """No automatic garbage collection while a graph is captured: a collection runs the finalizers
     of whatever garbage it finds, and one that freed a CUDA graph (a ``torch.cuda.CUDAGraph`` in a
@@ -100,11 +109,14 @@ class WarmUp:
         self.ops = ops  # operators it dispatched (views included, metadata queries not)
 
 
-def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> WarmUp:
+def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool: Pool) -> WarmUp:
     """Run ``gc``'s function eagerly, watching for what a graph cannot hold.
 
     Warm-ups allocate from the ordinary caching allocator, not the tree's pool: whatever the
-    function keeps (a cache it fills on first use) can never be overwritten by a recording.
+    function keeps (a cache it fills on first use) can never be overwritten by a recording. Only
+    cuBLAS's workspace for the tree's stream comes from ``pool`` (whose bookkeeping must be live):
+    it is scratch, freed when the warm-up ends, and the recordings' workspace reuses its block
+    (a warm-up's own workspace had cost a second 32 MiB outside the pool, issue 45).
     Host synchronisations and writes to inputs that would be copied name a reason never to graph
     this signature; tensors the function made and kept (other than its outputs) are counted.
     Exceptions of the function propagate unchanged.
@@ -128,6 +140,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int) -> W
             _no_autocast_cache(),
             torch.cuda.device(device),
             torch.cuda.stream(stream),
+            _workspace_in(pool),
             sync,
             tracker,
             reads,
