@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_hf import tiny_model
 
 import graphtree
-from _tiny_hf import tiny_model
 
 DEV = "cuda"
 
@@ -57,7 +57,12 @@ def _measure(mode: str, pattern: str) -> dict:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-c", SMALL_GRAPHS, mode, pattern], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SMALL_GRAPHS, mode, pattern],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
