@@ -337,10 +337,10 @@ def dump_failure(
     recipe = functools.cache(lambda: _recipe_now_or_kept(fn, limit_bytes, kept))  # read once, if a dump is written
     snaps = snapshots.completed() if snapshots is not None else []
     if not cuda:  # only a CUDA fault is reported late
-        snaps = [s for s in snaps if s.origin == ORIGIN_RAISED]
+        snaps = [s for s in snaps if s.origin == ORIGIN_RAISED and s.age == 0]
     for snap in snaps:
         path = Path(dir) / f"{base}{'' if snap.origin == ORIGIN_RAISED else '-before'}{SUFFIX}"
-        what = f"the last call of `{name}`" if late and snap.origin == ORIGIN_RAISED else snap.origin
+        what = _which_call(snap, name, late)
         try:
             written.append(write_snapshot(path, fn, snap, error, recipe()))
             _note(error, f"graphtree: a dump of {what} (its inputs before it ran) was written to {path}")
@@ -348,7 +348,7 @@ def dump_failure(
             _note(error, f"graphtree: no dump of {what} was written: {dump_error}")
     if late:
         return written
-    if not any(s.origin == ORIGIN_RAISED for s in snaps):
+    if not any(s.origin == ORIGIN_RAISED and s.age == 0 for s in snaps):
         lost = snapshots.lost() if snapshots is not None else ""
         path = Path(dir) / f"{base}{SUFFIX}"
         try:
@@ -378,6 +378,18 @@ def watched_snapshots(
         snapshots, lambda error, snaps: dump_failure(dir, fn, name, (), {}, error, limit_bytes, snaps, late=True)
     )
     return snapshots
+
+
+def _which_call(snap: Snapshot, name: str, late: bool) -> str:
+    """How a dump's note names the call a snapshot is of."""
+    if snap.origin != ORIGIN_RAISED:
+        return snap.origin
+    if snap.age:
+        return (
+            f"the call of `{name}` {snap.age} before the last (the newest whose inputs reached host memory "
+            "before the GPU failed: the fault came from its work)"
+        )
+    return f"the last call of `{name}`" if late else snap.origin
 
 
 def _safe(name: str) -> str:

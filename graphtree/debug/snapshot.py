@@ -46,7 +46,8 @@ __all__ = ["ORIGIN_BEFORE", "ORIGIN_RAISED", "InputSnapshots", "Snapshot", "layo
 
 ORIGIN_RAISED = "the call that raised"
 ORIGIN_BEFORE = "the call before it"
-_MARKS = 4  # call numbers modulo this: a stale marker (two calls old) never looks current
+_SLOTS = 4  # the last calls snapshotted: a fault surfacing a few calls late still finds the call it came from
+_MARKS = 2 * _SLOTS  # call numbers modulo this: a stale marker (a slot's last call) never looks current
 
 
 @dataclasses.dataclass
@@ -58,6 +59,7 @@ class Snapshot:
     kwargs: dict[str, Any]
     tensors: list[dict[str, Any]]  # dtype, shape, stride, device of each tensor argument, in order
     rng: dict[str, Any]
+    age: int = 0  # calls between it and the newest call snapshotted (0: the newest)
 
 
 class _Slot:
@@ -96,7 +98,7 @@ class InputSnapshots:
         self.limit_bytes = limit_bytes
         self._of = of
         self.recipe: Recipe | None = None  # how to rebuild ``of``, as of its first call
-        self._slots = (_Slot(), _Slot())
+        self._slots = tuple(_Slot() for _ in range(_SLOTS))
         self._calls = 0
         self._kept: list[torch.Tensor] = []  # pinned buffers replaced while the GPU was failing: never freed
         self.skipped = ""  # why the last call was not snapshotted, if it was not
@@ -113,7 +115,7 @@ class InputSnapshots:
         if self.recipe is None and self._of is not None:
             self.recipe = recipe_of(self._of, self.limit_bytes)
         self._calls = n = self._calls + 1
-        slot = self._slots[n % 2]
+        slot = self._slots[n % _SLOTS]
         slot.n = -1
         leaves, slot.spec = _torch.tree_flatten((args, kwargs))
         host: list[Any] = []
@@ -184,31 +186,40 @@ class InputSnapshots:
         return slots + self._kept
 
     def completed(self) -> list[Snapshot]:
-        """The snapshots whose copies are known to have finished, newest first (at most two).
+        """The snapshots whose copies are known to have finished, newest first: the newest such call
+        (``ORIGIN_RAISED``) and the call right before it (``ORIGIN_BEFORE``), at most two.
 
-        Waits for the GPU when it still can (an ordinary error); after a sticky CUDA error it
-        reads only what the copies' markers prove arrived.
+        Waits for the GPU when it still can (an ordinary error: the newest call's copies finish);
+        after a sticky CUDA error it reads only what the copies' markers prove arrived. The GPU runs
+        nothing after a fault, so the newest call whose copies arrived is the one whose work faulted
+        (or one before it), found among the last ``_SLOTS`` calls even when the fault surfaced at a
+        later call or at the caller's own synchronize (``age`` says how many calls later).
         """
         for d in {d for s in self._slots for d in s.marks}:
             try:
                 torch.cuda.synchronize(d)
             except RuntimeError:  # a sticky error: trust only the markers
                 pass
-        out = []
-        for age, origin in ((0, ORIGIN_RAISED), (1, ORIGIN_BEFORE)):
+        out: list[Snapshot] = []
+        for age in range(_SLOTS):
             n = self._calls - age
-            slot = self._slots[n % 2]
+            slot = self._slots[n % _SLOTS]
             if n <= 0 or slot.n != n or not self._arrived(slot, n):
+                if out:
+                    break  # (the call before the newest arrived one did not arrive: none)
                 continue
             args, kwargs = _torch.tree_unflatten([_copy(x) for x in slot.leaves], slot.spec)
             layouts = [slot.layouts_by_leaf[i] for i, x in enumerate(slot.leaves) if isinstance(x, torch.Tensor)]
-            out.append(Snapshot(origin, args, kwargs, layouts, dict(slot.rng)))
+            origin = ORIGIN_BEFORE if out else ORIGIN_RAISED
+            out.append(Snapshot(origin, args, kwargs, layouts, dict(slot.rng), age))
+            if len(out) == 2:
+                break
         return out
 
     def lost(self) -> str:
         """Why the newest call has no snapshot ("" when it has one)."""
         n = self._calls
-        slot = self._slots[n % 2]
+        slot = self._slots[n % _SLOTS]
         if n <= 0:
             return "no call was snapshotted"
         if self.skipped:
