@@ -7,6 +7,7 @@
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
 #   new_before  the same tests run on the code before the change (.before/): they should fail
+#   before45  issue 45's GPU tests on the code before it (.before/ = 7a5b4c7): they should fail
 #   suite     the whole GPU suite in ONE process, in sequence (a poisoned process shows here), but for
 #             the tests marked own_process (all they check runs in subprocesses): `own` runs those
 #   files     the GPU suite file by file, each in its own process ($FILES: some files only)
@@ -129,6 +130,14 @@ for stage in $stages; do
       (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 ${NEW_TIMEOUT:-300} \
         python3 -m pytest -q -p no:cacheprovider --tb=line -rf ../tests/gpu/test_random_gpu.py \
         ../tests/gpu/test_real_paths_gpu.py 2>&1 | tee "$OUT/new_before.log" | tail -40)
+      ;;
+    before45)  # issue 45's GPU tests on the code before it (.before/: git archive 7a5b4c7 graphtree benchmarks):
+               # copied there with the conftest and helpers, so that the subprocesses they start import that code too
+      mkdir -p .before/tests/gpu && cp tests/gpu/conftest.py tests/gpu/_tiny_hf.py tests/gpu/test_users_next_gpu.py \
+        tests/gpu/test_late_faults_gpu.py tests/gpu/test_churn_gpu.py .before/tests/gpu/ && cp pyproject.toml .before/
+      (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 ${NEW_TIMEOUT:-300} \
+        python3 -m pytest -q -p no:cacheprovider --tb=line -rf -s tests/gpu/test_users_next_gpu.py tests/gpu/test_late_faults_gpu.py \
+        tests/gpu/test_churn_gpu.py 2>&1 | tee "$OUT/before45.log" | grep -E "MEMORY|FAILED|passed|failed" | tail -30)
       ;;
     suite)  # tests marked own_process run all they check in subprocesses: no state of this process to
             # poison or be poisoned by; they run in `files` (and `own`), which keeps this under a call
