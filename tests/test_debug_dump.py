@@ -284,5 +284,19 @@ def test_a_cuda_error_the_caller_catches_outside_graphed_calls_gets_the_dumps_in
         raise RuntimeError("shape mismatch")  # not a CUDA error: left alone
     except RuntimeError:
         pass
+    try:
+        users_sync()  # a dead context raises the same error at every later call: dumped once
+    except RuntimeError:
+        pass
+    assert len(written) == 1
+
+    def inside_wrapper() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    late.handled_inside(inside_wrapper.__code__)  # (as dump_on_error's wrapper is: it dumps itself)
+    try:
+        inside_wrapper()
+    except RuntimeError:
+        pass
     assert len(written) == 1
     del snaps

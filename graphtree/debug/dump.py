@@ -297,6 +297,7 @@ def dump_on_error(
             dump_failure(folder, fn, name, args, kwargs, e, limit_bytes, snaps)
             raise
 
+    late_faults.handled_inside(wrapper.__code__)  # type: ignore[attr-defined] # (its except clause writes the dumps)
     return wrapper
 
 
@@ -335,9 +336,9 @@ def dump_failure(
     written: list[Path] = []
     kept = snapshots.recipe if snapshots is not None else None
     recipe = functools.cache(lambda: _recipe_now_or_kept(fn, limit_bytes, kept))  # read once, if a dump is written
-    snaps = snapshots.completed() if snapshots is not None else []
+    snaps = snapshots.completed(scan=late) if snapshots is not None else []
     if not cuda:  # only a CUDA fault is reported late
-        snaps = [s for s in snaps if s.origin == ORIGIN_RAISED and s.age == 0]
+        snaps = [s for s in snaps if s.origin == ORIGIN_RAISED]
     for snap in snaps:
         path = Path(dir) / f"{base}{'' if snap.origin == ORIGIN_RAISED else '-before'}{SUFFIX}"
         what = _which_call(snap, name, late)
@@ -348,7 +349,7 @@ def dump_failure(
             _note(error, f"graphtree: no dump of {what} was written: {dump_error}")
     if late:
         return written
-    if not any(s.origin == ORIGIN_RAISED and s.age == 0 for s in snaps):
+    if not any(s.origin == ORIGIN_RAISED for s in snaps):
         lost = snapshots.lost() if snapshots is not None else ""
         path = Path(dir) / f"{base}{SUFFIX}"
         try:
@@ -384,7 +385,7 @@ def _which_call(snap: Snapshot, name: str, late: bool) -> str:
     """How a dump's note names the call a snapshot is of."""
     if snap.origin != ORIGIN_RAISED:
         return snap.origin
-    if snap.age:
+    if late and snap.age:
         return (
             f"the call of `{name}` {snap.age} before the last (the newest whose inputs reached host memory "
             "before the GPU failed: the fault came from its work)"

@@ -49,6 +49,8 @@ _watched: weakref.WeakKeyDictionary[Any, Callable[[RuntimeError, Any], list[Path
 _lock = threading.Lock()
 _installed = False
 _dumped: set[int] = set()  # ids of the CUDA errors already dumped (by a graphed call or here)
+_reported: set[str] = set()  # first lines of the CUDA errors dumped here (a dead context repeats its error)
+_inside: set[Any] = set()  # code objects of calls that write their own dumps (their frames: not late)
 
 
 def watch(snapshots: Any, dump: Callable[[RuntimeError, Any], list[Path]]) -> None:
@@ -69,6 +71,12 @@ def watch(snapshots: Any, dump: Callable[[RuntimeError, Any], list[Path]]) -> No
             sys.excepthook = excepthook
             atexit.register(_at_exit)
             _monitor_raises()
+
+
+def handled_inside(code: Any) -> None:
+    """A CUDA error raised while a frame of ``code`` is on the stack is left to it: it writes the
+    dumps itself (``dump_on_error``'s wrapper; a graphed call's ``__call__`` is known already)."""
+    _inside.add(code)
 
 
 def mark_dumped(error: BaseException) -> None:
@@ -111,25 +119,33 @@ def _monitor_raises() -> None:
 
 
 def _on_raise(code: Any, offset: int, error: BaseException) -> None:
-    """A ``RAISE`` event: a CUDA error raised outside a graphed call writes every watched function's
-    dumps, named on stderr and in notes on ``error``. Never raises."""
+    """A ``RAISE`` event: a CUDA error raised outside the calls that write their own dumps writes
+    every watched function's dumps, named on stderr and in notes on ``error``, once per fault (a
+    dead context raises the same error again at every later CUDA call). Never raises."""
     if not isinstance(error, RuntimeError) or id(error) in _dumped or not _watched:
         return
     try:
-        if is_cuda_error(error) and not _inside_graphed_call():
-            dump_all(error)
+        if not is_cuda_error(error) or _inside_a_call():
+            return
+        first = (str(error).splitlines() or [""])[0]
+        if first in _reported:
+            _dumped.add(id(error))
+            return
+        if dump_all(error):
+            _reported.add(first)
     except Exception:  # noqa: BLE001 - a hook must never replace the user's error
         pass
 
 
-def _inside_graphed_call() -> bool:
-    """Whether this thread is inside a graphed call, whose own handler writes the dumps."""
+def _inside_a_call() -> bool:
+    """Whether this thread is inside a graphed call or a ``dump_on_error`` wrapper, whose own
+    handler writes the dumps (and names the call in its error)."""
     from graphtree.tree.graphed import GraphedCallable
 
-    call = GraphedCallable.__call__.__code__
-    frame: FrameType | None = sys._getframe(2)
+    _inside.add(GraphedCallable.__call__.__code__)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is call:
+        if frame.f_code in _inside:
             return True
         frame = frame.f_back
     return False

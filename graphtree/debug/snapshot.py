@@ -185,15 +185,16 @@ class InputSnapshots:
         slots = [t for s in self._slots for t in (*s.buffers.values(), *s.marks.values()) if t.is_pinned()]
         return slots + self._kept
 
-    def completed(self) -> list[Snapshot]:
-        """The snapshots whose copies are known to have finished, newest first: the newest such call
-        (``ORIGIN_RAISED``) and the call right before it (``ORIGIN_BEFORE``), at most two.
+    def completed(self, scan: bool = False) -> list[Snapshot]:
+        """The snapshots whose copies are known to have finished, newest first (at most two): the
+        newest call's (``ORIGIN_RAISED``) and the one before it (``ORIGIN_BEFORE``), each if whole.
 
-        Waits for the GPU when it still can (an ordinary error: the newest call's copies finish);
-        after a sticky CUDA error it reads only what the copies' markers prove arrived. The GPU runs
-        nothing after a fault, so the newest call whose copies arrived is the one whose work faulted
-        (or one before it), found among the last ``_SLOTS`` calls even when the fault surfaced at a
-        later call or at the caller's own synchronize (``age`` says how many calls later).
+        Waits for the GPU when it still can (an ordinary error); after a sticky CUDA error it reads
+        only what the copies' markers prove arrived. ``scan`` (a fault that surfaced outside the
+        calls, :mod:`graphtree.debug.late`): the newest call whose copies arrived instead, and the
+        one before it, among the last ``_SLOTS`` calls. The GPU runs nothing after a fault, so that
+        is the call whose work faulted (or one before it) even when calls were made after it
+        (``age`` says how many).
         """
         for d in {d for s in self._slots for d in s.marks}:
             try:
@@ -201,17 +202,17 @@ class InputSnapshots:
             except RuntimeError:  # a sticky error: trust only the markers
                 pass
         out: list[Snapshot] = []
-        for age in range(_SLOTS):
+        for age in range(_SLOTS if scan else 2):
             n = self._calls - age
             slot = self._slots[n % _SLOTS]
             if n <= 0 or slot.n != n or not self._arrived(slot, n):
-                if out:
+                if scan and out:
                     break  # (the call before the newest arrived one did not arrive: none)
                 continue
             args, kwargs = _torch.tree_unflatten([_copy(x) for x in slot.leaves], slot.spec)
             layouts = [slot.layouts_by_leaf[i] for i, x in enumerate(slot.leaves) if isinstance(x, torch.Tensor)]
-            origin = ORIGIN_BEFORE if out else ORIGIN_RAISED
-            out.append(Snapshot(origin, args, kwargs, layouts, dict(slot.rng), age))
+            first = not out if scan else age == 0
+            out.append(Snapshot(ORIGIN_RAISED if first else ORIGIN_BEFORE, args, kwargs, layouts, dict(slot.rng), age))
             if len(out) == 2:
                 break
         return out

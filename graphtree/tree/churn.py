@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
-LIMIT = 4
-"""Warm-ups in a row without a recording before new signatures run plain eager. A warm-up costs
-about 4.5x the call it checks (a 20-layer MLP on an H200, issue 45), so each one spent on a signature
-that never comes again is paid for by nothing: 16 of them had kept churning calls at 1.08-1.15x eager.
-(It was 16 for a left-padded Mistral batch, whose sliding-window length made every decode step a new
-signature; :mod:`graphtree.tree.hf_cache` now moves that length out of the key inside the window.
-Past the window, such steps are keyed by their length: met again in the next ``generate()``, they
-warm up there and are recorded in the one after.)"""
+LIMIT = 16
+"""Warm-ups in a row without a recording before new signatures run plain eager. (A left-padded
+Mistral batch meets a new signature at each of a ``generate()``'s decode steps past its sliding
+window, and records them at the next ``generate()``: below its length, the rule would turn that into
+eager runs.) 4 was tried in issue 45 (a warm-up costs about 4.5x the call it checks): a callable with
+five or more signatures met in turn (a counter argument, micro-batches of several sizes) then began
+replaying a round later, which the GPU suite caught (H100, ``test_real_paths_gpu.py``,
+``test_train_step_gpu.py``); kept at 16 until the rule tells churn from a bounded set of signatures."""
 
 KEEP = 1024
 """Signatures remembered per callable (the oldest is forgotten first)."""

@@ -284,6 +284,7 @@ class TrainingRecording:
                 return _tensors(returned[0])
 
             static_outputs = capture_isolated(forward_graph, pool, side, forward)
+            _check_aliases(static_outputs, static_inputs, name)
             needs = [o for o in static_outputs if o.requires_grad]
             static_grad_outputs: list[torch.Tensor | None] = [
                 torch.empty_like(o) if o.requires_grad else None for o in static_outputs
@@ -341,6 +342,21 @@ def _check_leaves(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], nam
             f"`{name}` reads {len(others)} tensor(s) that require grad besides its arguments and its module's "
             f"parameters ({shapes}): a recorded backward would not give them their gradients"
         )
+
+
+def _check_aliases(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], name: str) -> None:
+    """``ValueError`` when an output shares memory with an input (``view_as_complex``, a slice): the
+    recording's output is a view of its own copy of the input, which the next call overwrites, and
+    its gradient came back with the output's dtype (the OpInfo sweep on an H100: complex64 for a
+    float32 input)."""
+    ptrs = {t.untyped_storage().data_ptr(): i for i, t in enumerate(inputs) if t.numel()}
+    for o in outs:
+        i = ptrs.get(o.untyped_storage().data_ptr()) if o.numel() else None
+        if i is not None:
+            raise ValueError(
+                f"`{name}` returns a view of its input {i}: a training recording replays into its own copy of "
+                f"the input, which the next call overwrites (return a copy, or graph a whole training step)"
+            )
 
 
 def _structure(out: Any) -> Any:

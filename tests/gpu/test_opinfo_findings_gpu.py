@@ -118,3 +118,29 @@ def test_the_attention_kernels_random_state_outputs_run_eagerly_with_the_reason(
 
     _calls(fn, lambda i: (q.clone(),), check)
     assert any("_efficient_attention_forward" in r for r in graphtree.stats().eager), graphtree.stats()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_view_as_complex_under_autograd_gives_the_inputs_gradient_its_dtype(dtype):
+    # The sweep's grad mode (issue 44, H100): a training recording of view_as_complex gave the float
+    # input a complex gradient; an output that views an input now runs eagerly, with the reason.
+    def make(i):
+        torch.manual_seed(i)
+        return (torch.randn(3, 4, 2, device=DEV, dtype=dtype).requires_grad_(),)
+
+    def check(got, want):
+        (x,) = got[1]
+        (y,) = want[1]
+        assert x.dtype == y.dtype == dtype, (x.dtype, y.dtype)
+        torch.testing.assert_close(x, y)
+
+    g = graphtree.graphed(torch.view_as_complex)
+    for i in range(4):
+        graphtree.mark_step()
+        (a,) = make(i)
+        (b,) = (a.detach().clone().requires_grad_(),)
+        out_g, out_e = g(a), torch.view_as_complex(b)
+        grads_g = torch.autograd.grad(out_g.real.sum() + out_g.imag.sum() * 2, [a])
+        grads_e = torch.autograd.grad(out_e.real.sum() + out_e.imag.sum() * 2, [b])
+        check((out_g, grads_g), (out_e, grads_e))
+    assert any("returns a view of its input" in r for r in graphtree.stats().eager), graphtree.stats()

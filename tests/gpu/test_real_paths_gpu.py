@@ -215,7 +215,9 @@ def test_a_dropped_graphed_callable_gives_its_recordings_and_memory_back():
     graphtree.mark_step()
     other(x)  # a new step in this thread's tree: the dropped callable's recordings go
     assert w_ref() is None, "the recording still holds the closure's tensor"
-    assert graphtree.stats().pool_bytes == 0, "the tree is empty: its pool must go"
+    # The dropped callable's pool went; `other`'s warm-up made a new one for its cuBLAS workspace
+    # (issue 45: a warm-up's workspace comes from the pool), free and ready for its recording.
+    assert graphtree.stats().pool_bytes <= 32 << 20, "the dropped callable's recordings still hold pool memory"
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20, (before, torch.cuda.memory_allocated())
 
