@@ -1,6 +1,6 @@
-"""What users meet next (issue 45), on a GPU: many small graphs' memory, a per-request float, a
-StaticCache kept across ``generate()`` calls, churning shapes. Each test failed on the code before
-the issue (b70cc90's successors up to 311c24c) and says what it measures in its assertion message."""
+"""What users meet next (issue 45), on a GPU: many small graphs' memory (item 2) and a StaticCache kept
+across ``generate()`` calls (item 4); item 5 is ``test_late_faults_gpu.py``. Each says what it measures
+in its assertion message; ``gpu_session.sh before45`` runs them on the code before the issue (7a5b4c7)."""
 
 from __future__ import annotations
 
@@ -98,8 +98,9 @@ def test_a_static_cache_kept_across_generates_records_in_the_first_two_only(kind
     ids = torch.randint(1, 256, (1, 6), device=DEV)
     cache = transformers.StaticCache(config=model.config, max_cache_len=32)
     kw = {"max_new_tokens": 8, "do_sample": False, "past_key_values": cache}
-    with torch.inference_mode():
-        want = model.generate(ids, **kw, disable_compile=True)
+    with torch.inference_mode():  # (eager's tokens from a cache of its own: `cache` is first met empty)
+        lazy = transformers.StaticCache(config=model.config, max_cache_len=32)
+        want = model.generate(ids, **{**kw, "past_key_values": lazy}, disable_compile=True)
         model.forward = graphtree.graphed(model.forward)
         per, replays = [], []
         for _ in range(5):
