@@ -131,8 +131,8 @@ def _on_raise(code: Any, offset: int, error: BaseException) -> None:
         if first in _reported:
             _dumped.add(id(error))
             return
-        if dump_all(error):
-            _reported.add(first)
+        _reported.add(first)  # (first: the dumps' own reads may raise it again, inside dump_all)
+        dump_all(error)
     except Exception:  # noqa: BLE001 - a hook must never replace the user's error
         pass
 
