@@ -114,3 +114,19 @@ def test_a_static_cache_kept_across_generates_records_in_the_first_two_only(kind
     assert not s.eager, s
     assert per[2:] == [0, 0, 0] and sum(per[:2]) <= 2, (per, s)
     assert min(replays[2:]) >= 8, (replays, s)  # the prefill and the 7 decode steps: every call replayed
+
+
+# --- a 0-dim CPU tensor in a half-precision operation (found while designing item 3) ----------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_cpu_scalar_tensor_in_a_reduced_precision_operation_equals_eager_bitwise(dtype):
+    """Eagerly, ``x * s`` with ``s`` a 0-dim CPU tensor takes TensorIterator's CPU-scalar path: ``s``
+    read in float (opmath). A recording reads a 0-dim CUDA placeholder filled with ``s``, which the
+    kernel casts to ``x``'s dtype first: suspected to differ in float16 and bfloat16 (written, not yet
+    run on a GPU; the fix would be an eager run with the reason, or a placeholder path that keeps it)."""
+    g = graphtree.graphed(lambda x, s: x * s + s)
+    torch.manual_seed(0)
+    x = torch.randn(4096, device=DEV).to(dtype)
+    for value in (0.1, 0.3, 1 / 3, 0.7, 2.2):
+        graphtree.mark_step()
+        s = torch.tensor(value)
+        assert torch.equal(g(x, s), x * s + s), (dtype, value)
