@@ -2,8 +2,9 @@
 
 A 20-layer MLP fed a new batch size on each of 100 calls (with and without a host read inside), and
 Hugging Face ``generate()`` with its default dynamic cache (a new sequence length every decode step)
-with ``model.forward`` graphed. Prints median and mean ms per call (or per generate; the first left
-out, warm-ups in the mean) and their ratios to eager, in one process; run on a GPU::
+with ``model.forward`` graphed. Eager and graphtree calls are taken in turn (clocks drift alike for
+both). Prints median and mean ms per call (or per generate; the first left out, warm-ups in the
+mean) and their ratios to eager, in one process; run on a GPU::
 
     python benchmarks/churn.py [--json out.json]
 """
@@ -35,26 +36,33 @@ def _mlp(host_read: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     return f
 
 
-def _per_call(fn: Callable[[int], Any], calls: int) -> tuple[float, float]:
-    """Median and mean seconds per call, the first call left out."""
-    times = []
+def _timed(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _interleaved(eager: Callable[[int], Any], graphed: Callable[[int], Any], calls: int) -> tuple[list, list]:
+    """Seconds of each call of ``eager(i)`` and ``graphed(i)``, taken in turn (eager first) so that
+    clocks and the host's load drift alike for both; the first of each left out."""
+    e, g = [], []
     for i in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(i)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), statistics.fmean(times[1:])
+        e.append(_timed(lambda: eager(i)))  # noqa: B023 - called at once
+        g.append(_timed(lambda: graphed(i)))  # noqa: B023 - called at once
+    return e[1:], g[1:]
 
 
-def _row(eager: tuple[float, float], graphed: tuple[float, float]) -> dict[str, float]:
+def _row(eager: list[float], graphed: list[float]) -> dict[str, float]:
+    e, g = (statistics.median(eager), statistics.fmean(eager)), (statistics.median(graphed), statistics.fmean(graphed))
     return {
-        "eager_ms": eager[0] * 1e3,
-        "graphtree_ms": graphed[0] * 1e3,
-        "ratio": graphed[0] / eager[0],
-        "eager_mean_ms": eager[1] * 1e3,
-        "graphtree_mean_ms": graphed[1] * 1e3,
-        "mean_ratio": graphed[1] / eager[1],
+        "eager_ms": e[0] * 1e3,
+        "graphtree_ms": g[0] * 1e3,
+        "ratio": g[0] / e[0],
+        "eager_mean_ms": e[1] * 1e3,
+        "graphtree_mean_ms": g[1] * 1e3,
+        "mean_ratio": g[1] / e[1],
     }
 
 
@@ -68,9 +76,13 @@ def churning_mlp(host_read: bool, calls: int = 100) -> dict[str, float]:
     with torch.inference_mode():
         for x in xs:
             f(x)
-        eager = _per_call(lambda i: f(xs[i]), calls)
         graphtree.reset()
-        graphed = _per_call(lambda i: (graphtree.mark_step(), g(xs[i])), calls)
+
+        def graphed_call(i: int) -> Any:
+            graphtree.mark_step()
+            return g(xs[i])
+
+        eager, graphed = _interleaved(lambda i: f(xs[i]), graphed_call, calls)
     return _row(eager, graphed)
 
 
@@ -95,11 +107,18 @@ def dynamic_cache_generate(runs: int = 5) -> dict[str, float]:
         with torch.inference_mode():
             return model.generate(ids, max_new_tokens=64, do_sample=False)
 
+    graphed_forward: Any = graphtree.graphed(model.forward)
+
+    def with_graphtree(i: int) -> Any:
+        model.forward = graphed_forward
+        try:
+            return gen(i)
+        finally:
+            del model.forward  # (the class's forward again: eager)
+
     eager_out = gen(0)
-    eager = _per_call(gen, runs)
-    model.forward = graphtree.graphed(model.forward)
-    assert torch.equal(gen(0), eager_out), "tokens differ from eager"
-    graphed = _per_call(gen, runs)
+    assert torch.equal(with_graphtree(0), eager_out), "tokens differ from eager"
+    eager, graphed = _interleaved(gen, with_graphtree, runs + 1)
     return _row(eager, graphed)
 
 
