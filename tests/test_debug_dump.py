@@ -300,3 +300,24 @@ def test_a_cuda_error_the_caller_catches_outside_graphed_calls_gets_the_dumps_in
         pass
     assert len(written) == 1
     del snaps
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring: Python 3.12+ (the GPU image's)")
+def test_a_fault_a_graphed_call_dumped_is_not_dumped_again_when_raised_later():
+    # (the producer of test_planted_faults_gpu.py: the fault dumped inside a call, then raised again at exit)
+    from graphtree.debug import late
+
+    class Snapshots:
+        calls = 2
+
+    snaps = Snapshots()
+    written: list[RuntimeError] = []
+    late.watch(snaps, lambda error, _snaps: written.append(error) or [Path("d.gtdump")])
+    inside = RuntimeError("CUDA error: misaligned address")
+    late.mark_dumped(inside)  # (what dump_failure does for a fault inside a call)
+    try:
+        raise RuntimeError("CUDA error: misaligned address")  # the same fault, at a later sync
+    except RuntimeError:
+        pass
+    assert written == []
+    del snaps

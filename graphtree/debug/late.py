@@ -80,8 +80,10 @@ def handled_inside(code: Any) -> None:
 
 
 def mark_dumped(error: BaseException) -> None:
-    """CUDA error ``error`` got its dumps where it surfaced (a graphed call): none again at exit."""
+    """CUDA error ``error`` got its dumps where it surfaced (a graphed call): none again, neither at
+    exit nor when a dead context raises the same error at a later call (the ``RAISE`` callback)."""
     _dumped.add(id(error))
+    _reported.add(_first_line(error))
 
 
 def dump_all(error: RuntimeError) -> list[Path]:
@@ -127,7 +129,7 @@ def _on_raise(code: Any, offset: int, error: BaseException) -> None:
     try:
         if not is_cuda_error(error) or _inside_a_call():
             return
-        first = (str(error).splitlines() or [""])[0]
+        first = _first_line(error)
         if first in _reported:
             _dumped.add(id(error))
             return
@@ -135,6 +137,10 @@ def _on_raise(code: Any, offset: int, error: BaseException) -> None:
         dump_all(error)
     except Exception:  # noqa: BLE001 - a hook must never replace the user's error
         pass
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
 
 
 def _inside_a_call() -> bool:
