@@ -104,6 +104,9 @@ for stage in $stages; do
     churn)  # issue 27, item 5: churning shapes and HF's dynamic cache against eager
       timeout 240 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.log" | tail -15
       ;;
+    floats)  # issue 45, item 3: a serving loop's new Python temperature per call, against eager
+      timeout 240 python3 benchmarks/per_request_float.py --json "$OUT/per_request_float.json" 2>&1 | tee "$OUT/per_request_float.log" | tail -20
+      ;;
     parts)  # issue 26: modules graphed in parts (tree/parts.py): their GPU tests and Faster R-CNN graphed whole, profiled
       timeout -s INT -k 20 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parts_gpu.py \
         tests/gpu/test_profile_gpu.py -k "parts or faster_rcnn" 2>&1 | tee "$OUT/parts.log" | grep -v '^W1' | tail -30
