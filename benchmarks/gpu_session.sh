@@ -136,7 +136,7 @@ for stage in $stages; do
       ;;
     before45)  # issue 45's GPU tests on the code before it (.before/: git archive 7a5b4c7 graphtree benchmarks):
                # copied there with the conftest and helpers, so that the subprocesses they start import that code too
-      mkdir -p .before/tests/gpu && cp tests/gpu/conftest.py tests/gpu/_tiny_hf.py tests/gpu/test_users_next_gpu.py \
+      mkdir -p .before/tests/gpu && cp tests/gpu/conftest.py tests/gpu/_tiny_hf.py tests/gpu/_subprocesses.py tests/gpu/test_users_next_gpu.py \
         tests/gpu/test_late_faults_gpu.py tests/gpu/test_churn_gpu.py .before/tests/gpu/ && cp pyproject.toml .before/
       (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 ${NEW_TIMEOUT:-300} \
         python3 -m pytest -q -p no:cacheprovider --tb=line -rf -s tests/gpu/test_users_next_gpu.py tests/gpu/test_late_faults_gpu.py \

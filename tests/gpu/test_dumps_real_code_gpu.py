@@ -6,7 +6,6 @@ faulting process is a subprocess with a timeout: a sticky CUDA error ends its co
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _subprocesses import TINY_LLAMA_DEBUGGED, repo_env, rerun
 
 pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
 
@@ -38,15 +38,8 @@ LATE_FAULT = textwrap.dedent(
     """
 )
 
-HF_MODEL = textwrap.dedent(
-    """
-    import sys, torch, graphtree
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = graphtree.graphed(LlamaForCausalLM(config).cuda().eval(), debug=sys.argv[1])
-    ids = torch.randint(0, 128, (1, 8), device="cuda")
+HF_MODEL = TINY_LLAMA_DEBUGGED + textwrap.dedent(
+    """\
     with torch.inference_mode():
         for _ in range(3):
             graphtree.mark_step()
@@ -60,11 +53,6 @@ HF_MODEL = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-
-
 def _fault_and_rerun(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path, list[str]]:
     (tmp_path / "job").mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -73,7 +61,7 @@ def _fault_and_rerun(script: str, tmp_path: Path) -> tuple[subprocess.CompletedP
     proc = subprocess.run(
         [sys.executable, "script.py", str(tmp_path / "dumps")],
         cwd=tmp_path / "job",
-        env=_env(),
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -86,28 +74,14 @@ def _fault_and_rerun(script: str, tmp_path: Path) -> tuple[subprocess.CompletedP
     return proc, dumps[0], times
 
 
-def _rerun(dump: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    t0 = time.perf_counter()
-    again = subprocess.run(
-        [sys.executable, "-m", "graphtree", "debug", "rerun", str(dump), *extra],
-        cwd=tmp_path / "elsewhere",
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    return again, time.perf_counter() - t0
-
-
 def test_a_fault_surfacing_at_the_users_synchronize_is_dumped_and_reruns(tmp_path, capsys):
     proc, dump, times = _fault_and_rerun(LATE_FAULT, tmp_path)
     assert "surfaced outside the graphed calls" in proc.stderr, proc.stderr[-4000:]
-    again, took = _rerun(dump, tmp_path)
+    again, took = rerun(dump, tmp_path / "elsewhere")
     times.append(f"rerun {took:.1f} s")
     assert again.returncode == 1, again.stdout + again.stderr[-3000:]
     assert "script.py" in again.stdout and "return table[ids] * 2  # the faulting line" in again.stdout, again.stdout
-    checked, took = _rerun(dump, tmp_path, "--sanitizer", "memcheck")
+    checked, took = rerun(dump, tmp_path / "elsewhere", "--sanitizer", "memcheck")
     times.append(f"memcheck {took:.1f} s")
     assert checked.returncode == 1, checked.stdout + checked.stderr[-3000:]
     with capsys.disabled():
@@ -117,11 +91,11 @@ def test_a_fault_surfacing_at_the_users_synchronize_is_dumped_and_reruns(tmp_pat
 def test_a_graphed_hugging_face_model_fed_a_bad_token_is_dumped_with_its_weights_and_reruns(tmp_path, capsys):
     pytest.importorskip("transformers")
     _, dump, times = _fault_and_rerun(HF_MODEL, tmp_path)
-    again, took = _rerun(dump, tmp_path)
+    again, took = rerun(dump, tmp_path / "elsewhere")
     times.append(f"rerun {took:.1f} s")
     assert again.returncode == 1, again.stdout + again.stderr[-3000:]  # was 2: "cannot be imported"
     assert "reproduced" in again.stdout, again.stdout
-    checked, took = _rerun(dump, tmp_path, "--sanitizer", "memcheck")
+    checked, took = rerun(dump, tmp_path / "elsewhere", "--sanitizer", "memcheck")
     times.append(f"memcheck {took:.1f} s")
     assert checked.returncode == 1, checked.stdout + checked.stderr[-3000:]
     with capsys.disabled():

@@ -13,13 +13,13 @@ timeout: a device-side assert ends its CUDA context.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _subprocesses import TINY_LLAMA_DEBUGGED, repo_env, rerun
 
 pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_session.sh: `own`, `files`)
 
@@ -63,15 +63,8 @@ SURFACES = {
     "print": "print(outs[-1])",
 }
 
-HF = textwrap.dedent(
-    """
-    import sys, torch, graphtree
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = graphtree.graphed(LlamaForCausalLM(config).cuda().eval(), debug=sys.argv[1])
-    ids = torch.randint(0, 128, (1, 8), device="cuda")
+HF = TINY_LLAMA_DEBUGGED + textwrap.dedent(
+    """\
     with torch.inference_mode():
         for i in range(4):
             graphtree.mark_step()
@@ -86,11 +79,6 @@ HF = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-
-
 def _run(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], list[Path]]:
     job = tmp_path / "job"
     job.mkdir()
@@ -99,7 +87,7 @@ def _run(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str],
     proc = subprocess.run(
         [sys.executable, "script.py", str(tmp_path / "dumps")],
         cwd=job,
-        env=_env(),
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -123,15 +111,7 @@ def test_a_fault_caught_by_the_caller_leaves_dumps_named_in_its_notes(surface, t
     if surface != "synchronize":
         return
     (tmp_path / "elsewhere").mkdir()
-    again = subprocess.run(
-        [sys.executable, "-m", "graphtree", "debug", "rerun", str(dumps[0])],
-        cwd=tmp_path / "elsewhere",
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    again, _ = rerun(dumps[0], tmp_path / "elsewhere", timeout=300)
     assert again.returncode == 1, again.stdout + again.stderr[-3000:]  # reproduced
     assert "faulty.py" in again.stdout and "# the faulting line" in again.stdout, again.stdout
     assert "kernel:" in again.stdout and "not named" not in again.stdout, again.stdout

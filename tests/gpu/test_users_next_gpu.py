@@ -5,14 +5,13 @@ in its assertion message; ``gpu_session.sh before45`` runs them on the code befo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from _subprocesses import repo_env
 from _tiny_hf import tiny_model
 
 import graphtree
@@ -54,11 +53,9 @@ SMALL_GRAPHS = textwrap.dedent(
 
 
 def _measure(mode: str, pattern: str) -> dict:
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-c", SMALL_GRAPHS, mode, pattern],
-        env=env,
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=300,
