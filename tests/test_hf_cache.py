@@ -34,19 +34,26 @@ def _layouts(cache) -> list:
     return [(lay.keys.shape, lay.values.shape, lay.keys.dtype, lay.keys.device) for lay in cache.layers]
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_a_fresh_cache_is_initialized_as_its_first_update_would_and_generates_the_same(kind):
-    model = _model(kind)
-    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
-    layouts = CacheLayouts()
-    seen = []
-    original = model.forward
+def _watched(original, layouts: CacheLayouts, seen: list[tuple[bool, bool]]):
+    """``original`` (a model's forward) with ``layouts.before_call`` first, noting for each call whether
+    its cache's layers were initialized before it and after it."""
 
     def forward(**kwargs):
         before = all(lay.is_initialized for lay in kwargs["past_key_values"].layers)
         layouts.before_call(kwargs)
         seen.append((before, all(lay.is_initialized for lay in kwargs["past_key_values"].layers)))
         return original(**kwargs)
+
+    return forward
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_fresh_cache_is_initialized_as_its_first_update_would_and_generates_the_same(kind):
+    model = _model(kind)
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    layouts = CacheLayouts()
+    seen: list[tuple[bool, bool]] = []
+    forward = _watched(model.forward, layouts, seen)
 
     kw = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static", "return_dict_in_generate": True}
     with torch.inference_mode():
@@ -240,14 +247,8 @@ def test_a_cache_kept_across_generates_is_initialized_from_the_config_before_its
     model = _model(kind)
     ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
     layouts = CacheLayouts(model)
-    seen = []
-    original = model.forward
-
-    def forward(**kwargs):
-        before = all(lay.is_initialized for lay in kwargs["past_key_values"].layers)
-        layouts.before_call(kwargs)
-        seen.append((before, all(lay.is_initialized for lay in kwargs["past_key_values"].layers)))
-        return original(**kwargs)
+    seen: list[tuple[bool, bool]] = []
+    forward = _watched(model.forward, layouts, seen)
 
     lazy = transformers.StaticCache(config=model.config, max_cache_len=16)
     kept = transformers.StaticCache(config=model.config, max_cache_len=16)
