@@ -50,7 +50,7 @@ _lock = threading.Lock()
 _installed = False
 _dumped: set[int] = set()  # ids of the CUDA errors already dumped (by a graphed call or here)
 _reported: set[str] = set()  # first lines of the CUDA errors dumped here (a dead context repeats its error)
-_inside: set[Any] = set()  # code objects of calls that write their own dumps (their frames: not late)
+_inside: set[Any] = set()  # code objects of calls that write their own dumps (a graphed call's, dump_on_error's)
 
 
 def watch(snapshots: Any, dump: Callable[[RuntimeError, Any], list[Path]]) -> None:
@@ -112,6 +112,9 @@ def _monitor_raises() -> None:
     monitoring = getattr(sys, "monitoring", None)
     if monitoring is None:
         return
+    from graphtree.tree.graphed import GraphedCallable  # (made by then: watch() is called as one is)
+
+    _inside.add(GraphedCallable.__call__.__code__)
     for tool in (4, 3, 5, 2, 1, 0):  # (the unnamed ids first: debuggers, coverage and profilers keep theirs)
         if monitoring.get_tool(tool) is None:
             monitoring.use_tool_id(tool, "graphtree late CUDA faults")
@@ -146,9 +149,6 @@ def _first_line(error: BaseException) -> str:
 def _inside_a_call() -> bool:
     """Whether this thread is inside a graphed call or a ``dump_on_error`` wrapper, whose own
     handler writes the dumps (and names the call in its error)."""
-    from graphtree.tree.graphed import GraphedCallable
-
-    _inside.add(GraphedCallable.__call__.__code__)
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code in _inside:
