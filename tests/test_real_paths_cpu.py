@@ -83,9 +83,9 @@ def test_the_ambient_state_is_part_of_the_key_of_a_call(monkeypatch):
     monkeypatch.setattr(graphed_module, "read_call", lambda a, k, b: Call(a, None, ("x",), 0, False, -1, -1, (), 1))
     monkeypatch.setattr(graphed_module._manager, "run", lambda gc_, call, device: seen.append(call.key))
     g = graphtree.graphed(lambda x: x, name="keyed")
-    g(1)
+    g("s")
     with torch.no_grad():
-        g(1)
+        g("s")
     assert seen[0] == ("x", ambient.state())
     assert seen[1][0] == "x" and seen[1][1] != seen[0][1]
 

@@ -23,6 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from graphtree.tree.churn import Churn
+    from graphtree.tree.host_scalars import Numbers
     from graphtree.tree.inputs import Bucketing, Call
     from graphtree.tree.lockstep import Lockstep
     from graphtree.tree.training_step import TrainingStep
@@ -41,6 +42,7 @@ class Callee(Protocol):
     bucketing: Bucketing | None
     given_up: dict[Any, str]
     churn: Churn  # its run of warm-ups: new signatures run eagerly while they keep changing
+    numbers: Numbers  # its Python number arguments: device scalars, or keyed by value and why
 
     def give_up(self, key: Any, reason: str) -> None: ...
     def run_eager(self, call: Call, reason: str) -> Any: ...

@@ -21,6 +21,7 @@ from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
 from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
+from graphtree.tree.host_scalars import Numbers
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -159,6 +160,7 @@ class GraphedCallable:
         # capture, the re-record limit, ...): other signatures of the function still are.
         self.given_up: dict[Any, str] = {}
         self.churn = Churn()  # signatures that keep changing run eagerly, without warm-ups (tree/churn.py)
+        self.numbers = Numbers()  # Python numbers read as device scalars where they can be (tree/host_scalars.py)
         self._kept_state: dict[Any, int] = {}
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
         self._module = self._reach.module
@@ -266,6 +268,7 @@ class GraphedCallable:
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
             return self._autograd(self.fn, args, kwargs, (call.key, _state()), self._eager)
+        self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
         # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()
         # or eval() (dropout, batch norm).

@@ -23,6 +23,7 @@ from graphtree.tree import draws as _draws
 from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import Segment
+from graphtree.tree.host_scalars import NUMBER
 from graphtree.tree.inputs import PLAIN_TYPES
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import InputPlan
@@ -410,7 +411,9 @@ def signature(node: Node) -> str:
     for p in node.key[1]:
         if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
             continue
-        if len(p) == 3:  # tensor: (shape, dtype, stride); stride None: a 0-dim CPU tensor
+        if len(p) == 3 and p[2] is NUMBER:  # a Python number read as a device scalar (tree/host_scalars.py)
+            parts.append(f"{'float' if p[1] is torch.float64 else 'int'} (device scalar)")
+        elif len(p) == 3:  # tensor: (shape, dtype, stride); stride None: a 0-dim CPU tensor
             parts.append(f"{'cpu ' if p[2] is None else ''}{str(p[1]).replace('torch.', '')}{list(p[0])}")
         elif p[0] == "training":  # a graphed module's mode
             parts.append("train" if p[1] else "eval")

@@ -21,9 +21,11 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
+from graphtree.tree.host_scalars import NUMBER
 from graphtree.tree.inputs import Call
 
 _Tensor = torch.Tensor
+_NUMBERS = (float, int)
 
 
 def is_marked_static(t: torch.Tensor) -> bool:
@@ -72,7 +74,7 @@ class InputPlan:
         self.bucket = bucket
         self.device = device
         self.relaid = relaid  # copied inputs whose placeholder is dense where the input is not (expanded)
-        self.host = host  # 0-dim CPU tensors: their placeholders are filled with their values
+        self.host = host  # 0-dim CPU tensors and Python numbers: their placeholders are filled with their values
         self._fills = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i in host]
         copies = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i not in host]  # the device copies
         self._copies = ([ph for ph, _ in copies], [i for _, i in copies])
@@ -132,18 +134,20 @@ def place_inputs(
     views: list[torch.Tensor] = []
     owning: list[torch.Tensor] = []
     relaid: list[int] = []  # copied inputs whose placeholder is laid out unlike the input
-    host: list[int] = []  # 0-dim CPU tensors (keyed with stride None: inputs.read_call)
+    host: list[int] = []  # 0-dim CPU tensors (stride None: inputs.read_call) and Python numbers (NUMBER)
     graph_leaves = list(leaves)
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
-            continue
-        in_place = i >= call.n_args or is_marked_static(x) or x.untyped_storage().data_ptr() in held
-        if in_place and i not in call.padded:
+            if i >= call.n_args or type(x) not in _NUMBERS or call.key[i][-1] is not NUMBER:
+                continue  # (a Python number keyed by value: part of the graph)
+        elif i not in call.padded and (
+            i >= call.n_args or is_marked_static(x) or x.untyped_storage().data_ptr() in held
+        ):
             inplace_idx.append(i)
             inplace_ptrs[i] = x.data_ptr()
             continue
         shape, dtype, stride = call.key[i]
-        if stride is None:
+        if stride is None or stride is NUMBER:  # a 0-dim CPU tensor or a Python number: a device scalar
             ph = torch.empty(shape, dtype=dtype, device=dev)
             host.append(i)
         elif any(st == 0 and n > 1 for n, st in zip(shape, stride)):
@@ -171,6 +175,10 @@ def place_inputs(
         host=tuple(host),
     )
     return plan, graph_leaves, owning
+
+
+def _storage(x: torch.Tensor) -> int:
+    return x.untyped_storage().data_ptr()
 
 
 def copied_inputs(call: Call) -> list[int]:

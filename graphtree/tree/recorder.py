@@ -28,6 +28,7 @@ from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
+from graphtree.tree.host_scalars import HostScalars, Numbers, ScalarEscapes, placeholders_of
 from graphtree.tree.inputs import Call, param_epoch, tensor_kind
 from graphtree.tree.lockstep import UnagreedCollective, Vote, watch_collectives
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
@@ -122,7 +123,10 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     Exceptions of the function propagate unchanged.
     """
     watch = state_watch(call.leaves, copied_inputs(call))
-    args, kwargs = call.arguments()
+    numbers = Numbers.positions(call)  # Python numbers tried as device scalars: watched, operators noted
+    leaves = gc.numbers.warm_up_leaves(call, numbers) if numbers else call.leaves
+    noted = HostScalars({}, gc.name) if numbers else None
+    args, kwargs = call.arguments(leaves)
     tracker = OpTracker()
     # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
     # (none for a function that calls collectives: the segment before a read runs them there and
@@ -146,8 +150,11 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
             reads,
             collectives or contextlib.nullcontext(),
             watch,
+            noted or contextlib.nullcontext(),
         ):
             out = gc.fn(*args, **kwargs)
+        if noted is not None:
+            gc.numbers.warmed(call, leaves, numbers, noted.log)
         reason = (
             _mutation_reason(watch.written)
             if watch.written
@@ -277,6 +284,9 @@ def record(
     # does: on the H100 it made a graph the user had captured by hand earlier read freed memory.)
     grads: list[tuple[torch.Tensor, torch.Tensor]] = []
     watch = state_watch(graph_leaves, inputs.copy_idx, track_reads=True)
+    # host scalars' placeholders computed with as eager's CPU-scalar path does (tree/host_scalars.py)
+    scalars = HostScalars(placeholders_of(call, graph_leaves, inputs.host), gc.name) if inputs.host else None
+    numbers = Numbers.positions(call) if scalars is not None else []
     isolated: list[bool] = []  # per graph begun: whether its capture kept the generators out
     try:
         args, kwargs = call.arguments(graph_leaves)
@@ -320,7 +330,7 @@ def record(
                     ended = began and _torch.end_open_capture(breaks.graph, stream)
                 else:
                     try:
-                        with tracker, breaks, collectives or contextlib.nullcontext(), watch:
+                        with tracker, breaks, collectives or contextlib.nullcontext(), watch, scalars or _nothing:
                             out = gc.fn(*args, **kwargs)
                             grads = _training_step.keep_out_of_pool(params, old_grads)
                         if len(breaks.segments) < len(prefix or ()):
@@ -350,6 +360,10 @@ def record(
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
                 raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
+        escaped = _escaped(gc, user_error, numbers)
+        if escaped:  # (the eager run raises the function's own error again, if it is one)
+            del args, kwargs, graph_leaves, owning, graph, breaks, user_error
+            raise CaptureFailed(escaped)
         if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
             del args, kwargs, graph_leaves, owning, graph, breaks
             raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
@@ -372,6 +386,9 @@ def record(
             del out, owning, graph
             raise CaptureFailed(_mutation_reason(watch.written))
         problem = _unsafe_reason(gc.name, watch) or _output_reason(out)
+        if not problem and numbers and scalars is not None:
+            unlike = gc.numbers.compare(call.key, scalars.log, numbers)
+            problem = f"`{gc.name}` keys its number argument(s) {numbers} by value: {unlike}" if unlike else None
         if problem:
             del out, owning, graph
             raise CaptureFailed(problem)
@@ -531,6 +548,25 @@ def capture_isolated(
     if refusal:  # (its replays would not compute what eager computes)
         raise RuntimeError(refusal)
     return out
+
+
+_nothing = contextlib.nullcontext()
+
+
+def _escaped(gc: Callee, error: BaseException | None, numbers: list[int]) -> str | None:
+    """Why the capture failed for a host scalar's sake (:class:`ScalarEscapes`, or any error of the
+    function given tensors in place of its Python numbers, which are keyed by value from now on),
+    or None."""
+    if isinstance(error, ScalarEscapes):
+        gc.numbers.keep_by_value(error.positions, str(error))
+        return str(error)
+    others = (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective, torch.cuda.OutOfMemoryError)
+    if numbers and isinstance(error, Exception) and not isinstance(error, others) and not _refused_in_capture(error):
+        first = (str(error).splitlines() or [""])[0]
+        why = f"given a tensor in its place, the function raised {type(error).__name__}: {first}"
+        gc.numbers.keep_by_value(numbers, why)
+        return f"`{gc.name}` keys its number argument(s) {numbers} by value: {why}"
+    return None
 
 
 def _pad_dim(gc: Callee) -> int:

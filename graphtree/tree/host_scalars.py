@@ -1,0 +1,353 @@
+"""Host scalars among a recording's inputs: 0-dim CPU tensors and Python numbers, read from device
+placeholders that each replay fills, computing what eager computes with them.
+
+Eagerly, ``x * s`` with ``s`` a Python number or a 0-dim CPU tensor takes TensorIterator's
+*CPU-scalar* path: the kernel gets ``s`` as an argument, read in the operation's math type (float
+for float16 and bfloat16), and a division by it multiplies by its reciprocal. A graph cannot take a
+new argument per replay, so a recording reads ``s`` from a 0-dim CUDA placeholder, which a kernel
+reads as an ordinary operand: cast to ``x``'s dtype first, divided by exactly. Measured on an H100
+(torch 2.11): ``x_half * s`` differed from eager for ``s = 0.3``, and ``x / s`` can differ in the
+last bit in float32.
+
+:class:`HostScalars`, a dispatch mode active while such a call is captured, gives each operator
+that reads a placeholder eager's CPU-scalar arithmetic: ``add``, ``sub``, ``mul`` and ``div`` (and
+their in-place forms) compute in the math type with the scalar converted as eager converts it, a
+division as a product with the reciprocal; comparisons compare in the common dtype. Any other
+operator that reads a placeholder is passed through only where the two paths agree (a 0-dim CPU
+tensor, no float16/bfloat16 operand, no operator that picks its kernel by the scalar's value, such
+as ``pow``); elsewhere the capture stops with the reason (:class:`ScalarEscapes`).
+
+**Python numbers** (issue 45, item 3). A float or int argument is keyed by its value unless the
+function only uses it as an operand of that arithmetic. :class:`Numbers` (one per graphed callable)
+keys such an argument by type, and a recording tries it as a device scalar: its warm-up passes a
+float (int) that notes any use in Python (:class:`_Watched`: comparisons, arithmetic with other
+numbers, conversions, formatting), and its capture passes the placeholder under
+:class:`HostScalars`, which notes the operators in the order eager calls them; the two lists must be
+equal (a branch on ``isinstance(t, float)`` takes another path with a tensor). Any of these failing
+keys that argument by value from then on, with the reason in ``describe()``.
+
+Example::
+
+    numbers = Numbers()
+    numbers.rekey(call)            # floats and ints keyed by type where they may be device scalars
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphtree import _torch
+
+__all__ = ["NUMBER", "HostScalars", "Numbers", "ScalarEscapes", "number_part"]
+
+NUMBER = "number"
+"""The stride slot of a key part ``((), dtype, NUMBER)``: a Python number read as a device scalar."""
+
+_REDUCED = (torch.float16, torch.bfloat16)
+_ARITH = frozenset({"add", "sub", "mul", "div"})
+_COMPARE = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+_REFLECT = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "eq": "eq", "ne": "ne"}
+# operators whose CUDA kernel for a CPU scalar is chosen or computed by its value
+_BY_VALUE = frozenset({"pow", "float_power", "floor_divide", "div", "divide", "true_divide"})
+_HOST_READS = frozenset({"_local_scalar_dense", "item"})
+_NUMBER_TYPES = frozenset({float, int})
+_MAX_WARM_LOGS = 64
+
+
+class ScalarEscapes(Exception):
+    """A host scalar's placeholder reached an operator where it would not compute what eager does;
+    ``positions``: the leaves of the Python numbers among them (keyed by value from then on)."""
+
+    def __init__(self, reason: str, positions: Sequence[int] = ()) -> None:
+        super().__init__(reason)
+        self.positions = tuple(positions)
+
+
+def number_part(x: float | int) -> tuple[Any, ...]:
+    """The key part of a Python number read as a device scalar: a float64 or int64 placeholder."""
+    return ((), torch.float64 if type(x) is float else torch.int64, NUMBER)
+
+
+class Numbers:
+    """A graphed callable's Python number arguments: which are keyed by value, and why."""
+
+    def __init__(self) -> None:
+        self.by_value: dict[int, str] = {}  # leaf index -> why it is keyed by value
+        self.device: set[int] = set()  # leaf indices recorded as device scalars at least once
+        self._warm_logs: dict[Any, list[str]] = {}  # call key -> the operators its last warm-up called
+
+    def rekey(self, call: Any) -> None:
+        """Key the call's float and int arguments by type where they may be device scalars (not
+        ``bool``, not those found to reach Python). Cheap for a call without numbers."""
+        leaves = call.leaves
+        if _NUMBER_TYPES.isdisjoint(map(type, leaves[: call.n_args])):
+            return
+        key = list(call.key)
+        for i in range(call.n_args):
+            x = leaves[i]
+            if type(x) in _NUMBER_TYPES and i not in self.by_value:
+                key[i] = number_part(x)
+        call.key = tuple(key)
+
+    @staticmethod
+    def positions(call: Any) -> list[int]:
+        """The leaves of ``call`` read as device scalars (its key says which)."""
+        return [i for i in range(call.n_args) if _is_number(call.key[i])]
+
+    def keep_by_value(self, positions: Sequence[int], reason: str) -> None:
+        for i in positions:
+            self.by_value.setdefault(i, reason)
+
+    # --- the warm-up --------------------------------------------------------------------------
+    def warm_up_leaves(self, call: Any, positions: Sequence[int]) -> list[Any]:
+        """The call's leaves with the numbers at ``positions`` as numbers that note a use in Python."""
+        leaves = list(call.leaves)
+        for i in positions:
+            leaves[i] = _watched(leaves[i], i)
+        return leaves
+
+    def warmed(self, call: Any, leaves: Sequence[Any], positions: Sequence[int], log: list[str]) -> None:
+        """After a warm-up with :meth:`warm_up_leaves`: numbers used in Python are keyed by value
+        from now on, this call's key too (the warm-up counts for that signature); the operators it
+        called are kept for the capture to compare."""
+        used = [i for i in positions if leaves[i].used]
+        if used:
+            key = list(call.key)
+            for i in used:
+                self.keep_by_value([i], f"it reaches Python ({leaves[i].used})")
+                x = leaves[i].plain
+                key[i] = (type(x), x)
+            call.key = tuple(key)
+        if len(self._warm_logs) >= _MAX_WARM_LOGS:
+            self._warm_logs.pop(next(iter(self._warm_logs)))
+        self._warm_logs[call.key] = log
+
+    def compare(self, key: Any, log: list[str], positions: Sequence[int]) -> str | None:
+        """After a capture under :class:`HostScalars`: why its operators are not its warm-up's
+        (the numbers are then keyed by value), or None (they are device scalars)."""
+        warm = self._warm_logs.pop(key, None)
+        reason = None
+        if warm is None:
+            reason = "no warm-up of this signature noted its operators"
+        elif warm != log:
+            at = next((k for k, (a, b) in enumerate(zip(warm, log)) if a != b), min(len(warm), len(log)))
+            seen = (warm[at] if at < len(warm) else "nothing", log[at] if at < len(log) else "nothing")
+            reason = (
+                f"given a tensor in its place, the function calls other operators "
+                f"(aten::{seen[1]} where eager calls aten::{seen[0]})"
+            )
+        if reason is not None:
+            self.keep_by_value(positions, reason)
+        else:
+            self.device.update(positions)
+        return reason
+
+    def describe(self, names: Sequence[str] | None = None) -> list[str]:
+        """One line per number argument: read as a device scalar, or keyed by value and why."""
+        lines = []
+        for i in sorted(self.device - set(self.by_value)):
+            lines.append(f"argument {i}: a device scalar, filled on each call")
+        for i, why in sorted(self.by_value.items()):
+            lines.append(f"argument {i}: keyed by value ({why})")
+        return lines
+
+
+def _is_number(part: Any) -> bool:
+    return type(part) is tuple and len(part) == 3 and part[2] is NUMBER
+
+
+class _Watched:
+    """Mixed into float and int: a number that notes its first use in Python (``used``), and lets
+    tensors take it as an operand unnoted (``x * t`` and ``t * x`` reach the tensor's operator)."""
+
+    used = ""
+
+
+def _noting(name: str) -> Any:
+    def method(self: Any, *args: Any) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            return NotImplemented
+        if not self.used:
+            self.used = f"{name} of argument {self.leaf}"
+        return getattr(self.plain, name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+_DUNDERS = (  # noqa: SIM905 - (a list literal of 51 strings reads worse)
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __floordiv__ __rfloordiv__ "
+    "__mod__ __rmod__ __pow__ __rpow__ __divmod__ __rdivmod__ __neg__ __pos__ __abs__ __lt__ __le__ __gt__ "
+    "__ge__ __eq__ __ne__ __bool__ __int__ __float__ __round__ __trunc__ __floor__ __ceil__ __hash__ "
+    "__format__ __repr__ __str__ __index__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ "
+    "__rshift__ __invert__ is_integer as_integer_ratio hex conjugate bit_length"
+).split()
+
+
+def _watched_type(base: type) -> type:
+    body: dict[str, Any] = {}
+    for name in _DUNDERS:
+        if hasattr(base, name):
+            body[name] = _noting(name)
+    return type(f"Watched{base.__name__.title()}", (base,), body)
+
+
+_WATCHED = {float: _watched_type(float), int: _watched_type(int)}
+
+
+def _watched(x: float | int, leaf: int) -> Any:
+    w = _WATCHED[type(x)](x)
+    w.used, w.leaf, w.plain = "", leaf, x
+    return w
+
+
+class HostScalars(_torch.EagerDispatchMode):
+    """While a call is captured: operators that read a host scalar's placeholder compute what eager
+    computes with the scalar on the host (see the module's docstring), or raise
+    :class:`ScalarEscapes`. With Python numbers among them, ``log`` notes every operator by the
+    name eager calls it (``t - x``: eager's ``rsub``, here ``sub``; ``t / x``: eager's
+    ``reciprocal`` and ``mul``). Without placeholders (``placeholders`` empty), it only logs: a
+    warm-up's list to compare with.
+    """
+
+    def __init__(self, placeholders: dict[int, tuple[int, str]], name: str = "the function") -> None:
+        super().__init__()
+        self.placeholders = placeholders  # storage address -> (leaf index, NUMBER or "tensor")
+        self.name = name
+        self.log: list[str] = []
+        self._logging = not placeholders or any(kind == NUMBER for _, kind in placeholders.values())
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        packet = func.overloadpacket.__name__
+        hits = self._hits(args, kwargs) if self.placeholders else []
+        if not hits:
+            if self._logging:
+                self.log.append("sub" if packet == "rsub" else packet)
+            return self.run(func, args, kwargs)
+        with torch.autocast("cuda", enabled=False):  # (autocast ran above this mode already)
+            return self._compute(func, packet, args, kwargs, hits)
+
+    def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, int, str]]:
+        found = []
+        for pos, a in enumerate((*args, *kwargs.values())):
+            if isinstance(a, torch.Tensor) and a.dim() == 0 and a.layout is torch.strided:
+                got = self.placeholders.get(a.untyped_storage().data_ptr())
+                if got is not None:
+                    found.append((pos, *got))
+        return found
+
+    def _escape(self, hits: list[tuple[int, int, str]], what: str) -> ScalarEscapes:
+        leaves = ", ".join(str(leaf) for _, leaf, _ in hits)
+        numbers = [leaf for _, leaf, kind in hits if kind == NUMBER]
+        return ScalarEscapes(
+            f"`{self.name}`: its host scalar input {leaves} (a Python number or a 0-dim CPU tensor, which a "
+            f"recording reads from a CUDA placeholder) {what}: recorded, it would not compute what eager computes",
+            numbers,
+        )
+
+    def _compute(
+        self, func: Any, packet: str, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[tuple[int, int, str]]
+    ) -> Any:
+        base = packet[:-1] if packet.endswith("_") else packet
+        if base in _HOST_READS:
+            raise self._escape(hits, "is read on the host (.item(), float(), a shape or an index)")
+        binary = func._overloadname == "Tensor" and len(args) == 2 and set(kwargs) <= {"alpha"} and len(hits) == 1
+        if binary and (base in _ARITH or (base in _COMPARE and base == packet)):
+            pos, _, kind = hits[0]
+            other, ph = args[1 - pos], args[pos]
+            if isinstance(other, torch.Tensor) and other.device == ph.device and not other.is_complex():
+                out = _cpu_scalar_op(base, packet != base, args, pos, kind, kwargs.get("alpha", 1))
+                if out is not None:
+                    if self._logging:
+                        self.log.extend(_eager_names(packet, pos, kind))
+                    return out
+            raise self._escape(hits, f"reaches aten::{packet} {_why_not(other)}")
+        if any(kind == NUMBER for _, _, kind in hits):
+            raise self._escape(
+                hits,
+                f"reaches aten::{packet} (a Python number is read as a device scalar by add, sub, mul, div and "
+                "comparisons only)",
+            )
+        if base in _BY_VALUE:
+            raise self._escape(hits, f"reaches aten::{packet}, whose CUDA kernel eager picks by the scalar's value")
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.dtype in _REDUCED:
+                dtype = str(a.dtype).replace("torch.", "")
+                raise self._escape(hits, f"reaches aten::{packet} with a {dtype} tensor, where eager reads it in float")
+        return self.run(func, args, kwargs)
+
+
+def _why_not(other: Any) -> str:
+    if not isinstance(other, torch.Tensor):
+        return f"with a {type(other).__name__} (eager computes that on the host)"
+    return "with a complex tensor, one on another device, an alpha other than 1 or -1, or into a dtype eager refuses"
+
+
+def _eager_names(packet: str, pos: int, kind: str) -> list[str]:
+    """The operators eager calls for a number at argument ``pos`` of ``packet`` (Python's reflected
+    operators: ``t < x`` is ``x > t``, ``t / x`` is ``x.reciprocal() * t``)."""
+    if kind != NUMBER or pos == 1:
+        return [packet]
+    if packet in _COMPARE:
+        return [_REFLECT[packet]]
+    if packet == "div":
+        return ["reciprocal", "mul"]
+    return [packet]
+
+
+def _cpu_scalar_op(base: str, inplace: bool, args: tuple[Any, ...], pos: int, kind: str, alpha: Any) -> Any:
+    """``base`` of ``args`` (the placeholder at ``pos``) as eager's CPU-scalar path computes it, or
+    None where that is not known to be equal (an ``alpha`` other than 1 or -1 with floats, an in-place
+    operation on the placeholder or into a dtype eager refuses)."""
+    ph: torch.Tensor = args[pos]
+    other: torch.Tensor = args[1 - pos]
+    if inplace and pos == 0:
+        return None
+    # eager's common dtype: a Python number promotes as a wrapped scalar, a 0-dim tensor as one
+    common = torch.result_type(other, (1.0 if ph.is_floating_point() else 1) if kind == NUMBER else ph)
+    if base == "div" and not (common.is_floating_point or common.is_complex):
+        common = torch.get_default_dtype()  # (true division)
+    if common.is_complex:
+        return None
+    if base in _COMPARE:
+        return _call(base, _as(args[0], common), _as(args[1], common))
+    floating = common.is_floating_point
+    if base in ("add", "sub") and floating and alpha not in (1, -1):
+        return None
+    if inplace and not torch.can_cast(common, other.dtype):
+        return None
+    math = torch.float32 if common in _REDUCED else common
+    if base == "div" and pos == 0 and kind == NUMBER:  # `t / x`: eager's x.reciprocal() * t
+        r = torch.reciprocal(other)
+        return _cpu_scalar_op("mul", False, (r, ph), 1, kind, 1)
+    x, s = _as(other, math), _as(ph, math)
+    if base == "div" and pos == 1 and floating:  # eager multiplies by the reciprocal (computed in math)
+        out = torch.mul(x, torch.reciprocal(s))
+    else:
+        a, b = (s, x) if pos == 0 else (x, s)
+        out = _call(base, a, b) if base in ("mul", "div") else _call(base, a, b, alpha=alpha)
+    if inplace:
+        return other.copy_(out)
+    return _as(out, common)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _call(name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    out: torch.Tensor = getattr(torch, name)(*args, **kwargs)
+    return out
+
+
+def placeholders_of(call: Any, graph_leaves: Sequence[Any], host: Sequence[int]) -> dict[int, tuple[int, str]]:
+    """The placeholders of a capture's host scalars: storage address -> (leaf index, kind)."""
+    return {
+        graph_leaves[i].untyped_storage().data_ptr(): (i, NUMBER if _is_number(call.key[i]) else "tensor") for i in host
+    }
