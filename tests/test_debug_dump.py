@@ -321,3 +321,19 @@ def test_a_fault_a_graphed_call_dumped_is_not_dumped_again_when_raised_later():
         pass
     assert written == []
     del snaps
+
+
+def test_a_replay_error_marked_dumped_marks_the_cuda_error_it_was_raised_from():
+    # A graphed call dumps a GraphReplayError raised from the CUDA error; at exit the dead context
+    # raises that CUDA error again, whose first line is the one to know (an H100 run dumped it again,
+    # over the call's own dumps)
+    from graphtree.debug import late
+
+    try:
+        try:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        except RuntimeError as cuda:
+            raise RuntimeError("graphtree: the replay of lookup(...) failed") from cuda
+    except RuntimeError as replay:
+        late.mark_dumped(replay)
+    assert "CUDA error: device-side assert triggered" in late._reported

@@ -82,8 +82,11 @@ def handled_inside(code: Any) -> None:
 def mark_dumped(error: BaseException) -> None:
     """CUDA error ``error`` got its dumps where it surfaced (a graphed call): none again, neither at
     exit nor when a dead context raises the same error at a later call (the ``RAISE`` callback)."""
-    _dumped.add(id(error))
-    _reported.add(_first_line(error))
+    seen: BaseException | None = error
+    while seen is not None:  # (a GraphReplayError names the CUDA error it was raised from: that is
+        _dumped.add(id(seen))  # what a dead context raises again, at a sync or at exit)
+        _reported.add(_first_line(seen))
+        seen = seen.__cause__ or seen.__context__
 
 
 def dump_all(error: RuntimeError) -> list[Path]:

@@ -317,8 +317,19 @@ def test_an_output_kept_in_any_form_is_invalidated_not_overwritten(form):
 
 
 def test_one_recording_per_signature():
+    # k only multiplies: a device scalar (tree/host_scalars.py), so one recording per shape
     g = graphtree.graphed(lambda x, k: x * k, name="scale")
     for _ in range(3):
+        for shape, k in [((4,), 2), ((8,), 2), ((4,), 3)]:
+            graphtree.mark_step()
+            x = torch.randn(shape, device=DEV)
+            assert torch.equal(g(x, k), x * k)
+    assert graphtree.stats().recordings == 2
+
+
+def test_one_recording_per_value_of_a_number_python_reads():
+    g = graphtree.graphed(lambda x, k: x * k if k > 0 else x, name="branch")
+    for _ in range(4):
         for shape, k in [((4,), 2), ((8,), 2), ((4,), 3)]:
             graphtree.mark_step()
             x = torch.randn(shape, device=DEV)
