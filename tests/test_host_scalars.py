@@ -12,12 +12,18 @@ from graphtree.tree.inputs import read_call
 X = torch.randn(5)
 
 
-def _warm_log(f, value):
-    """What a warm-up notes: the operators eager calls with the (watched) number."""
+def _warm_up(f, value):
+    """A warm-up's mode and watched number, after calling ``f`` with it."""
     w = _watched(value, 1)
-    mode = HostScalars({}, "f")
+    mode = HostScalars({}, "f", {1: value})
     with mode:
         f(w)
+    return mode, w
+
+
+def _warm_log(f, value):
+    """What a warm-up notes: the operators eager calls with the (watched) number."""
+    mode, w = _warm_up(f, value)
     return mode.log, w.used
 
 
@@ -84,10 +90,10 @@ def test_an_isinstance_branch_makes_the_capture_call_other_operators():
         return X * t if isinstance(t, float) else X @ X.new_ones(5, 5) * t
 
     numbers = Numbers()
-    warm, _ = _warm_log(f, 0.3)
+    mode, w = _warm_up(f, 0.3)
     call = read_call((torch.tensor(1.0), 0.3), {}, None)
     numbers.rekey(call)
-    numbers.warmed(call, [None, _watched(0.3, 1)], [1], warm)
+    numbers.warmed(call, [None, w], [1], mode)
     captured, _ = _capture_log(f, 0.3)
     reason = numbers.compare(call.key, captured, [1])
     assert reason is not None and "aten::new_ones where eager calls aten::mul" in reason
@@ -151,6 +157,38 @@ def test_numbers_are_keyed_by_type_until_one_is_found_to_reach_python():
     numbers.rekey(third)
     watched = Numbers().warm_up_leaves(third, [3])
     assert watched[3] + 1 == 5 and watched[3].used.startswith("__add__")
-    numbers.warmed(third, watched, [3], [])
+    numbers.warmed(third, watched, [3], HostScalars({}, "f", {3: 4}))
     assert third.key[3] == (int, 4) and 3 in numbers.by_value
     assert any("keyed by value (it reaches Python" in line for line in numbers.describe())
+
+
+@pytest.mark.parametrize(
+    ("f", "why"),
+    [
+        (lambda t: X.sum(dim=int(0 * X.new_ones(()).item()) + 0) * 0 + X.sum(t), "aten::sum takes it as argument 1"),
+        (lambda t: X + 1, "no operator graphtree sees"),  # (unused)
+        (lambda t: X.new_full((3,), t), "aten::new_full takes it"),
+    ],
+)
+def test_a_warm_up_keys_by_value_a_number_an_operator_takes_otherwise(f, why):
+    """The dispatcher reads ints and floats in C (a dim, a size, a fill value), unseen by the watched
+    number; the warm-up's operators show where it went (by value), and a number no operator takes as
+    an operand (unused, or inside compiled code, whose kernels graphtree does not see) stays by value."""
+    value = 0 if "sum" in why else 0.25
+    mode, w = _warm_up(f, value)
+    assert w.used == ""
+    call = read_call((torch.tensor(1.0), value), {}, None)
+    numbers = Numbers()
+    numbers.rekey(call)
+    numbers.warmed(call, [None, w], [1], mode)
+    assert why in numbers.by_value.get(1, ""), numbers.by_value
+    assert call.key[1] == (type(value), value)
+
+
+def test_a_warm_up_keeps_a_number_used_only_as_an_operand_a_device_scalar():
+    mode, w = _warm_up(lambda t: torch.softmax(X / t, -1) + (t - X) * (X < t), 0.7)  # noqa: SIM300
+    call = read_call((torch.tensor(1.0), 0.7), {}, None)
+    numbers = Numbers()
+    numbers.rekey(call)
+    numbers.warmed(call, [None, w], [1], mode)
+    assert numbers.by_value == {} and call.key[1] == ((), torch.float64, NUMBER)

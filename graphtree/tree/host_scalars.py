@@ -109,21 +109,22 @@ class Numbers:
             leaves[i] = _watched(leaves[i], i)
         return leaves
 
-    def warmed(self, call: Any, leaves: Sequence[Any], positions: Sequence[int], log: list[str]) -> None:
+    def warmed(self, call: Any, leaves: Sequence[Any], positions: Sequence[int], mode: HostScalars) -> None:
         """After a warm-up with :meth:`warm_up_leaves`: numbers used in Python are keyed by value
         from now on, this call's key too (the warm-up counts for that signature); the operators it
         called are kept for the capture to compare."""
-        used = [i for i in positions if leaves[i].used]
+        why = {i: _warm_up_reason(leaves[i].used, mode, i) for i in positions}
+        used = [i for i in positions if why[i]]
         if used:
             key = list(call.key)
             for i in used:
-                self.keep_by_value([i], f"it reaches Python ({leaves[i].used})")
+                self.keep_by_value([i], why[i])
                 x = leaves[i].plain
                 key[i] = (type(x), x)
             call.key = tuple(key)
         if len(self._warm_logs) >= _MAX_WARM_LOGS:
             self._warm_logs.pop(next(iter(self._warm_logs)))
-        self._warm_logs[call.key] = log
+        self._warm_logs[call.key] = mode.log
 
     def compare(self, key: Any, log: list[str], positions: Sequence[int]) -> str | None:
         """After a capture under :class:`HostScalars`: why its operators are not its warm-up's
@@ -153,6 +154,17 @@ class Numbers:
         for i, why in sorted(self.by_value.items()):
             lines.append(f"argument {i}: keyed by value ({why})")
         return lines
+
+
+def _warm_up_reason(used: str, mode: HostScalars, leaf: int) -> str:
+    """Why a warm-up keys number ``leaf`` by value ("" if it may be a device scalar)."""
+    if used:
+        return f"it reaches Python ({used})"
+    if leaf in mode.elsewhere:
+        return f"{mode.elsewhere[leaf]}, not as an operand of add, sub, mul, div or a comparison"
+    if leaf not in mode.operand:
+        return "no operator graphtree sees takes it as an operand (it is unused, or used inside compiled code)"
+    return ""
 
 
 def _is_number(part: Any) -> bool:
@@ -213,12 +225,21 @@ class HostScalars(_torch.EagerDispatchMode):
     warm-up's list to compare with.
     """
 
-    def __init__(self, placeholders: dict[int, tuple[int, str]], name: str = "the function") -> None:
+    def __init__(
+        self,
+        placeholders: dict[int, tuple[int, str]],
+        name: str = "the function",
+        watched: dict[int, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.placeholders = placeholders  # storage address -> (leaf index, NUMBER or "tensor")
         self.name = name
         self.log: list[str] = []
         self._logging = not placeholders or any(kind == NUMBER for _, kind in placeholders.values())
+        # a warm-up's numbers (leaf -> value): where the operators it called take them, by value
+        self.watched = watched or {}
+        self.operand: set[int] = set()  # leaves seen as the scalar operand of add, sub, mul, div, a comparison
+        self.elsewhere: dict[int, str] = {}  # leaves seen as another argument (a dim, a size): the first
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -229,9 +250,27 @@ class HostScalars(_torch.EagerDispatchMode):
         if not hits:
             if self._logging:
                 self.log.append("sub" if packet == "rsub" else packet)
+            if self.watched:
+                self._note_numbers(packet, args, kwargs)
             return self.run(func, args, kwargs)
         with torch.autocast("cuda", enabled=False):  # (autocast ran above this mode already)
             return self._compute(func, packet, args, kwargs, hits)
+
+    def _note_numbers(self, packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Where this operator takes a watched number (by value: the dispatcher hands it a plain
+        one): as the scalar operand of the arithmetic a device scalar can stand in for, or otherwise."""
+        base = packet[:-1] if packet.endswith("_") else packet
+        arithmetic = base in _ARITH or base in _COMPARE or base == "rsub"
+        for pos, a in enumerate((*args, *kwargs.values())):
+            for v in a if isinstance(a, (list, tuple)) else (a,):
+                if type(v) not in _NUMBER_TYPES:
+                    continue
+                for leaf, value in self.watched.items():
+                    if v == value:
+                        if arithmetic and pos == 1 and not isinstance(a, (list, tuple)):
+                            self.operand.add(leaf)
+                        else:
+                            self.elsewhere.setdefault(leaf, f"aten::{packet} takes it as argument {pos}")
 
     def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, int, str]]:
         found = []

@@ -125,7 +125,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     watch = state_watch(call.leaves, copied_inputs(call))
     numbers = Numbers.positions(call)  # Python numbers tried as device scalars: watched, operators noted
     leaves = gc.numbers.warm_up_leaves(call, numbers) if numbers else call.leaves
-    noted = HostScalars({}, gc.name) if numbers else None
+    noted = HostScalars({}, gc.name, {i: call.leaves[i] for i in numbers}) if numbers else None
     args, kwargs = call.arguments(leaves)
     tracker = OpTracker()
     # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
@@ -154,7 +154,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
         ):
             out = gc.fn(*args, **kwargs)
         if noted is not None:
-            gc.numbers.warmed(call, leaves, numbers, noted.log)
+            gc.numbers.warmed(call, leaves, numbers, noted)
         reason = (
             _mutation_reason(watch.written)
             if watch.written

@@ -84,7 +84,8 @@ def test_mistral_compiled_inside_the_graphed_call_generates_eagers_tokens():
         model.model.compile(backend="eager")  # dynamo traces the decoder; no inductor compile time
         model.forward = graphtree.graphed(model.forward)
         for _ in range(4):
-            assert torch.equal(model.generate(**inputs, **kw), want)
+            got = model.generate(**inputs, **kw)
+            assert torch.equal(got, want), (got, want, model.forward.numbers.describe(), graphtree.describe())
     s = graphtree.stats()
     print(f"\nmistral compiled inside: {s}")
     assert s.replays > 0, s
