@@ -192,3 +192,21 @@ def test_a_warm_up_keeps_a_number_used_only_as_an_operand_a_device_scalar():
     numbers.rekey(call)
     numbers.warmed(call, [None, w], [1], mode)
     assert numbers.by_value == {} and call.key[1] == ((), torch.float64, NUMBER)
+
+
+def test_compiled_code_inside_a_warm_up_stays_compiled():
+    """Under a dispatch mode that does not say ``ignore_compile_internals``, dynamo skips the frame
+    for good; a warm-up with numbers (HostScalars logging) made a compiled Mistral decoder inside a
+    graphed call run uncompiled, and generate other tokens (H100, session 14, call 6)."""
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="eager")
+    def f(x):
+        return x * 2 + 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    with HostScalars({}, "f", {1: 0.5}):
+        f(torch.randn(3))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
