@@ -35,4 +35,25 @@ def test_it_remembers_a_bounded_number_of_signatures():
     for key in range(10):
         churn.skip(key)
     assert churn.skip(9) is False and churn.skip(0) is True  # 0 was forgotten: new again
-    assert "warm-ups in a row" in churn.reason("step")
+    assert "in a row without a recording" in churn.reason("step")
+
+
+def test_a_signature_warmed_up_again_does_not_count_toward_churn():
+    # a step's micro-batches: the same signature warmed up at each call (its gradients made anew)
+    churn = Churn(limit=4)
+    for _ in range(10):
+        assert not churn.skip("micro")
+        churn.warmed_up()
+    assert churn.streak == 1
+    for key in range(3):  # then new signatures, one per call: the run counts them only
+        assert not churn.skip(key)
+        churn.warmed_up()
+    assert churn.streak == 4 and churn.skip("new")
+
+
+def test_a_bounded_set_within_the_limit_never_churns_in_its_first_round():
+    churn = Churn()  # the default limit
+    for key in range(churn.limit):  # as many signatures as the limit, each met once, then recorded
+        assert not churn.skip(key)
+        churn.warmed_up()
+    assert not churn.skip(0)

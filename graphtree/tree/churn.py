@@ -7,10 +7,12 @@ when every call brings a new one (a batch size or a sequence length that changes
 ``DynamicCache`` that grows by a token per step): measured on an H100, a 20-layer MLP fed a new
 batch size on every call took 2.04 ms graphed against 0.76 ms eager (issue 27).
 
-:class:`Churn` counts the warm-ups of a callable since its last recording. After ``limit`` of them
-in a row, a signature never met before runs plain eager, without the checks (``stats()`` counts
-it, with the reason); one met before (shapes settling) is warmed up and recorded as usual, which
-ends the run of warm-ups. Only calls that no recording fits pay the bookkeeping: replays do not.
+:class:`Churn` counts the warm-ups of signatures the callable had never met, since its last
+recording. After ``limit`` of them in a row, a signature never met before runs plain eager, without
+the checks (``stats()`` counts it, with the reason); one met before (shapes settling) is warmed up
+and recorded as usual, which ends the run of warm-ups. A warm-up of a signature met before (the
+same key warmed up again: state it allocated, a step's gradients made anew) does not count: churn
+is new signatures, not warm-ups. Only calls that no recording fits pay the bookkeeping: replays do not.
 
 Example::
 
@@ -23,14 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
-LIMIT = 16
-"""Warm-ups in a row without a recording before new signatures run plain eager. (A left-padded
-Mistral batch meets a new signature at each of a ``generate()``'s decode steps past its sliding
-window, and records them at the next ``generate()``: below its length, the rule would turn that into
-eager runs.) 4 was tried in issue 45 (a warm-up costs about 4.5x the call it checks): a callable with
-five or more signatures met in turn (a counter argument, micro-batches of several sizes) then began
-replaying a round later, which the GPU suite caught (H100, ``test_real_paths_gpu.py``,
-``test_train_step_gpu.py``); kept at 16 until the rule tells churn from a bounded set of signatures."""
+LIMIT = 8
+"""Warm-ups of never-met signatures in a row without a recording before new signatures run plain
+eager. A bounded set of more signatures than this, met in turn, replays a round later than it could
+(its signatures past the limit run eagerly in the first round, warm up in the second); churn pays
+this many warm-ups. Issue 45 measured 4 (a warm-up costs about 4.5x the call it checks: H100, the
+MLP of ``benchmarks/churn.py`` at 0.93x eager) but then counted every warm-up, and the GPU suite
+caught a step's micro-batches, the same signature warmed up again, taken for churn; 16 before."""
 
 KEEP = 1024
 """Signatures remembered per callable (the oldest is forgotten first)."""
@@ -42,13 +43,15 @@ class Churn:
     def __init__(self, limit: int = LIMIT, keep: int = KEEP) -> None:
         self.limit = limit
         self.keep = keep
-        self.streak = 0  # warm-ups since the last recording
+        self.streak = 0  # warm-ups of never-met signatures since the last recording
         self._seen: dict[Any, None] = {}  # signatures met, oldest first
+        self._new = True  # whether the signature skip() saw last was never met before
 
     def skip(self, key: Any) -> bool:
         """Whether a call of signature ``key``, which no recording fits, should run eagerly without
         a warm-up: the callable is churning and has never met ``key``. Notes ``key`` as met."""
         met = key in self._seen
+        self._new = not met
         if met:
             del self._seen[key]  # (moved to the newest end)
         self._seen[key] = None
@@ -57,8 +60,11 @@ class Churn:
         return not met and self.streak >= self.limit
 
     def warmed_up(self) -> None:
-        """A warm-up ran."""
-        self.streak += 1
+        """A warm-up ran (of the signature :meth:`skip` saw last; a callable whose ranks decide
+        together calls no ``skip``: every warm-up counts)."""
+        if self._new:
+            self.streak += 1
+        self._new = True
 
     def recorded(self) -> None:
         """A recording was made: the signatures have settled."""
@@ -67,7 +73,7 @@ class Churn:
     def reason(self, name: str) -> str:
         """The eager reason ``stats()`` counts for a skipped call."""
         return (
-            f"`{name}` meets a new signature on almost every call ({self.limit} warm-ups in a row "
-            f"without a recording): new signatures run eagerly, without graphtree's checks, until one "
-            f"comes again"
+            f"`{name}` meets a new signature on almost every call ({self.limit} warm-ups of new signatures "
+            f"in a row without a recording): new signatures run eagerly, without graphtree's checks, "
+            f"until one comes again"
         )

@@ -83,7 +83,7 @@ class Numbers:
         """Key the call's float and int arguments by type where they may be device scalars (not
         ``bool``, not those found to reach Python). Cheap for a call without numbers."""
         leaves = call.leaves
-        if _NUMBER_TYPES.isdisjoint(map(type, leaves[: call.n_args])):
+        if _NUMBER_TYPES.isdisjoint(map(type, leaves)):  # (leaves past n_args are objects' tensors)
             return
         key = list(call.key)
         for i in range(call.n_args):

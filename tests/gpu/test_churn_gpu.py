@@ -42,3 +42,26 @@ def test_a_new_batch_size_on_every_call_runs_eagerly_then_settles(host_read):
         assert s.replays == 0, s  # it cannot be graphed: eager, as before
     else:
         assert s.recordings == 1 and s.replays >= 1, s
+
+
+def test_churn_is_seen_within_eight_warm_ups_and_a_bounded_set_of_six_still_replays():
+    """Issue 45, item 6: the decision comes sooner (16 warm-ups before, whatever their signature;
+    now 8 of signatures never met), and a bounded set of signatures is not taken for churn."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(DEV).eval()
+    churning, settled = graphtree.graphed(net, name="churning"), graphtree.graphed(net, name="settled")
+    with torch.inference_mode():
+        for n in range(1, 41):  # a new batch size every call
+            graphtree.mark_step()
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(churning(x), net(x))
+        s = graphtree.stats()
+        assert s.warmups <= 8 and sum(s.eager.values()) >= 32, s
+        graphtree.reset()
+        for _ in range(4):  # six sizes in turn: warmed up, recorded, then replayed
+            for n in (3, 5, 7, 9, 11, 13):
+                graphtree.mark_step()
+                x = torch.randn(n, 64, device=DEV)
+                torch.testing.assert_close(settled(x), net(x))
+    s = graphtree.stats()
+    assert s.recordings == 6 and s.replays == 12 and not s.eager, s
