@@ -137,10 +137,10 @@ for stage in $stages; do
     before45)  # issue 45's GPU tests on the code before it (.before/: git archive 7a5b4c7 graphtree benchmarks):
                # copied there with the conftest and helpers, so that the subprocesses they start import that code too
       mkdir -p .before/tests/gpu && cp tests/gpu/conftest.py tests/gpu/_tiny_hf.py tests/gpu/_subprocesses.py tests/gpu/test_users_next_gpu.py \
-        tests/gpu/test_late_faults_gpu.py tests/gpu/test_churn_gpu.py .before/tests/gpu/ && cp pyproject.toml .before/
+        tests/gpu/test_late_faults_gpu.py tests/gpu/test_churn_gpu.py tests/gpu/test_host_scalars_gpu.py .before/tests/gpu/ && cp pyproject.toml .before/
       (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 ${NEW_TIMEOUT:-300} \
         python3 -m pytest -q -p no:cacheprovider --tb=line -rf -s tests/gpu/test_users_next_gpu.py tests/gpu/test_late_faults_gpu.py \
-        tests/gpu/test_churn_gpu.py 2>&1 | tee "$OUT/before45.log" | grep -E "MEMORY|FAILED|passed|failed" | tail -30)
+        tests/gpu/test_churn_gpu.py tests/gpu/test_host_scalars_gpu.py 2>&1 | tee "$OUT/before45.log" | grep -E "MEMORY|FAILED|passed|failed" | tail -30)
       ;;
     suite)  # tests marked own_process run all they check in subprocesses: no state of this process to
             # poison or be poisoned by; they run in `files` (and `own`), which keeps this under a call
