@@ -330,8 +330,9 @@ def record(
                     ended = began and _torch.end_open_capture(breaks.graph, stream)
                 else:
                     try:
-                        with tracker, breaks, collectives or contextlib.nullcontext(), watch, scalars or _nothing:
-                            out = gc.fn(*args, **kwargs)
+                        with tracker, breaks, collectives or contextlib.nullcontext(), watch:
+                            with scalars or _nothing:  # (only the function's operators: its warm-up's to compare)
+                                out = gc.fn(*args, **kwargs)
                             grads = _training_step.keep_out_of_pool(params, old_grads)
                         if len(breaks.segments) < len(prefix or ()):
                             raise BreakFailed("running it again for a new value did not read the values it had read")

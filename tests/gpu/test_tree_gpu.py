@@ -438,6 +438,34 @@ def test_a_learning_rate_given_as_a_cpu_tensor_to_a_graphed_step():
     assert s.recordings == 1 and s.replays >= 6 and not s.eager, s
 
 
+def test_a_learning_rate_given_as_a_python_float_to_a_graphed_step_is_a_device_scalar():
+    # (its warm-up and capture compare the step's own operators: not the gradients graphtree copies)
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(16, 4).to(DEV)
+    mine = copy.deepcopy(eager)
+
+    def step_fn(model):
+        def step(x, lr):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(lr * p.grad)
+            return loss.detach()
+
+        return step
+
+    se, sm = step_fn(eager), graphtree.graphed(step_fn(mine), name="sgd")
+    for i in range(10):
+        x, lr = torch.randn(8, 16, device=DEV), 0.1 / (1 + i)  # a decaying rate, a Python float
+        assert torch.equal(sm(x, lr), se(x, lr)), i
+    for pe, pm in zip(eager.parameters(), mine.parameters()):
+        assert torch.equal(pm, pe)
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 6 and not s.eager, s
+
+
 def test_sync_in_capture_names_the_op_and_line_and_leaks_nothing(caplog):
     def f(x):
         y = x * 2
