@@ -210,3 +210,20 @@ def test_compiled_code_inside_a_warm_up_stays_compiled():
         f(torch.randn(3))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("value", [2.2, 16777217])  # (an int past 2**24: its float32 reciprocal differs)
+def test_a_division_by_a_scalar_multiplies_by_its_reciprocal_taken_in_double(value):
+    """As BinaryDivTrueKernel.cu does for a CPU-scalar divisor (high_prec_t), seen on the H100."""
+    dtype = torch.float64 if isinstance(value, float) else torch.int64
+    _, out = _capture_log(lambda t: X / t, value, NUMBER, dtype)
+    inv = torch.reciprocal(torch.tensor(value, dtype=torch.float64)).float()
+    assert torch.equal(out, X * inv)
+
+
+def test_an_alpha_other_than_one_stops_the_capture_whatever_the_overload():
+    out = torch.empty(5)
+    with pytest.raises(ScalarEscapes, match="alpha"):
+        _capture_log(lambda s: torch.add(X, s, alpha=0.5, out=out), 0.3, "tensor", torch.float32)
+    with pytest.raises(ScalarEscapes, match="alpha"):
+        _capture_log(lambda s: torch.add(X, s, alpha=0.5), 0.3, "tensor", torch.float32)

@@ -53,6 +53,9 @@ _REFLECT = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "eq": "eq", "ne": "n
 # operators whose CUDA kernel for a CPU scalar is chosen or computed by its value
 _BY_VALUE = frozenset({"pow", "float_power", "floor_divide", "div", "divide", "true_divide"})
 _HOST_READS = frozenset({"_local_scalar_dense", "item"})
+# a division by a CPU scalar takes the reciprocal in double from torch 2.11 (seen on the H100; before,
+# in the math type, unverified on a GPU here: such a division is not emulated there)
+_DIV_IN_DOUBLE = _torch.TORCH_VERSION[:2] >= (2, 11)
 _NUMBER_TYPES = frozenset({float, int})
 _MAX_WARM_LOGS = 64
 
@@ -314,6 +317,8 @@ class HostScalars(_torch.EagerDispatchMode):
                         self.log.extend(_eager_names(packet, pos, kind))
                     return out
             raise self._escape(hits, f"reaches aten::{packet} {_why_not(other)}")
+        if base in _ARITH | {"rsub"} and kwargs.get("alpha", 1) not in (1, -1):  # (add.out, rsub: as above)
+            raise self._escape(hits, f"reaches aten::{packet} with an alpha other than 1 or -1")
         if any(kind == NUMBER for _, _, kind in hits):
             raise self._escape(
                 hits,
@@ -374,10 +379,12 @@ def _cpu_scalar_op(base: str, inplace: bool, args: tuple[Any, ...], pos: int, ki
         return _cpu_scalar_op("mul", False, (r, ph), 1, kind, 1)
     x, s = _as(other, math), _as(ph, math)
     if base == "div" and pos == 1 and floating:
-        # eager multiplies by the reciprocal, taken in the wider of the scalar's dtype and the math
-        # type (a Python float's in double: measured on the H100, 1/float(2.2) was one bit off)
-        wide = torch.promote_types(ph.dtype, math) if ph.is_floating_point() else math
-        out = torch.mul(x, _as(torch.reciprocal(_as(ph, wide)), math))
+        # eager multiplies by the reciprocal, taken on the host in double and rounded to the math
+        # type (BinaryDivTrueKernel.cu's high_prec_t since pytorch#169507: measured on the H100,
+        # x / 2.2 in float32 is x * float(1 / 2.2), one bit from x * (1f / 2.2f))
+        if not _DIV_IN_DOUBLE:
+            return None
+        out = torch.mul(x, _as(torch.reciprocal(_as(ph, torch.float64)), math))
     elif base == "div" and pos == 0 and kind != NUMBER:  # `s / x`: eager reads s in x's dtype first
         out = torch.div(_as(_as(ph, common), math), x)
     else:
