@@ -227,3 +227,18 @@ def test_an_alpha_other_than_one_stops_the_capture_whatever_the_overload():
         _capture_log(lambda s: torch.add(X, s, alpha=0.5, out=out), 0.3, "tensor", torch.float32)
     with pytest.raises(ScalarEscapes, match="alpha"):
         _capture_log(lambda s: torch.add(X, s, alpha=0.5), 0.3, "tensor", torch.float32)
+
+
+def test_describe_names_a_number_by_its_keyword_and_says_why_it_is_keyed_by_value():
+    from graphtree.tree.host_scalars import describe_numbers
+
+    numbers = Numbers(owner=-7)
+    call = read_call((torch.tensor(1.0),), {"temperature": 0.5, "top_k": 50}, None)
+    numbers.rekey(call)
+    numbers.keep_by_value([2], "it reaches Python (__index__ of argument 2)")
+    numbers.device.add(1)
+    lines = describe_numbers(-7)
+    assert lines == [
+        "argument 1 (temperature=): a device scalar, filled on each call",
+        "argument 2 (top_k=): keyed by value (it reaches Python (__index__ of argument 2))",
+    ], lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from graphtree.tree.host_scalars import describe_numbers
 from graphtree.tree.manager import TreeManager, managers
 from graphtree.tree.node import Node, Root, below, signature
 
@@ -14,6 +15,17 @@ def _label(node: Node) -> str:
         f"outputs={node.outputs.nbytes / 2**20:.2f} MiB capture={node.capture_seconds * 1e3:.1f} ms"
         + "".join(f" | {brk}" for brk in node.reads)
     )
+
+
+def _callables(root: Root) -> dict[int, str]:
+    """The graphed callables recorded in a tree: id -> name, in the order met."""
+    found: dict[int, str] = {}
+    todo: list[Node | Root] = [root]
+    while todo:
+        for k in below(todo.pop()):
+            found.setdefault(k.key[0], k.name)
+            todo.append(k)
+    return found
 
 
 def render(managers: Iterable[TreeManager], format: str) -> str:
@@ -51,6 +63,8 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
                 walk(k, prefix + ("   " if last else "│  "))
 
         walk(m.root, "")
+        for gc_id, name in _callables(m.root).items():  # their Python numbers: device scalars or values, why
+            out.extend(f"  {name}: {line}" for line in describe_numbers(gc_id))
     return "\n".join(out)
 
 

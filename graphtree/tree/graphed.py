@@ -160,7 +160,8 @@ class GraphedCallable:
         # capture, the re-record limit, ...): other signatures of the function still are.
         self.given_up: dict[Any, str] = {}
         self.churn = Churn()  # signatures that keep changing run eagerly, without warm-ups (tree/churn.py)
-        self.numbers = Numbers()  # Python numbers read as device scalars where they can be (tree/host_scalars.py)
+        # Python numbers among the arguments: device scalars where they can be (tree/host_scalars.py)
+        self.numbers = Numbers(self.id)
         self._kept_state: dict[Any, int] = {}
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
         self._module = self._reach.module

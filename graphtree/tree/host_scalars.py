@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 
 from graphtree import _torch
 
-__all__ = ["NUMBER", "HostScalars", "Numbers", "ScalarEscapes", "number_part"]
+__all__ = ["NUMBER", "HostScalars", "Numbers", "ScalarEscapes", "describe_numbers", "number_part"]
 
 NUMBER = "number"
 """The stride slot of a key part ``((), dtype, NUMBER)``: a Python number read as a device scalar."""
@@ -75,12 +76,17 @@ def number_part(x: float | int) -> tuple[Any, ...]:
 
 
 class Numbers:
-    """A graphed callable's Python number arguments: which are keyed by value, and why."""
+    """A graphed callable's Python number arguments: which are keyed by value, and why.
 
-    def __init__(self) -> None:
+    ``owner``: the graphed callable's id, under which :func:`describe_numbers` finds it."""
+
+    def __init__(self, owner: int | None = None) -> None:
         self.by_value: dict[int, str] = {}  # leaf index -> why it is keyed by value
         self.device: set[int] = set()  # leaf indices recorded as device scalars at least once
         self._warm_logs: dict[Any, list[str]] = {}  # call key -> the operators its last warm-up called
+        self._names: dict[int, str] = {}  # leaf index -> the keyword it was passed by, if one
+        if owner is not None:
+            _owners[owner] = self
 
     def rekey(self, call: Any) -> None:
         """Key the call's float and int arguments by type where they may be device scalars (not
@@ -93,6 +99,8 @@ class Numbers:
             x = leaves[i]
             if type(x) in _NUMBER_TYPES and i not in self.by_value:
                 key[i] = number_part(x)
+                if i not in self._names:
+                    self._names[i] = _keyword(call.spec, i)
         call.key = tuple(key)
 
     @staticmethod
@@ -149,14 +157,35 @@ class Numbers:
             self.device.update(positions)
         return reason
 
-    def describe(self, names: Sequence[str] | None = None) -> list[str]:
+    def describe(self) -> list[str]:
         """One line per number argument: read as a device scalar, or keyed by value and why."""
         lines = []
         for i in sorted(self.device - set(self.by_value)):
-            lines.append(f"argument {i}: a device scalar, filled on each call")
+            lines.append(f"{self._name(i)}: a device scalar, filled on each call")
         for i, why in sorted(self.by_value.items()):
-            lines.append(f"argument {i}: keyed by value ({why})")
+            lines.append(f"{self._name(i)}: keyed by value ({why})")
         return lines
+
+    def _name(self, i: int) -> str:
+        name = self._names.get(i, "")
+        return f"argument {i} ({name}=)" if name else f"argument {i}"
+
+
+_owners: weakref.WeakValueDictionary[int, Numbers] = weakref.WeakValueDictionary()
+
+
+def describe_numbers(owner: int) -> list[str]:
+    """What :meth:`Numbers.describe` says of graphed callable ``owner``'s numbers ([] if none)."""
+    numbers = _owners.get(owner)
+    return numbers.describe() if numbers is not None else []
+
+
+def _keyword(spec: Any, i: int) -> str:
+    """The keyword leaf ``i`` was passed by, for a flat call with keywords ("" otherwise)."""
+    names, n_args = getattr(spec, "names", None), getattr(spec, "n_args", None)
+    if names is None or n_args is None or i < n_args:
+        return ""
+    return str(names[i - n_args])
 
 
 def _warm_up_reason(used: str, mode: HostScalars, leaf: int) -> str:

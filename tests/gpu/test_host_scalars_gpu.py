@@ -92,6 +92,7 @@ def test_a_number_used_otherwise_is_keyed_by_value_and_equals_eager(name):
     assert s.recordings == 2 and s.replays >= 4, s  # keyed by value: each value replays its own recording
     text = graphtree.describe()
     assert "(device scalar)" not in text and ("2.0" in text or "3.0" in text), text
+    assert f"{name}: argument 1: keyed by value (" in text, text  # and why
 
 
 def test_a_serving_loops_new_temperature_per_request_replays_and_equals_eager():
