@@ -83,8 +83,10 @@ def mark_dumped(error: BaseException) -> None:
     """CUDA error ``error`` got its dumps where it surfaced (a graphed call): none again, neither at
     exit nor when a dead context raises the same error at a later call (the ``RAISE`` callback)."""
     seen: BaseException | None = error
-    while seen is not None:  # (a GraphReplayError names the CUDA error it was raised from: that is
-        _dumped.add(id(seen))  # what a dead context raises again, at a sync or at exit)
+    chain: set[int] = set()
+    while seen is not None and id(seen) not in chain:  # (a GraphReplayError names the CUDA error it was
+        chain.add(id(seen))  # raised from: that is what a dead context raises again, at a sync or at exit)
+        _dumped.add(id(seen))
         _reported.add(_first_line(seen))
         seen = seen.__cause__ or seen.__context__
 

@@ -19,12 +19,16 @@ as ``pow``); elsewhere the capture stops with the reason (:class:`ScalarEscapes`
 
 **Python numbers** (issue 45, item 3). A float or int argument is keyed by its value unless the
 function only uses it as an operand of that arithmetic. :class:`Numbers` (one per graphed callable)
-keys such an argument by type, and a recording tries it as a device scalar: its warm-up passes a
-float (int) that notes any use in Python (:class:`_Watched`: comparisons, arithmetic with other
-numbers, conversions, formatting), and its capture passes the placeholder under
-:class:`HostScalars`, which notes the operators in the order eager calls them; the two lists must be
-equal (a branch on ``isinstance(t, float)`` takes another path with a tensor). Any of these failing
-keys that argument by value from then on, with the reason in ``describe()``.
+keys such an argument by type, and a recording tries it as a device scalar:
+
+- Its warm-up runs with the number itself, under a log-only :class:`HostScalars` that notes every
+  operator and where each takes a value equal to the number (the dispatcher reads numbers in C: a
+  dim, a size, a fill value show only there).
+- Its capture passes the placeholder under :class:`HostScalars`, which notes the operators in the
+  order eager calls them, the one taking the number marked.
+- The two lists must be equal: a branch on ``isinstance(t, float)`` takes another path with a tensor.
+
+Anything else keys that argument by value from then on, with the reason in ``describe()``.
 
 Example::
 
@@ -34,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +63,7 @@ _HOST_READS = frozenset({"_local_scalar_dense", "item"})
 # in the math type, unverified on a GPU here: such a division is not emulated there)
 _DIV_IN_DOUBLE = _torch.TORCH_VERSION[:2] >= (2, 11)
 _NUMBER_TYPES = frozenset({float, int})
+_INT64 = (-(2**63), 2**63 - 1)  # (an int past it is keyed by value: an int64 placeholder cannot hold it)
 _MAX_WARM_LOGS = 64
 
 
@@ -68,6 +74,10 @@ class ScalarEscapes(Exception):
     def __init__(self, reason: str, positions: Sequence[int] = ()) -> None:
         super().__init__(reason)
         self.positions = tuple(positions)
+
+
+def _fits_int64(x: int) -> bool:
+    return _INT64[0] <= x <= _INT64[1]
 
 
 def number_part(x: float | int) -> tuple[Any, ...]:
@@ -92,12 +102,16 @@ class Numbers:
         """Key the call's float and int arguments by type where they may be device scalars (not
         ``bool``, not those found to reach Python). Cheap for a call without numbers."""
         leaves = call.leaves
-        if _NUMBER_TYPES.isdisjoint(map(type, leaves)):  # (leaves past n_args are objects' tensors)
+        if _NUMBER_TYPES.isdisjoint(map(type, itertools.islice(leaves, call.n_args))):
             return
         key = list(call.key)
         for i in range(call.n_args):
             x = leaves[i]
-            if type(x) in _NUMBER_TYPES and i not in self.by_value:
+            if (
+                type(x) in _NUMBER_TYPES
+                and i not in self.by_value
+                and (type(x) is float or _INT64[0] <= x <= _INT64[1])
+            ):
                 key[i] = number_part(x)
                 if i not in self._names:
                     self._names[i] = _keyword(call.spec, i)
@@ -109,28 +123,23 @@ class Numbers:
         return [i for i in range(call.n_args) if _is_number(call.key[i])]
 
     def keep_by_value(self, positions: Sequence[int], reason: str) -> None:
+        """Key the numbers at ``positions`` by value from now on (the first reason is kept)."""
         for i in positions:
             self.by_value.setdefault(i, reason)
 
     # --- the warm-up --------------------------------------------------------------------------
-    def warm_up_leaves(self, call: Any, positions: Sequence[int]) -> list[Any]:
-        """The call's leaves with the numbers at ``positions`` as numbers that note a use in Python."""
-        leaves = list(call.leaves)
-        for i in positions:
-            leaves[i] = _watched(leaves[i], i)
-        return leaves
-
-    def warmed(self, call: Any, leaves: Sequence[Any], positions: Sequence[int], mode: HostScalars) -> None:
-        """After a warm-up with :meth:`warm_up_leaves`: numbers used in Python are keyed by value
-        from now on, this call's key too (the warm-up counts for that signature); the operators it
-        called are kept for the capture to compare."""
-        why = {i: _warm_up_reason(leaves[i].used, mode, i) for i in positions}
-        used = [i for i in positions if why[i]]
-        if used:
+    def warmed(self, call: Any, positions: Sequence[int], mode: HostScalars) -> None:
+        """After a warm-up under ``mode`` (a log-only :class:`HostScalars` watching the numbers at
+        ``positions``): a number an operator took other than as an arithmetic operand, or that none
+        took as one, is keyed by value from now on, this call's key too (the warm-up counts for that
+        signature); the operators it called are kept for the capture to compare."""
+        why = {i: _warm_up_reason(mode, i) for i in positions}
+        demoted = [i for i in positions if why[i]]
+        if demoted:
             key = list(call.key)
-            for i in used:
+            for i in demoted:
                 self.keep_by_value([i], why[i])
-                x = leaves[i].plain
+                x = call.leaves[i]
                 key[i] = (type(x), x)
             call.key = tuple(key)
         if len(self._warm_logs) >= _MAX_WARM_LOGS:
@@ -140,7 +149,7 @@ class Numbers:
     def compare(self, key: Any, log: list[str], positions: Sequence[int]) -> str | None:
         """After a capture under :class:`HostScalars`: why its operators are not its warm-up's
         (the numbers are then keyed by value), or None (they are device scalars)."""
-        warm = self._warm_logs.pop(key, None)
+        warm = self._warm_logs.get(key)  # (kept: a re-recording, another place or thread compares again)
         reason = None
         if warm is None:
             reason = "no warm-up of this signature noted its operators"
@@ -188,10 +197,8 @@ def _keyword(spec: Any, i: int) -> str:
     return str(names[i - n_args])
 
 
-def _warm_up_reason(used: str, mode: HostScalars, leaf: int) -> str:
+def _warm_up_reason(mode: HostScalars, leaf: int) -> str:
     """Why a warm-up keys number ``leaf`` by value ("" if it may be a device scalar)."""
-    if used:
-        return f"it reaches Python ({used})"
     if leaf in mode.elsewhere:
         return f"{mode.elsewhere[leaf]}, not as an operand of add, sub, mul, div or a comparison"
     if leaf not in mode.operand:
@@ -201,51 +208,6 @@ def _warm_up_reason(used: str, mode: HostScalars, leaf: int) -> str:
 
 def _is_number(part: Any) -> bool:
     return type(part) is tuple and len(part) == 3 and part[2] is NUMBER
-
-
-class _Watched:
-    """Mixed into float and int: a number that notes its first use in Python (``used``), and lets
-    tensors take it as an operand unnoted (``x * t`` and ``t * x`` reach the tensor's operator)."""
-
-    used = ""
-
-
-def _noting(name: str) -> Any:
-    def method(self: Any, *args: Any) -> Any:
-        if args and isinstance(args[0], torch.Tensor):
-            return NotImplemented
-        if not self.used:
-            self.used = f"{name} of argument {self.leaf}"
-        return getattr(self.plain, name)(*args)
-
-    method.__name__ = name
-    return method
-
-
-_DUNDERS = (  # noqa: SIM905 - (a list literal of 51 strings reads worse)
-    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __floordiv__ __rfloordiv__ "
-    "__mod__ __rmod__ __pow__ __rpow__ __divmod__ __rdivmod__ __neg__ __pos__ __abs__ __lt__ __le__ __gt__ "
-    "__ge__ __eq__ __ne__ __bool__ __int__ __float__ __round__ __trunc__ __floor__ __ceil__ __hash__ "
-    "__format__ __repr__ __str__ __index__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ "
-    "__rshift__ __invert__ is_integer as_integer_ratio hex conjugate bit_length"
-).split()
-
-
-def _watched_type(base: type) -> type:
-    body: dict[str, Any] = {}
-    for name in _DUNDERS:
-        if hasattr(base, name):
-            body[name] = _noting(name)
-    return type(f"Watched{base.__name__.title()}", (base,), body)
-
-
-_WATCHED = {float: _watched_type(float), int: _watched_type(int)}
-
-
-def _watched(x: float | int, leaf: int) -> Any:
-    w = _WATCHED[type(x)](x)
-    w.used, w.leaf, w.plain = "", leaf, x
-    return w
 
 
 class HostScalars(_torch.EagerDispatchMode):
@@ -277,6 +239,7 @@ class HostScalars(_torch.EagerDispatchMode):
         self._logging = not placeholders or any(kind == NUMBER for _, kind in placeholders.values())
         # a warm-up's numbers (leaf -> value): where the operators it called take them, by value
         self.watched = watched or {}
+        self.escaped: ScalarEscapes | None = None  # the first escape (user code may catch it: the capture fails anyway)
         self.operand: set[int] = set()  # leaves seen as the scalar operand of add, sub, mul, div, a comparison
         self.elsewhere: dict[int, str] = {}  # leaves seen as another argument (a dim, a size): the first
 
@@ -287,29 +250,32 @@ class HostScalars(_torch.EagerDispatchMode):
         packet = func.overloadpacket.__name__
         hits = self._hits(args, kwargs) if self.placeholders else []
         if not hits:
-            if self._logging:
-                self.log.append("sub" if packet == "rsub" else packet)
-            if self.watched:
-                self._note_numbers(packet, args, kwargs)
+            if self._logging:  # (an operator taking a watched number as its operand: marked, as a capture marks
+                operand = bool(self.watched) and self._note_numbers(packet, args, kwargs)  # one reading a placeholder)
+                self.log.append(("sub" if packet == "rsub" else packet) + ("@" if operand else ""))
             return self.run(func, args, kwargs)
         with torch.autocast("cuda", enabled=False):  # (autocast ran above this mode already)
             return self._compute(func, packet, args, kwargs, hits)
 
-    def _note_numbers(self, packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Where this operator takes a watched number (by value: the dispatcher hands it a plain
-        one): as the scalar operand of the arithmetic a device scalar can stand in for, or otherwise."""
+    def _note_numbers(self, packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Where this operator takes a watched number (by value and type: the dispatcher hands it a
+        plain one): as the scalar operand of the arithmetic a device scalar can stand in for, or
+        otherwise (a dim, a size, a fill value). Returns whether it took one as its operand."""
         base = packet[:-1] if packet.endswith("_") else packet
         arithmetic = base in _ARITH or base in _COMPARE or base == "rsub"
+        operand = False
         for pos, a in enumerate((*args, *kwargs.values())):
             for v in a if isinstance(a, (list, tuple)) else (a,):
                 if type(v) not in _NUMBER_TYPES:
                     continue
                 for leaf, value in self.watched.items():
-                    if v == value:
+                    if type(v) is type(value) and v == value:
                         if arithmetic and pos == 1 and not isinstance(a, (list, tuple)):
                             self.operand.add(leaf)
+                            operand = True
                         else:
                             self.elsewhere.setdefault(leaf, f"aten::{packet} takes it as argument {pos}")
+        return operand
 
     def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, int, str]]:
         found = []
@@ -323,11 +289,23 @@ class HostScalars(_torch.EagerDispatchMode):
     def _escape(self, hits: list[tuple[int, int, str]], what: str) -> ScalarEscapes:
         leaves = ", ".join(str(leaf) for _, leaf, _ in hits)
         numbers = [leaf for _, leaf, kind in hits if kind == NUMBER]
-        return ScalarEscapes(
+        escape = ScalarEscapes(
             f"`{self.name}`: its host scalar input {leaves} (a Python number or a 0-dim CPU tensor, which a "
             f"recording reads from a CUDA placeholder) {what}: recorded, it would not compute what eager computes",
             numbers,
         )
+        if self.escaped is None:
+            self.escaped = escape
+        return escape
+
+    def in_outputs(self, out: Any) -> ScalarEscapes | None:
+        """An escape if the function returns a Python number's placeholder (eager returns the number)."""
+        for t in _torch.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() == 0 and t.layout is torch.strided:
+                got = self.placeholders.get(t.untyped_storage().data_ptr())
+                if got is not None and got[1] == NUMBER:
+                    return self._escape([(0, *got)], "is returned (eager returns the number itself)")
+        return None
 
     def _compute(
         self, func: Any, packet: str, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[tuple[int, int, str]]
@@ -356,6 +334,11 @@ class HostScalars(_torch.EagerDispatchMode):
             )
         if base in _BY_VALUE:
             raise self._escape(hits, f"reaches aten::{packet}, whose CUDA kernel eager picks by the scalar's value")
+        tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        if sum(isinstance(t, torch.Tensor) for t in tensors) == len(hits):
+            raise self._escape(
+                hits, f"reaches aten::{packet} on its own (eager computes that on the CPU, in a CPU kernel)"
+            )
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor) and a.dtype in _REDUCED:
                 dtype = str(a.dtype).replace("torch.", "")
@@ -370,15 +353,18 @@ def _why_not(other: Any) -> str:
 
 
 def _eager_names(packet: str, pos: int, kind: str) -> list[str]:
-    """The operators eager calls for a number at argument ``pos`` of ``packet`` (Python's reflected
-    operators: ``t < x`` is ``x > t``, ``t / x`` is ``x.reciprocal() * t``)."""
-    if kind != NUMBER or pos == 1:
+    """The operators eager calls for a host scalar at argument ``pos`` of ``packet``, as a log names
+    them: for a Python number, the one taking it marked ``@`` and Python's reflected operators
+    followed (``t < x`` is ``x > t``, ``t - x`` is ``rsub``, ``t / x`` is ``x.reciprocal() * t``)."""
+    if kind != NUMBER:
         return [packet]
+    if pos == 1:
+        return [packet + "@"]
     if packet in _COMPARE:
-        return [_REFLECT[packet]]
+        return [_REFLECT[packet] + "@"]
     if packet == "div":
-        return ["reciprocal", "mul"]
-    return [packet]
+        return ["reciprocal", "mul@"]
+    return [packet + "@"]
 
 
 def _cpu_scalar_op(base: str, inplace: bool, args: tuple[Any, ...], pos: int, kind: str, alpha: Any) -> Any:

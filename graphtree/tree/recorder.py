@@ -123,10 +123,9 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     Exceptions of the function propagate unchanged.
     """
     watch = state_watch(call.leaves, copied_inputs(call))
-    numbers = Numbers.positions(call)  # Python numbers tried as device scalars: watched, operators noted
-    leaves = gc.numbers.warm_up_leaves(call, numbers) if numbers else call.leaves
+    numbers = Numbers.positions(call)  # Python numbers tried as device scalars: where operators take them
     noted = HostScalars({}, gc.name, {i: call.leaves[i] for i in numbers}) if numbers else None
-    args, kwargs = call.arguments(leaves)
+    args, kwargs = call.arguments()
     tracker = OpTracker()
     # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
     # (none for a function that calls collectives: the segment before a read runs them there and
@@ -154,7 +153,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
         ):
             out = gc.fn(*args, **kwargs)
         if noted is not None:
-            gc.numbers.warmed(call, leaves, numbers, noted)
+            gc.numbers.warmed(call, numbers, noted)
         reason = (
             _mutation_reason(watch.written)
             if watch.written
@@ -361,8 +360,9 @@ def record(
             if interrupt is not None:  # Ctrl-C (or SystemExit) reaches the caller, the mess cleaned up
                 raise interrupt
             raise CaptureFailed(msg, pool_tainted=True)
-        escaped = _escaped(gc, user_error, numbers)
+        escaped = _escaped(gc, (scalars and scalars.escaped) or user_error, numbers)
         if escaped:  # (the eager run raises the function's own error again, if it is one)
+            _writes.restore(call.leaves, before)  # (its Python ran: the eager run starts where the caller left it)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
             raise CaptureFailed(escaped)
         if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
@@ -387,6 +387,10 @@ def record(
             del out, owning, graph
             raise CaptureFailed(_mutation_reason(watch.written))
         problem = _unsafe_reason(gc.name, watch) or _output_reason(out)
+        returned = scalars.in_outputs(out) if scalars is not None and numbers and not problem else None
+        if returned is not None:
+            gc.numbers.keep_by_value(returned.positions, str(returned))
+            problem = str(returned)
         if not problem and numbers and scalars is not None:
             unlike = gc.numbers.compare(call.key, scalars.log, numbers)
             problem = f"`{gc.name}` keys its number argument(s) {numbers} by value: {unlike}" if unlike else None

@@ -33,7 +33,7 @@ import torch
 
 from graphtree.tree.inputs import PLAIN_TYPES, object_attributes
 
-__all__ = ["Unrepeatable", "apply", "changes", "module_changes", "module_values", "values"]
+__all__ = ["Unrepeatable", "apply", "changes", "module_changes", "module_values", "restore", "values"]
 
 Path = tuple[Any, ...]  # leaf index, then ("a", name) / ("i", index) / ("k", key) / ("t", index) / ("len", None)
 Writes = tuple[tuple[Path, Any], ...]
@@ -141,6 +141,23 @@ def apply(leaves: Sequence[Any], writes: Writes) -> None:
             setattr(obj, key, value)
         else:
             obj[key] = value
+
+
+def restore(leaves: Sequence[Any], before: dict[Path, Any]) -> None:
+    """Put back the plain values a call changed inside its object arguments since ``before`` (a
+    capture that failed after the function's Python ran: the eager run that follows starts where
+    the caller left them). What :func:`changes` would call unrepeatable is left as it is."""
+    after = values(leaves)
+    back = tuple(
+        (path, old)
+        for path, old in before.items()
+        if path in after
+        and _plain(old)
+        and _plain(after[path])
+        and path[-1][0] not in ("t", "len")
+        and not (type(old) is type(after[path]) and old == after[path])
+    )
+    apply(leaves, back)
 
 
 def module_changes(before: dict[Path, Any], after: dict[Path, Any], name: str) -> None:
