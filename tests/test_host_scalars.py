@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from graphtree.tree import writes
-from graphtree.tree.host_scalars import NUMBER, HostScalars, Numbers, ScalarEscapes
+from graphtree.tree.host_scalars import HostScalars, ScalarEscapes
 from graphtree.tree.inputs import read_call
+from graphtree.tree.numbers import NUMBER, Numbers
 
 X = torch.randn(5)
 
@@ -314,7 +315,7 @@ def test_an_alpha_other_than_one_stops_the_capture_whatever_the_overload():
 
 
 def test_describe_names_a_number_by_its_keyword_and_says_why_it_is_keyed_by_value():
-    from graphtree.tree.host_scalars import describe_numbers
+    from graphtree.tree.numbers import describe_numbers
 
     numbers = Numbers(owner=-7)
     call = read_call((torch.tensor(1.0),), {"temperature": 0.5, "top_k": 50}, None)

@@ -23,9 +23,9 @@ import torch
 
 if TYPE_CHECKING:
     from graphtree.tree.churn import Churn
-    from graphtree.tree.host_scalars import Numbers
     from graphtree.tree.inputs import Bucketing, Call
     from graphtree.tree.lockstep import Lockstep
+    from graphtree.tree.numbers import Numbers
     from graphtree.tree.training_step import TrainingStep
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from graphtree.tree.host_scalars import describe_numbers
 from graphtree.tree.manager import TreeManager, managers
 from graphtree.tree.node import Node, Root, below, signature
+from graphtree.tree.numbers import describe_numbers
 
 
 def _label(node: Node) -> str:

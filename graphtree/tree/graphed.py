@@ -21,7 +21,6 @@ from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
 from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
-from graphtree.tree.host_scalars import Numbers
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -34,6 +33,7 @@ from graphtree.tree.inputs import (
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
+from graphtree.tree.numbers import Numbers
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
 from graphtree.tree.reach import Reach
 from graphtree.tree.teardown import drop_all

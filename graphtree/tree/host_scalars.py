@@ -17,40 +17,26 @@ operator that reads a placeholder is passed through only where the two paths agr
 tensor, no float16/bfloat16 operand, no operator that picks its kernel by the scalar's value, such
 as ``pow``); elsewhere the capture stops with the reason (:class:`ScalarEscapes`).
 
-**Python numbers** (issue 45, item 3). A float or int argument is keyed by its value unless the
-function only uses it as an operand of that arithmetic. :class:`Numbers` (one per graphed callable)
-keys such an argument by type, and a recording tries it as a device scalar:
-
-- Its warm-up runs with the number itself, under a log-only :class:`HostScalars` that notes every
-  operator and where each takes a value equal to the number (the dispatcher reads numbers in C: a
-  dim, a size, a fill value show only there).
-- Its capture passes the placeholder under :class:`HostScalars`, which notes the operators in the
-  order eager calls them, the one taking the number marked.
-- The two lists must be equal: a branch on ``isinstance(t, float)`` takes another path with a tensor.
-
-Anything else keys that argument by value from then on, with the reason in ``describe()``.
+Python numbers take the same placeholders: :mod:`graphtree.tree.numbers` says which are device
+scalars (issue 45, item 3).
 
 Example::
 
-    numbers = Numbers()
-    numbers.rekey(call)            # floats and ints keyed by type where they may be device scalars
+    with HostScalars(placeholders_of(call, graph_leaves, plan.host), "step"):
+        out = fn(*args)            # the capture; ScalarEscapes where it cannot compute as eager does
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from graphtree import _torch
+from graphtree.tree.numbers import NUMBER, is_number
 
-__all__ = ["NUMBER", "HostScalars", "Numbers", "ScalarEscapes", "describe_numbers", "number_part"]
-
-NUMBER = "number"
-"""The stride slot of a key part ``((), dtype, NUMBER)``: a Python number read as a device scalar."""
+__all__ = ["HostScalars", "ScalarEscapes", "placeholders_of"]
 
 _REDUCED = (torch.float16, torch.bfloat16)
 _ARITH = frozenset({"add", "sub", "mul", "div"})
@@ -59,12 +45,10 @@ _REFLECT = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "eq": "eq", "ne": "n
 # operators whose CUDA kernel for a CPU scalar is chosen or computed by its value
 _BY_VALUE = frozenset({"pow", "float_power", "floor_divide", "div", "divide", "true_divide"})
 _HOST_READS = frozenset({"_local_scalar_dense", "item"})
+_NUMBER_TYPES = (float, int)  # (the dispatcher hands a wrapped Python number over as one of these)
 # a division by a CPU scalar takes the reciprocal in double from torch 2.11 (seen on the H100; before,
 # in the math type, unverified on a GPU here: such a division is not emulated there)
 _DIV_IN_DOUBLE = _torch.TORCH_VERSION[:2] >= (2, 11)
-_NUMBER_TYPES = frozenset({float, int})
-_INT64 = (-(2**63), 2**63 - 1)  # (an int past it is keyed by value: an int64 placeholder cannot hold it)
-_MAX_WARM_LOGS = 64
 
 
 class ScalarEscapes(Exception):
@@ -74,140 +58,6 @@ class ScalarEscapes(Exception):
     def __init__(self, reason: str, positions: Sequence[int] = ()) -> None:
         super().__init__(reason)
         self.positions = tuple(positions)
-
-
-def _fits_int64(x: int) -> bool:
-    return _INT64[0] <= x <= _INT64[1]
-
-
-def number_part(x: float | int) -> tuple[Any, ...]:
-    """The key part of a Python number read as a device scalar: a float64 or int64 placeholder."""
-    return ((), torch.float64 if type(x) is float else torch.int64, NUMBER)
-
-
-class Numbers:
-    """A graphed callable's Python number arguments: which are keyed by value, and why.
-
-    ``owner``: the graphed callable's id, under which :func:`describe_numbers` finds it."""
-
-    def __init__(self, owner: int | None = None) -> None:
-        self.by_value: dict[int, str] = {}  # leaf index -> why it is keyed by value
-        self.device: set[int] = set()  # leaf indices recorded as device scalars at least once
-        self._warm_logs: dict[Any, list[str]] = {}  # call key -> the operators its last warm-up called
-        self._names: dict[int, str] = {}  # leaf index -> the keyword it was passed by, if one
-        if owner is not None:
-            _owners[owner] = self
-
-    def rekey(self, call: Any) -> None:
-        """Key the call's float and int arguments by type where they may be device scalars (not
-        ``bool``, not those found to reach Python). Cheap for a call without numbers."""
-        leaves = call.leaves
-        if _NUMBER_TYPES.isdisjoint(map(type, itertools.islice(leaves, call.n_args))):
-            return
-        key = list(call.key)
-        for i in range(call.n_args):
-            x = leaves[i]
-            if (
-                type(x) in _NUMBER_TYPES
-                and i not in self.by_value
-                and (type(x) is float or _INT64[0] <= x <= _INT64[1])
-            ):
-                key[i] = number_part(x)
-                if i not in self._names:
-                    self._names[i] = _keyword(call.spec, i)
-        call.key = tuple(key)
-
-    @staticmethod
-    def positions(call: Any) -> list[int]:
-        """The leaves of ``call`` read as device scalars (its key says which)."""
-        return [i for i in range(call.n_args) if _is_number(call.key[i])]
-
-    def keep_by_value(self, positions: Sequence[int], reason: str) -> None:
-        """Key the numbers at ``positions`` by value from now on (the first reason is kept)."""
-        for i in positions:
-            self.by_value.setdefault(i, reason)
-
-    # --- the warm-up --------------------------------------------------------------------------
-    def warmed(self, call: Any, positions: Sequence[int], mode: HostScalars) -> None:
-        """After a warm-up under ``mode`` (a log-only :class:`HostScalars` watching the numbers at
-        ``positions``): a number an operator took other than as an arithmetic operand, or that none
-        took as one, is keyed by value from now on, this call's key too (the warm-up counts for that
-        signature); the operators it called are kept for the capture to compare."""
-        why = {i: _warm_up_reason(mode, i) for i in positions}
-        demoted = [i for i in positions if why[i]]
-        if demoted:
-            key = list(call.key)
-            for i in demoted:
-                self.keep_by_value([i], why[i])
-                x = call.leaves[i]
-                key[i] = (type(x), x)
-            call.key = tuple(key)
-        if len(self._warm_logs) >= _MAX_WARM_LOGS:
-            self._warm_logs.pop(next(iter(self._warm_logs)))
-        self._warm_logs[call.key] = mode.log
-
-    def compare(self, key: Any, log: list[str], positions: Sequence[int]) -> str | None:
-        """After a capture under :class:`HostScalars`: why its operators are not its warm-up's
-        (the numbers are then keyed by value), or None (they are device scalars)."""
-        warm = self._warm_logs.get(key)  # (kept: a re-recording, another place or thread compares again)
-        reason = None
-        if warm is None:
-            reason = "no warm-up of this signature noted its operators"
-        elif warm != log:
-            at = next((k for k, (a, b) in enumerate(zip(warm, log)) if a != b), min(len(warm), len(log)))
-            seen = (warm[at] if at < len(warm) else "nothing", log[at] if at < len(log) else "nothing")
-            reason = (
-                f"given a tensor in its place, the function calls other operators "
-                f"(aten::{seen[1]} where eager calls aten::{seen[0]})"
-            )
-        if reason is not None:
-            self.keep_by_value(positions, reason)
-        else:
-            self.device.update(positions)
-        return reason
-
-    def describe(self) -> list[str]:
-        """One line per number argument: read as a device scalar, or keyed by value and why."""
-        lines = []
-        for i in sorted(self.device - set(self.by_value)):
-            lines.append(f"{self._name(i)}: a device scalar, filled on each call")
-        for i, why in sorted(self.by_value.items()):
-            lines.append(f"{self._name(i)}: keyed by value ({why})")
-        return lines
-
-    def _name(self, i: int) -> str:
-        name = self._names.get(i, "")
-        return f"argument {i} ({name}=)" if name else f"argument {i}"
-
-
-_owners: weakref.WeakValueDictionary[int, Numbers] = weakref.WeakValueDictionary()
-
-
-def describe_numbers(owner: int) -> list[str]:
-    """What :meth:`Numbers.describe` says of graphed callable ``owner``'s numbers ([] if none)."""
-    numbers = _owners.get(owner)
-    return numbers.describe() if numbers is not None else []
-
-
-def _keyword(spec: Any, i: int) -> str:
-    """The keyword leaf ``i`` was passed by, for a flat call with keywords ("" otherwise)."""
-    names, n_args = getattr(spec, "names", None), getattr(spec, "n_args", None)
-    if names is None or n_args is None or i < n_args:
-        return ""
-    return str(names[i - n_args])
-
-
-def _warm_up_reason(mode: HostScalars, leaf: int) -> str:
-    """Why a warm-up keys number ``leaf`` by value ("" if it may be a device scalar)."""
-    if leaf in mode.elsewhere:
-        return f"{mode.elsewhere[leaf]}, not as an operand of add, sub, mul, div or a comparison"
-    if leaf not in mode.operand:
-        return "no operator graphtree sees takes it as an operand (it is unused, or used inside compiled code)"
-    return ""
-
-
-def _is_number(part: Any) -> bool:
-    return type(part) is tuple and len(part) == 3 and part[2] is NUMBER
 
 
 class HostScalars(_torch.EagerDispatchMode):
@@ -422,5 +272,5 @@ def _call(name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
 def placeholders_of(call: Any, graph_leaves: Sequence[Any], host: Sequence[int]) -> dict[int, tuple[int, str]]:
     """The placeholders of a capture's host scalars: storage address -> (leaf index, kind)."""
     return {
-        graph_leaves[i].untyped_storage().data_ptr(): (i, NUMBER if _is_number(call.key[i]) else "tensor") for i in host
+        graph_leaves[i].untyped_storage().data_ptr(): (i, NUMBER if is_number(call.key[i]) else "tensor") for i in host
     }

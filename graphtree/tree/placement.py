@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _torch
-from graphtree.tree.host_scalars import NUMBER
 from graphtree.tree.inputs import Call
+from graphtree.tree.numbers import NUMBER
 
 _Tensor = torch.Tensor
 _NUMBERS = (float, int)

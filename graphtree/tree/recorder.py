@@ -28,10 +28,11 @@ from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
-from graphtree.tree.host_scalars import HostScalars, Numbers, ScalarEscapes, placeholders_of
+from graphtree.tree.host_scalars import HostScalars, ScalarEscapes, placeholders_of
 from graphtree.tree.inputs import Call, param_epoch, tensor_kind
 from graphtree.tree.lockstep import UnagreedCollective, Vote, watch_collectives
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
+from graphtree.tree.numbers import Numbers
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import copied_inputs, place_inputs, state_watch
 from graphtree.tree.pool import Pool
