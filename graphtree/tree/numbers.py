@@ -29,14 +29,20 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from graphtree.tree.host_scalars import HostScalars
-
 __all__ = ["NUMBER", "Numbers", "describe_numbers", "is_number", "number_part"]
+
+
+class WarmUpLog(Protocol):
+    """What a warm-up's log-only ``HostScalars`` found (tree/host_scalars.py)."""
+
+    log: list[str]  # the operators it called, those taking a watched number as operand marked "@"
+    operand: set[int]  # leaves an operator took as the scalar operand of its arithmetic
+    elsewhere: dict[int, str]  # leaves an operator took otherwise: where, first
+
 
 NUMBER = "number"
 """The stride slot of a key part ``((), dtype, NUMBER)``: a Python number read as a device scalar."""
@@ -98,7 +104,7 @@ class Numbers:
             self.by_value.setdefault(i, reason)
 
     # --- the warm-up --------------------------------------------------------------------------
-    def warmed(self, call: Any, positions: Sequence[int], mode: HostScalars) -> None:
+    def warmed(self, call: Any, positions: Sequence[int], mode: WarmUpLog) -> None:
         """After a warm-up under ``mode`` (a log-only :class:`HostScalars` watching the numbers at
         ``positions``): a number an operator took other than as an arithmetic operand, or that none
         took as one, is keyed by value from now on, this call's key too (the warm-up counts for that
@@ -167,7 +173,7 @@ def _keyword(spec: Any, i: int) -> str:
     return str(names[i - n_args])
 
 
-def _warm_up_reason(mode: HostScalars, leaf: int) -> str:
+def _warm_up_reason(mode: WarmUpLog, leaf: int) -> str:
     """Why a warm-up keys number ``leaf`` by value ("" if it may be a device scalar)."""
     if leaf in mode.elsewhere:
         return f"{mode.elsewhere[leaf]}, not as an operand of add, sub, mul, div or a comparison"
