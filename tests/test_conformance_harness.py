@@ -191,3 +191,20 @@ def test_a_leaf_viewing_another_leafs_memory_gets_memory_of_its_own_on_both_side
     assert sweep.same(got, want) is None and torch.equal(got[1][0], torch.full_like(own, 2.0))
     plain = torch.randn(3, requires_grad=True)
     assert sweep._own_leaves(((plain,), {}))[0][0] is plain  # an ordinary leaf is left as it is
+
+
+def test_a_result_equal_within_tolerance_but_not_bit_for_bit_is_counted_inexact_not_wrong():
+    # the oracle beyond OpInfo's tolerances: a float16 product whose scalar was rounded to half first
+    # (graphtree's 0-dim CPU tensor bug, which the tolerance-based sweep did not see)
+    def rounded(x):
+        return torch.sin(x) * (1 + 2**-20)  # within float32's tolerance, other bits
+
+    off = _classify(rounded)
+    assert off["outcome"] == "eager" and off["exact"] is False and off["inexact"].startswith("call 0")
+    assert _classify(torch.sin)["exact"] is True
+    records = [
+        {"op": "sin", "variant": "", "dtype": "float32", "sample": 0, "mode": "plain", **_classify(torch.sin)},
+        {"op": "mul", "variant": "", "dtype": "float16", "sample": 0, "mode": "plain", **off},
+    ]
+    res = sweep.summarize(records, "cpu", torch.__version__, 1.0)
+    assert res["exact"] == 1 and res["inexact"] == 1 and res["inexact_cases"][0]["op"] == "mul"

@@ -37,7 +37,10 @@ raw_capturable, raw_tried, in_place{samples, replayed, eager, wrong, crash}, ski
 counts over out-of-place samples of every mode; ``raw_*`` over raw tries), ``raw_pairs{raw_capturable,
 replayed}`` (over the samples that had a raw try only: how many were raw-capturable, and how many of
 those graphtree replayed), ``metadata_only`` (samples of every mode, in place included, compared by
-metadata only), ``reasons`` (each eager reason, grouped, with its count), ``failures`` (every wrong
+metadata only), ``exact`` / ``inexact`` (samples, run or replayed equal to eager and where eager
+reproduces its own bits, that graphtree matched bit for bit, or only within the tolerances: an
+oracle beyond OpInfo's, counted, not failed; ``inexact_cases`` names the first 50), ``reasons``
+(each eager reason, grouped, with its count), ``failures`` (every wrong
 and crash case), ``op_seconds`` (the 10 slowest operators and their seconds), ``seconds`` and
 ``ops_not_run`` (past ``--budget``). The records (``--records``) hold one line per sample and one
 ``mode: "op"`` line per operator with its ``seconds``. ``benchmarks/gpu_session.sh conform`` adds
@@ -137,6 +140,21 @@ def same(got: Any, want: Any) -> str | None:
     return None
 
 
+def exact(got: Any, want: Any) -> str | None:
+    """None when every tensor of ``got`` equals ``want``'s exactly (no tolerance; NaNs equal), else
+    what differs: where a replay's bits differ from eager's within the OpInfo tolerances."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    for a, b in zip(tree_flatten(got)[0], tree_flatten(want)[0]):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            try:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, check_device=True)
+            except AssertionError as e:
+                return str(e).strip().splitlines()[0][:200]
+    return None
+
+
 def same_metadata(got: Any, want: Any) -> str | None:
     """None when ``got`` has ``want``'s structure and each of its tensors ``want``'s shape, dtype and
     device (what is compared where eager does not reproduce its own values), else what differs."""
@@ -190,11 +208,18 @@ def classify(
     before = replays()
     by_values = comparable
     value_diff: str | None = None  # the first call whose values differ: wrong unless by_values turns False
+    eager_exact = True  # eager reproduced its own bits on every call so far
+    bits_diff: str | None = None  # the first call equal within tolerance but not bit for bit
 
     def done(outcome: str, reason: str) -> dict[str, Any]:
         if by_values and value_diff is not None:  # a call whose values differ came first
             outcome, reason = "wrong", value_diff
-        return {"outcome": outcome, "reason": reason, "compared": "values" if by_values else "metadata"}
+        out = {"outcome": outcome, "reason": reason, "compared": "values" if by_values else "metadata"}
+        if by_values and eager_exact and outcome in ("replayed", "eager"):
+            out["exact"] = bits_diff is None  # (an oracle beyond OpInfo's tolerances: counted, not failed)
+            if bits_diff is not None:
+                out["inexact"] = bits_diff
+        return out
 
     for k, (args, kwargs) in enumerate(calls):
         seed = k if seeded else None
@@ -202,6 +227,7 @@ def classify(
         if eager_error is None and by_values:
             again, again_error = _run(eager, _copy(args), kwargs, seed, result)
             by_values = again_error is None and same(again, want) is None
+            eager_exact = eager_exact and by_values and exact(again, want) is None
             del again
         got, graphed_error = _run(graphed, args, kwargs, seed, result)
         if eager_error is not None and graphed_error is not None:
@@ -218,6 +244,9 @@ def classify(
         if by_values and value_diff is None:
             diff = same(got, want)
             value_diff = f"call {k}: {diff}" if diff is not None else None
+            if diff is None and eager_exact and bits_diff is None:
+                bits = exact(got, want)
+                bits_diff = f"call {k}: {bits}" if bits is not None else None
         del got, want
     if by_values and value_diff is not None:
         return done("wrong", value_diff)
@@ -626,6 +655,15 @@ def summarize(
         "raw_tried": sum(1 for r in records if r["mode"] == "raw"),
         "raw_pairs": {"raw_capturable": len(raw_ok), "replayed": len(raw_ok & replayed_ok)},
         "metadata_only": sum(1 for r in outer + inplace if r.get("compared") == "metadata"),
+        # where eager reproduces its own bits: samples graphtree matched bit for bit, and those it
+        # matched only within the OpInfo tolerances (not a failure; the first 50 named)
+        "exact": sum(1 for r in outer + inplace if r.get("exact") is True),
+        "inexact": sum(1 for r in outer + inplace if r.get("exact") is False),
+        "inexact_cases": [
+            {k: r[k] for k in ("op", "variant", "dtype", "mode", "inexact")}
+            for r in outer + inplace
+            if r.get("exact") is False
+        ][:50],
         "in_place": {
             "samples": len(inplace),
             "replayed": icount["replayed"],
@@ -676,6 +714,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"in place: {res['in_place']}; raw pairs: {res['raw_pairs']}; compared by metadata only: "
           f"{res['metadata_only']}; {res['seconds']} s; operators not run (budget): {not_run}")  # fmt: skip
     print("slowest operators (s): " + ", ".join(f"{k} {v}" for k, v in list(res["op_seconds"].items())[:5]))
+    print(f"bit for bit where eager reproduces its bits: {res['exact']} exact, {res['inexact']} within tolerance only")
+    for r in res["inexact_cases"][:10]:
+        name = r["op"] + (f".{r['variant']}" if r["variant"] else "")
+        print(f"  INEXACT {name} {r['dtype']} {r['mode']}: {r['inexact']}")
     for r in res["failures"][:30]:
         print(f"  {r['outcome'].upper():6} {r['op']}{'.' + r['variant'] if r['variant'] else ''} {r['dtype']} "
               f"{r['mode']} #{r['sample']}: {r['reason']}")  # fmt: skip
