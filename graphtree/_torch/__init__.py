@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -333,6 +334,19 @@ def inductor_cudagraph_skips() -> int:
 
         return int(counters["inductor"]["cudagraph_skips"])
     except Exception:  # noqa: BLE001 - a moved counter must not fail a benchmark
+        return 0
+
+
+def dynamo_graphs() -> int:
+    """How many graphs dynamo has compiled in this process so far (``counters["stats"]["unique_graphs"]``);
+    0 while ``torch._dynamo`` is not imported (not imported here: a program that never compiles
+    must not pay for it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    try:
+        return int(utils.counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a moved counter: no compile seen
         return 0
 
 

@@ -449,14 +449,14 @@ class TreeManager:
         self.counters.warmups += 1
         gc.churn.warmed_up()
         key = (gc.id, call.key)
-        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept)
+        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept) or done.compiled
         lockstep = gc.lockstep(done.groups)
         if lockstep is not None:  # it calls collectives: its ranks decide together (tree/lockstep.py)
             give_up, again = lockstep.agree("warm-up", give_up or environment_problem(), again)
             self.counters.agreements += 1
         if give_up:
             gc.give_up(call.key, give_up)
-        elif again:  # it allocated state (a cache filled on first use): warm up again next time
+        elif again:  # it allocated state (a cache filled on first use) or compiled: warm up again
             if gc.note_kept_state(call.key):
                 gc.give_up(call.key, KEEPS_STATE.format(name=gc.name))
         else:

@@ -102,13 +102,22 @@ class WarmUp:
     """The result of one warm-up run: its outputs, and what it showed about the signature."""
 
     def __init__(
-        self, out: Any, give_up: str | None, kept: int, groups: dict[str, tuple[int, ...]], ops: int = 0
+        self,
+        out: Any,
+        give_up: str | None,
+        kept: int,
+        groups: dict[str, tuple[int, ...]],
+        ops: int = 0,
+        compiled: bool = False,
     ) -> None:
         self.out = out
         self.give_up = give_up  # a reason never to graph this signature, or None
         self.kept = kept  # storages the function made and kept beyond its outputs (state it allocated)
         self.groups = groups  # the process groups of the collectives it called: name -> global ranks
         self.ops = ops  # operators it dispatched (views included, metadata queries not)
+        # torch.compile compiled code the call ran, in it: its host syncs were the compiler's (the
+        # next warm-up, compiled already, says whether the call syncs)
+        self.compiled = compiled
 
 
 def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool: Pool) -> WarmUp:
@@ -138,6 +147,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     versions = step.before(call.leaves) if step is not None and not step.trains else None
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
+    graphs = _torch.dynamo_graphs()
     try:
         with (
             _Inside(),
@@ -155,10 +165,11 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
             out = gc.fn(*args, **kwargs)
         if noted is not None:
             gc.numbers.warmed(call, numbers, noted)
+        compiled = _torch.dynamo_graphs() != graphs  # (its syncs may be the compiler's: warmed up again)
         reason = (
             _mutation_reason(watch.written)
             if watch.written
-            else (_output_reason(out) or sync.found or _unsafe_reason(gc.name, watch))
+            else (_output_reason(out) or (sync.found if not compiled else "") or _unsafe_reason(gc.name, watch))
         )
         grads: list[torch.Tensor] = []  # a training step's gradients are the caller's, not state it keeps
         if step is not None:
@@ -172,7 +183,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     finally:
         current.wait_stream(stream)
         watch.close()
-    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops)
+    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops, compiled)
 
 
 _CAPTURE_ONLY = ("during cuda graph capture", "during stream capture", "when stream is capturing")
