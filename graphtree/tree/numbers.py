@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -78,7 +77,11 @@ class Numbers:
         """Key the call's float and int arguments by type where they may be device scalars (not
         ``bool``, not those found to reach Python). Cheap for a call without numbers."""
         leaves = call.leaves
-        if _NUMBER_TYPES.isdisjoint(map(type, itertools.islice(leaves, call.n_args))):
+        for x in leaves if len(leaves) == call.n_args else leaves[: call.n_args]:  # (the hot path: ~0.2 µs)
+            t = type(x)
+            if t is float or t is int:
+                break
+        else:
             return
         key = list(call.key)
         for i in range(call.n_args):
