@@ -104,6 +104,14 @@ for stage in $stages; do
     churn)  # issue 27, item 5: churning shapes and HF's dynamic cache against eager
       timeout 240 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.log" | tail -15
       ;;
+    ddp)  # issue 48: a DDP training step on every GPU of the machine under torchrun (eager, graphtree, by hand)
+      NGPU=$(nvidia-smi -L | wc -l)
+      for model in ${DDP_MODELS:-gpt resnet18}; do
+        timeout -s INT -k 20 ${DDP_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+          benchmarks/ddp_step.py --model "$model" --steps ${DDP_STEPS:-100} --json "$OUT/ddp_${model}_${NGPU}gpu.json" 2>&1 \
+          | tee "$OUT/ddp_${model}.log" | grep -v '^W1' | tail -40
+      done
+      ;;
     floats)  # issue 45, item 3: a serving loop's new Python temperature per call, against eager
       timeout 240 python3 benchmarks/per_request_float.py --json "$OUT/per_request_float.json" 2>&1 | tee "$OUT/per_request_float.log" | tail -20
       ;;

@@ -1,0 +1,221 @@
+"""A data-parallel training step under torchrun (issue 48): eager DDP against graphtree's recording of
+the whole step and against PyTorch's documented whole-network capture of a DDP step by hand.
+
+Every rank trains its own copy of one model (same initial weights), on batches of its own, with
+``DistributedDataParallel`` and ``SGD`` (momentum): the step is ``zero_grad``, forward, the loss,
+``backward()`` (DDP's bucketed all-reduces) and ``step()``. Contenders, one after another:
+
+- ``eager``: the step as written;
+- ``graphtree``: ``graphtree.graphed(step)``, the same function;
+- ``hand``: the step captured by hand as PyTorch's CUDA-graph notes describe it for DDP (warm-up
+  iterations on a side stream, at least 11 so that DDP has rebuilt its buckets, then
+  ``torch.cuda.graph`` around the whole step; the batch copied into static inputs).
+
+Per contender: the median time per step (back-to-back steps, synchronised every ``--round``
+steps), the first three steps' time, each step's loss compared with eager's bit for bit (with
+``torch.use_deterministic_algorithms``), and graphtree's replayed fraction. Rank 0 prints a JSON
+row per contender and writes them with ``--json``::
+
+    torchrun --nproc-per-node 4 benchmarks/ddp_step.py [--model gpt|resnet18|mlp] [--steps 100]
+        [--batch 8] [--json out.json]
+
+On a machine without GPUs, ``--device cpu`` runs the eager and graphtree contenders over gloo (a
+dry run of the script: graphtree runs CPU calls eagerly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (deterministic cuBLAS, before CUDA starts)
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # (PyTorch's note for capturing NCCL calls)
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import graphtree
+
+
+def build(name: str, batch: int, device: torch.device, rank: int) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
+    """The model (same weights on every rank) and four batches of this rank's own."""
+    torch.manual_seed(0)
+    model: nn.Module
+    if name == "gpt":
+        from graphtree.demo.gpt import GPTConfig, TinyGPT
+
+        config = GPTConfig(n_layer=4, n_head=4, d_model=256, vocab=2048, max_seq=128)
+        model = _LanguageModelLoss(TinyGPT(config, batch=1))
+    elif name == "resnet18":
+        import timm  # (the GPU image has it)
+
+        model = timm.create_model("resnet18", num_classes=100)
+    elif name == "mlp":
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)), nn.Linear(256, 10))
+    else:
+        raise SystemExit(f"--model takes gpt, resnet18 or mlp, not {name!r}")
+    gen = torch.Generator(device).manual_seed(1000 + rank)
+    data: list[tuple[torch.Tensor, ...]] = []
+    for _ in range(4):
+        if name == "gpt":
+            data.append((torch.randint(0, 2048, (batch, 128), device=device, generator=gen),))
+        elif name == "resnet18":
+            x = torch.randn(batch, 3, 224, 224, device=device, generator=gen)
+            data.append((x, torch.randint(0, 100, (batch,), device=device, generator=gen)))
+        else:
+            x = torch.randn(batch, 256, device=device, generator=gen)
+            data.append((x, torch.randint(0, 10, (batch,), device=device, generator=gen)))
+    return model.to(device).train(), data
+
+
+class _LanguageModelLoss(nn.Module):
+    """The demo GPT whose forward is its next-token loss (DDP hooks the module it wraps)."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt.loss(tokens)  # type: ignore[operator,no-any-return]
+
+
+def loss_of(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if len(batch) == 1:  # the language model: its forward is the loss
+        return model(batch[0])  # type: ignore[no-any-return]
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def make_step(ddp: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = loss_of(ddp, batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def by_hand(step: Callable[..., torch.Tensor], first: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+    """PyTorch's whole-network capture of a DDP step: warm-ups on a side stream, then one graph."""
+    static = tuple(t.clone() for t in first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(11):  # DDP rebuilds its buckets after its first iterations
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(*static)
+
+    def replay(*batch: torch.Tensor) -> torch.Tensor:
+        for s, b in zip(static, batch):
+            s.copy_(b)
+        graph.replay()
+        return out
+
+    return replay
+
+
+def run(name: str, args: argparse.Namespace, device: torch.device, rank: int, local: int) -> dict[str, Any]:
+    model, data = build(args.model, args.batch, device, rank)
+    ddp = DDP(model, device_ids=[local] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    step = make_step(ddp, opt)
+    t0 = time.perf_counter()
+    if name == "graphtree":
+        step = graphtree.graphed(step, name="ddp_step")
+    elif name == "hand":
+        step = by_hand(step, data[0])
+    losses = [step(*data[i % len(data)]).clone() for i in range(3)]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    times: list[float] = []
+    for i in range(3, args.steps, args.round):
+        n = min(args.round, args.steps - i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for k in range(i, i + n):
+            losses.append(step(*data[k % len(data)]).clone())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / n)
+    row: dict[str, Any] = {
+        "contender": name,
+        "ms_per_step": statistics.median(times) * 1e3 if times else None,
+        "first_three_steps_s": first,
+        "losses": torch.stack(losses).tolist(),
+    }
+    if name == "graphtree":
+        s = graphtree.stats()
+        row.update(replayed_fraction=s.replays / args.steps, eager_reasons=dict(s.eager))
+        graphtree.reset()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt", help="gpt, resnet18 or mlp")
+    p.add_argument("--batch", type=int, default=8, help="samples per GPU")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--round", type=int, default=10, help="steps between synchronisations when timed")
+    p.add_argument("--contenders", default="eager,graphtree,hand")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    cuda = args.device == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local) if cuda else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    rows = []
+    for name in args.contenders.split(","):
+        if name == "hand" and not cuda:
+            continue
+        try:
+            rows.append(run(name, args, device, rank, local))
+        except Exception as e:  # noqa: BLE001 - a contender that fails is a row that says why
+            rows.append({"contender": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        dist.barrier()
+    eager = next((r["losses"] for r in rows if r["contender"] == "eager" and "losses" in r), None)
+    for r in rows:
+        if "losses" in r and eager is not None:
+            r["losses_equal_to_eager"] = r["losses"] == eager  # bit for bit (floats from the same kernels)
+            r["ratio_to_eager"] = (
+                r["ms_per_step"] / rows[0]["ms_per_step"] if r["ms_per_step"] and rows[0].get("ms_per_step") else None
+            )
+        r.pop("losses", None)
+    if rank == 0:
+        head = {
+            "device": torch.cuda.get_device_name(local) if cuda else "cpu",
+            "torch": torch.__version__,
+            "world": world,
+            "model": args.model,
+            "batch_per_rank": args.batch,
+            "steps": args.steps,
+        }
+        out = [{**head, **r} for r in rows]
+        print(json.dumps(out, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
