@@ -112,6 +112,11 @@ for stage in $stages; do
           | tee "$OUT/ddp_${model}.log" | grep -v '^W1' | tail -40
       done
       ;;
+    tp_dtensor)  # issue 48, item 2: a decoder parallelised with torch.distributed.tensor.parallel, on every GPU
+      NGPU=$(nvidia-smi -L | wc -l)
+      timeout -s INT -k 20 ${TP_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+        benchmarks/tp_dtensor.py --json "$OUT/tp_dtensor_${NGPU}gpu.json" 2>&1 | tee "$OUT/tp_dtensor.log" | grep -v '^W1' | tail -40
+      ;;
     floats)  # issue 45, item 3: a serving loop's new Python temperature per call, against eager
       timeout 240 python3 benchmarks/per_request_float.py --json "$OUT/per_request_float.json" 2>&1 | tee "$OUT/per_request_float.log" | tail -20
       ;;
