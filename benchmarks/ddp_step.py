@@ -1,5 +1,5 @@
-"""A data-parallel training step under torchrun (issue 48): eager DDP against graphtree's recording of
-the whole step and against PyTorch's documented whole-network capture of a DDP step by hand.
+"""A data-parallel training step under torchrun (issue 48): eager DDP (or FSDP2) against graphtree's
+recording of the whole step and against PyTorch's documented whole-network capture by hand.
 
 Every rank trains its own copy of one model (same initial weights), on batches of its own, with
 ``DistributedDataParallel`` and ``SGD`` (momentum): the step is ``zero_grad``, forward, the loss,
@@ -17,7 +17,10 @@ steps), the first three steps' time, each step's loss compared with eager's bit 
 row per contender and writes them with ``--json``::
 
     torchrun --nproc-per-node 4 benchmarks/ddp_step.py [--model gpt|resnet18|mlp] [--steps 100]
-        [--batch 8] [--json out.json]
+        [--batch 8] [--wrap ddp|fsdp2] [--json out.json]
+
+``--wrap fsdp2``: FSDP2's ``fully_shard`` per block instead of DDP (issue 48, item 3: whether the
+step is recorded, or runs eagerly with a reason naming what stops it, is the finding).
 
 On a machine without GPUs, ``--device cpu`` runs the eager and graphtree contenders over gloo (a
 dry run of the script: graphtree runs CPU calls eagerly).
@@ -127,9 +130,23 @@ def by_hand(step: Callable[..., torch.Tensor], first: tuple[torch.Tensor, ...]) 
     return replay
 
 
+def wrap(model: nn.Module, how: str, device: torch.device, local: int) -> nn.Module:
+    """``model`` data-parallel: ``DistributedDataParallel``, or FSDP2's ``fully_shard`` on each linear
+    and convolution layer (not the demo GPT's) and on the whole."""
+    if how == "ddp":
+        return DDP(model, device_ids=[local] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    from torch.distributed.fsdp import fully_shard
+
+    if not hasattr(model, "gpt"):  # (the demo GPT calls its blocks' parts directly: sharded whole)
+        for part in [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]:
+            fully_shard(part)
+    fully_shard(model)
+    return model
+
+
 def run(name: str, args: argparse.Namespace, device: torch.device, rank: int, local: int) -> dict[str, Any]:
     model, data = build(args.model, args.batch, device, rank)
-    ddp = DDP(model, device_ids=[local] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    ddp = wrap(model, args.wrap, device, local)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     step = make_step(ddp, opt)
     t0 = time.perf_counter()
@@ -172,6 +189,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--round", type=int, default=10, help="steps between synchronisations when timed")
     p.add_argument("--contenders", default="eager,graphtree,hand")
+    p.add_argument("--wrap", default="ddp", choices=("ddp", "fsdp2"), help="DistributedDataParallel or FSDP2")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -206,6 +224,7 @@ def main() -> None:
             "torch": torch.__version__,
             "world": world,
             "model": args.model,
+            "wrap": args.wrap,
             "batch_per_rank": args.batch,
             "steps": args.steps,
         }

@@ -104,13 +104,16 @@ for stage in $stages; do
     churn)  # issue 27, item 5: churning shapes and HF's dynamic cache against eager
       timeout 240 python3 benchmarks/churn.py --json "$OUT/churn.json" 2>&1 | tee "$OUT/churn.log" | tail -15
       ;;
-    ddp)  # issue 48: a DDP training step on every GPU of the machine under torchrun (eager, graphtree, by hand)
+    ddp)  # issue 48: a DDP (then FSDP2) training step on every GPU of the machine under torchrun (eager, graphtree, by hand)
       NGPU=$(nvidia-smi -L | wc -l)
       for model in ${DDP_MODELS:-gpt resnet18}; do
         timeout -s INT -k 20 ${DDP_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
           benchmarks/ddp_step.py --model "$model" --steps ${DDP_STEPS:-100} --json "$OUT/ddp_${model}_${NGPU}gpu.json" 2>&1 \
           | tee "$OUT/ddp_${model}.log" | grep -v '^W1' | tail -40
       done
+      timeout -s INT -k 20 ${DDP_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+        benchmarks/ddp_step.py --model gpt --wrap fsdp2 --steps ${DDP_STEPS:-100} --json "$OUT/fsdp2_gpt_${NGPU}gpu.json" 2>&1 \
+        | tee "$OUT/fsdp2_gpt.log" | grep -v '^W1' | tail -40
       ;;
     tp_dtensor)  # issue 48, item 2: a decoder parallelised with torch.distributed.tensor.parallel, on every GPU
       NGPU=$(nvidia-smi -L | wc -l)
