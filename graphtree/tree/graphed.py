@@ -21,6 +21,8 @@ from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
 from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
+from graphtree.tree.hf_compile import CompiledTwins
+from graphtree.tree.hf_compile import install as install_compiled_twins
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -121,6 +123,7 @@ class GraphedCallable:
         lockstep_timeout: float = LOCKSTEP_TIMEOUT,
         parts: bool = True,
         min_ops: int = 0,
+        runs: Callable[..., Any] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
@@ -141,7 +144,9 @@ class GraphedCallable:
             "min_ops": min_ops,
         }
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
-        self.fn = fn
+        # runs: what the calls run, where that is not fn itself (a model's forward compiled by HF's
+        # get_compiled_call: tree/hf_compile.py); fn still says what it is (its module, its caches)
+        self.fn = runs if runs is not None else fn
         self.id = next(_ids)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         # debug=: graphtree.debug provides the inputs' snapshots (dumped also should a CUDA fault
@@ -176,6 +181,7 @@ class GraphedCallable:
         self._grad_off_inside = _torch.grad_off_inside(fn)
         # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
         self._hf_caches: CacheLayouts | None = None
+        self.compiled_twins: CompiledTwins | None = None  # its decode step as HF compiles it (hf_compile.py)
         # A module's signature that cannot be graphed runs with its submodules graphed (tree/parts.py);
         # a part whose warm-ups dispatch fewer than min_ops operators is not worth a graph
         self._parts: Parts | None = None
@@ -187,6 +193,12 @@ class GraphedCallable:
             own = fn is self._module or getattr(fn, "__self__", None) is self._module
             if own and not min_ops and _no_auto_compile(self._module):  # (not for a part graphtree chose)
                 self._hf_caches = CacheLayouts(self._module)
+                if runs is None:  # generate()'s compiled decode step, graphed too (tree/hf_compile.py)
+                    twin = functools.partial(
+                        type(self), fn, name=f"{self.name} (compiled)", warmup=warmup, parts=False, debug=debug
+                    )
+                    self.compiled_twins = CompiledTwins(fn, lambda compiled: twin(runs=compiled))
+                    install_compiled_twins(self._module)
             if own and parts:
                 # (the options, not a bound method: no cycle to keep a dropped callable alive)
                 make = functools.partial(
@@ -481,9 +493,43 @@ class GraphedPart(GraphedCallable):
         return super().__call__(*args, **kwargs)
 
 
-def _graphed_again(cls: type[GraphedCallable], fn: Callable[..., Any], options: dict[str, Any]) -> GraphedCallable:
-    """What a copy of a graphed callable is rebuilt with (see ``GraphedCallable.__reduce__``)."""
+def _graphed_again(
+    cls: type[GraphedCallable], fn: Callable[..., Any], options: dict[str, Any]
+) -> GraphedCallable | _BuiltAtFirstUse:
+    """What a copy of a graphed callable is rebuilt with (see ``GraphedCallable.__reduce__``). A
+    model's own ``forward``, graphed and copied with the model (``copy.deepcopy(model)``, pickle), is
+    rebuilt before the model's copy is whole: it is built at its first use."""
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and "_modules" not in owner.__dict__:
+        return _BuiltAtFirstUse(cls, fn, options)
     return cls(fn, **options)
+
+
+class _BuiltAtFirstUse:
+    """A graphed callable whose module was not yet whole when it was rebuilt (a model copied with
+    its graphed ``forward``: the copy's ``__dict__`` is filled after its values are copied); the
+    graphed callable is built at its first call or attribute read, when the model is whole."""
+
+    def __init__(self, cls: type[GraphedCallable], fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        self._args = (cls, fn, options)
+        self._built: GraphedCallable | None = None
+
+    def _real(self) -> GraphedCallable:
+        if self._built is None:
+            cls, fn, options = self._args
+            self._built = cls(fn, **options)
+        return self._built
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._real()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # (its name, __wrapped__ for inspect.signature, stats...)
+        if name in ("_args", "_built") or (name.startswith("__") and name != "__wrapped__"):
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_graphed_again, self._args)
 
 
 def _no_auto_compile(model: torch.nn.Module) -> bool:
