@@ -29,11 +29,9 @@ dry run of the script: graphtree runs CPU calls eagerly).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (deterministic cuBLAS, before CUDA starts)
@@ -41,11 +39,13 @@ os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # (PyTorch's note
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _torchrun import compare_to_eager, report, run_contenders, start
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphtree
+from graphtree.bench.contenders import HandGraph
+from graphtree.bench.train import GPTLoss, batch_loss, plain_step
 
 
 def build(name: str, batch: int, device: torch.device, rank: int) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
@@ -56,7 +56,7 @@ def build(name: str, batch: int, device: torch.device, rank: int) -> tuple[nn.Mo
         from graphtree.demo.gpt import GPTConfig, TinyGPT
 
         config = GPTConfig(n_layer=4, n_head=4, d_model=256, vocab=2048, max_seq=128)
-        model = _LanguageModelLoss(TinyGPT(config, batch=1))
+        model = GPTLoss(TinyGPT(config, batch=1))
     elif name == "resnet18":
         import timm  # (the GPU image has it)
 
@@ -79,62 +79,11 @@ def build(name: str, batch: int, device: torch.device, rank: int) -> tuple[nn.Mo
     return model.to(device).train(), data
 
 
-class _LanguageModelLoss(nn.Module):
-    """The demo GPT whose forward is its next-token loss (DDP hooks the module it wraps)."""
-
-    def __init__(self, gpt: nn.Module) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.gpt.loss(tokens)  # type: ignore[operator,no-any-return]
-
-
-def loss_of(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    if len(batch) == 1:  # the language model: its forward is the loss
-        return model(batch[0])  # type: ignore[no-any-return]
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
-def make_step(ddp: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
-    def step(*batch: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)
-        loss = loss_of(ddp, batch)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
-
-
-def by_hand(step: Callable[..., torch.Tensor], first: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
-    """PyTorch's whole-network capture of a DDP step: warm-ups on a side stream, then one graph."""
-    static = tuple(t.clone() for t in first)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(11):  # DDP rebuilds its buckets after its first iterations
-            step(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(*static)
-
-    def replay(*batch: torch.Tensor) -> torch.Tensor:
-        for s, b in zip(static, batch):
-            s.copy_(b)
-        graph.replay()
-        return out
-
-    return replay
-
-
-def wrap(model: nn.Module, how: str, device: torch.device, local: int) -> nn.Module:
+def wrap(model: nn.Module, how: str, device: torch.device) -> nn.Module:
     """``model`` data-parallel: ``DistributedDataParallel``, or FSDP2's ``fully_shard`` on each linear
     and convolution layer (not the demo GPT's) and on the whole."""
     if how == "ddp":
-        return DDP(model, device_ids=[local] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     from torch.distributed.fsdp import fully_shard
 
     if not hasattr(model, "gpt"):  # (the demo GPT calls its blocks' parts directly: sharded whole)
@@ -144,16 +93,16 @@ def wrap(model: nn.Module, how: str, device: torch.device, local: int) -> nn.Mod
     return model
 
 
-def run(name: str, args: argparse.Namespace, device: torch.device, rank: int, local: int) -> dict[str, Any]:
+def run(name: str, args: argparse.Namespace, device: torch.device, rank: int) -> dict[str, Any]:
     model, data = build(args.model, args.batch, device, rank)
-    ddp = wrap(model, args.wrap, device, local)
+    ddp = wrap(model, args.wrap, device)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    step = make_step(ddp, opt)
+    step = plain_step(ddp, opt, batch_loss)
     t0 = time.perf_counter()
     if name == "graphtree":
         step = graphtree.graphed(step, name="ddp_step")
-    elif name == "hand":
-        step = by_hand(step, data[0])
+    elif name == "hand":  # PyTorch's whole-network capture of a DDP step: DDP rebuilds its buckets
+        step = HandGraph(step, *data[0], warmup=11)  # after its first iterations, so 11 warm-ups first
     losses = [step(*data[i % len(data)]).clone() for i in range(3)]
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -193,46 +142,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    cuda = args.device == "cuda"
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local) if cuda else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    rank, world, device = start(args.device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    rows = []
-    for name in args.contenders.split(","):
-        if name == "hand" and not cuda:
-            continue
-        try:
-            rows.append(run(name, args, device, rank, local))
-        except Exception as e:  # noqa: BLE001 - a contender that fails is a row that says why
-            rows.append({"contender": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        dist.barrier()
-    eager = next((r["losses"] for r in rows if r["contender"] == "eager" and "losses" in r), None)
-    for r in rows:
-        if "losses" in r and eager is not None:
-            r["losses_equal_to_eager"] = r["losses"] == eager  # bit for bit (floats from the same kernels)
-            r["ratio_to_eager"] = (
-                r["ms_per_step"] / rows[0]["ms_per_step"] if r["ms_per_step"] and rows[0].get("ms_per_step") else None
-            )
-        r.pop("losses", None)
-    if rank == 0:
-        head = {
-            "device": torch.cuda.get_device_name(local) if cuda else "cpu",
-            "torch": torch.__version__,
-            "world": world,
-            "model": args.model,
-            "wrap": args.wrap,
-            "batch_per_rank": args.batch,
-            "steps": args.steps,
-        }
-        out = [{**head, **r} for r in rows]
-        print(json.dumps(out, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+    rows = run_contenders(args.contenders.split(","), lambda name: run(name, args, device, rank), device)
+    compare_to_eager(rows, "losses", "ms_per_step")  # bit for bit (floats from the same kernels)
+    head = {"model": args.model, "wrap": args.wrap, "batch_per_rank": args.batch, "steps": args.steps}
+    report(rows, head, device, world, rank, args.json)
     dist.destroy_process_group()
 
 

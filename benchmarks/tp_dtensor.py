@@ -16,20 +16,19 @@ with a reason that names it, which the output reports. Rank 0 prints one JSON ro
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _torchrun import compare_to_eager, report, run_contenders, start
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import graphtree
+from graphtree.bench.contenders import HandGraph
 
 
 class Block(nn.Module):
@@ -66,37 +65,14 @@ def build(args: argparse.Namespace, device: torch.device, mesh: Any) -> Decoder:
     return parallelize_module(model, mesh, plan)
 
 
-Step = Callable[[torch.Tensor], torch.Tensor]
-
-
-def by_hand(step: Step, first: torch.Tensor) -> Step:
-    static = first.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static)
-
-    def replay(token: torch.Tensor) -> torch.Tensor:
-        static.copy_(token)
-        graph.replay()
-        return out
-
-    return replay
-
-
 def run(name: str, args: argparse.Namespace, device: torch.device, mesh: Any) -> dict[str, Any]:
     model = build(args, device, mesh)
-    step: Step = model
+    step: Any = model
     start = torch.tensor([[1]], device=device)
     if name == "graphtree":
         step = graphtree.graphed(model)
     elif name == "hand":
-        step = by_hand(model, start)
+        step = HandGraph(model, start, warmup=3)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens, times = [], []
     with torch.inference_mode():
@@ -126,43 +102,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    cuda = args.device == "cuda"
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local) if cuda else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    rank, world, device = start(args.device)
     mesh = init_device_mesh(device.type, (world,))
-    rows = []
-    for name in args.contenders.split(","):
-        if name == "hand" and not cuda:
-            continue
-        try:
-            rows.append(run(name, args, device, mesh))
-        except Exception as e:  # noqa: BLE001 - a contender that fails is a row that says why
-            rows.append({"contender": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        dist.barrier()
-    eager = next((dict(r) for r in rows if r["contender"] == "eager" and "tokens" in r), None)
-    for r in rows:
-        if "tokens" in r and eager is not None:
-            r["tokens_equal_to_eager"] = r["tokens"] == eager["tokens"]
-            r["ratio_to_eager"] = r["ms_per_token"] / eager["ms_per_token"]
-        r.pop("tokens", None)
-    if rank == 0:
-        head = {
-            "device": torch.cuda.get_device_name(local) if cuda else "cpu",
-            "torch": torch.__version__,
-            "world": world,
-            "layers": args.layers,
-            "d_model": args.d_model,
-            "tokens": args.tokens,
-        }
-        out = [{**head, **r} for r in rows]
-        print(json.dumps(out, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+    rows = run_contenders(args.contenders.split(","), lambda name: run(name, args, device, mesh), device)
+    compare_to_eager(rows, "tokens", "ms_per_token")
+    head = {"layers": args.layers, "d_model": args.d_model, "tokens": args.tokens}
+    report(rows, head, device, world, rank, args.json)
     dist.destroy_process_group()
 
 

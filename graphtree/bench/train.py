@@ -56,7 +56,7 @@ CHECK_STEPS = 8  # steps whose losses graphtree's must equal eager's
 STEPS_PER_SAMPLE = 10
 
 
-class _GPTLoss(nn.Module):
+class GPTLoss(nn.Module):
     """The demo GPT whose forward is its training loss (what make_graphed_callables graphs)."""
 
     def __init__(self, gpt: nn.Module) -> None:
@@ -97,7 +97,7 @@ def workload(name: str) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Ten
     elif name == "gpt":
         from graphtree.demo.gpt import GPTConfig, TinyGPT
 
-        model = _GPTLoss(TinyGPT(GPTConfig(n_layer=4, n_head=4, d_model=256, vocab=2048, max_seq=128), batch=1))
+        model = GPTLoss(TinyGPT(GPTConfig(n_layer=4, n_head=4, d_model=256, vocab=2048, max_seq=128), batch=1))
         data = [(torch.randint(0, 2048, (8, 128), device=kit.DEVICE, generator=gen),) for _ in range(4)]
     elif name == "mlp":
         model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)), nn.Linear(256, 10))
@@ -110,10 +110,12 @@ def workload(name: str) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Ten
         ]
     else:
         raise ValueError(f"unknown training case {name!r}: one of {', '.join(CASES)}")
-    return model.to(kit.DEVICE).train(), _loss, data
+    return model.to(kit.DEVICE).train(), batch_loss, data
 
 
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A batch's training loss: a language model's forward is its loss (:class:`GPTLoss`), a
+    classifier's is cross-entropy against the batch's labels."""
     out = model(batch[0])
     return out if len(batch) == 1 else F.cross_entropy(out, batch[1])
 

@@ -1,0 +1,73 @@
+"""What the torchrun benchmarks share (``ddp_step.py``, ``tp_dtensor.py``): a process group per rank
+(NCCL on GPUs, gloo for a CPU dry run), the contenders run in turn (one that fails is a row saying
+why), each compared with eager's results, and rank 0's JSON rows.
+
+Example::
+
+    rank, world, device = start("cuda")
+    rows = run_contenders(["eager", "graphtree", "hand"], lambda name: run(name, device), device)
+    compare_to_eager(rows, "losses", "ms_per_step")
+    report(rows, {"model": "gpt"}, device, world, rank, "out.json")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def start(device: str) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up: (rank, world size, this rank's device)."""
+    cuda = device == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    here = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=here if cuda else None)
+    return dist.get_rank(), dist.get_world_size(), here
+
+
+def run_contenders(
+    names: list[str], run: Callable[[str], dict[str, Any]], device: torch.device
+) -> list[dict[str, Any]]:
+    """``run(name)`` for each contender, every rank together (``hand`` needs a GPU)."""
+    rows = []
+    for name in names:
+        if name == "hand" and device.type != "cuda":
+            continue
+        try:
+            rows.append(run(name))
+        except Exception as e:  # noqa: BLE001 - a contender that fails is a row that says why
+            rows.append({"contender": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        dist.barrier()
+    return rows
+
+
+def compare_to_eager(rows: list[dict[str, Any]], values: str, time: str) -> None:
+    """Each row's ``values`` (dropped from it) against eager's, bit for bit, and its ``time`` against
+    eager's, as ``<values>_equal_to_eager`` and ``ratio_to_eager``."""
+    eager = next((dict(r) for r in rows if r["contender"] == "eager" and values in r), None)
+    for r in rows:
+        if values in r and eager is not None:
+            r[f"{values}_equal_to_eager"] = r[values] == eager[values]
+            r["ratio_to_eager"] = r[time] / eager[time] if r[time] and eager[time] else None
+        r.pop(values, None)
+
+
+def report(
+    rows: list[dict[str, Any]], head: dict[str, Any], device: torch.device, world: int, rank: int, path: str | None
+) -> None:
+    """Rank 0 prints the rows, each with the device, torch, world size and ``head``, and writes them to ``path``."""
+    if rank != 0:
+        return
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = [{"device": name, "torch": torch.__version__, "world": world, **head, **r} for r in rows]
+    print(json.dumps(out, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
