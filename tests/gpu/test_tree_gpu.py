@@ -411,7 +411,10 @@ def test_a_0_dim_cpu_tensor_argument_is_filled_into_the_graph_on_each_call():
     assert graphtree.stats().eager.get(inputs._CPU_TENSORS) == 1, graphtree.stats().eager
 
 
-def test_a_learning_rate_given_as_a_cpu_tensor_to_a_graphed_step():
+@pytest.mark.parametrize("kind", ["cpu tensor", "python float"])
+def test_a_learning_rate_given_to_a_graphed_step_is_filled_in_per_call(kind):
+    # a 0-dim CPU tensor, or a Python float used as an operand (a device scalar: its warm-up and
+    # capture compare the step's own operators, not the gradients graphtree copies after it)
     torch.manual_seed(0)
     eager = torch.nn.Linear(16, 4).to(DEV)
     mine = copy.deepcopy(eager)
@@ -430,35 +433,8 @@ def test_a_learning_rate_given_as_a_cpu_tensor_to_a_graphed_step():
 
     se, sm = step_fn(eager), graphtree.graphed(step_fn(mine), name="sgd")
     for i in range(10):
-        x, lr = torch.randn(8, 16, device=DEV), torch.tensor(0.1 / (1 + i))  # a decaying rate, on the CPU
-        torch.testing.assert_close(sm(x, lr), se(x, lr))
-    for pe, pm in zip(eager.parameters(), mine.parameters()):
-        torch.testing.assert_close(pm, pe)
-    s = graphtree.stats()
-    assert s.recordings == 1 and s.replays >= 6 and not s.eager, s
-
-
-def test_a_learning_rate_given_as_a_python_float_to_a_graphed_step_is_a_device_scalar():
-    # (its warm-up and capture compare the step's own operators: not the gradients graphtree copies)
-    torch.manual_seed(0)
-    eager = torch.nn.Linear(16, 4).to(DEV)
-    mine = copy.deepcopy(eager)
-
-    def step_fn(model):
-        def step(x, lr):
-            model.zero_grad(set_to_none=True)
-            loss = model(x).square().mean()
-            loss.backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.sub_(lr * p.grad)
-            return loss.detach()
-
-        return step
-
-    se, sm = step_fn(eager), graphtree.graphed(step_fn(mine), name="sgd")
-    for i in range(10):
-        x, lr = torch.randn(8, 16, device=DEV), 0.1 / (1 + i)  # a decaying rate, a Python float
+        lr = 0.1 / (1 + i)  # a decaying rate
+        x, lr = torch.randn(8, 16, device=DEV), torch.tensor(lr) if kind == "cpu tensor" else lr
         torch.testing.assert_close(sm(x, lr), se(x, lr))
     for pe, pm in zip(eager.parameters(), mine.parameters()):
         torch.testing.assert_close(pm, pe)
