@@ -31,7 +31,8 @@ def test_a_new_batch_size_on_every_call_runs_eagerly_then_settles(host_read):
             x = torch.randn(n, 64, device=DEV)
             torch.testing.assert_close(g(x), f(x))
         s = graphtree.stats()
-        assert s.warmups == LIMIT, s  # then no more warm-ups: plain eager
+        # then no more warm-ups: plain eager (issue 45, item 6: after 8 at most; 16 before)
+        assert s.warmups == LIMIT <= 8 and sum(s.eager.values()) >= 40 - LIMIT, s
         assert any("new signature on almost every call" in r for r in s.eager), s
         x = torch.randn(7, 64, device=DEV)  # shapes settle on one met before
         for _ in range(4):
@@ -44,20 +45,13 @@ def test_a_new_batch_size_on_every_call_runs_eagerly_then_settles(host_read):
         assert s.recordings == 1 and s.replays >= 1, s
 
 
-def test_churn_is_seen_within_eight_warm_ups_and_a_bounded_set_of_six_still_replays():
-    """Issue 45, item 6: the decision comes sooner (16 warm-ups before, whatever their signature;
-    now 8 of signatures never met), and a bounded set of signatures is not taken for churn."""
+def test_a_bounded_set_of_six_signatures_is_not_taken_for_churn():
+    """Issue 45, item 6: a bounded set of signatures met in turn is warmed up, recorded and replayed
+    (only warm-ups of never-met signatures count toward the limit)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(DEV).eval()
-    churning, settled = graphtree.graphed(net, name="churning"), graphtree.graphed(net, name="settled")
+    settled = graphtree.graphed(net, name="settled")
     with torch.inference_mode():
-        for n in range(1, 41):  # a new batch size every call
-            graphtree.mark_step()
-            x = torch.randn(n, 64, device=DEV)
-            torch.testing.assert_close(churning(x), net(x))
-        s = graphtree.stats()
-        assert s.warmups <= 8 and sum(s.eager.values()) >= 32, s
-        graphtree.reset()
         for _ in range(4):  # six sizes in turn: warmed up, recorded, then replayed
             for n in (3, 5, 7, 9, 11, 13):
                 graphtree.mark_step()
