@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from _tiny_hf import tiny_model  # (tests/gpu's, on sys.path: tests/conftest.py)
 
 import graphtree
 from graphtree.tree.hf_compile import without_cudagraphs
@@ -19,17 +20,7 @@ CompileConfig = transformers.generation.configuration_utils.CompileConfig
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_model("llama", device="cpu")
 
 
 def _compile_everywhere(**fields) -> CompileConfig:
