@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.numbers import NUMBER, is_number
+from graphtree.tree.numbers import NUMBER, NUMBER_TYPES, is_number
 
 __all__ = ["HostScalars", "ScalarEscapes", "placeholders_of"]
 
@@ -45,7 +45,6 @@ _REFLECT = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "eq": "eq", "ne": "n
 # operators whose CUDA kernel for a CPU scalar is chosen or computed by its value
 _BY_VALUE = frozenset({"pow", "float_power", "floor_divide", "div", "divide", "true_divide"})
 _HOST_READS = frozenset({"_local_scalar_dense", "item"})
-_NUMBER_TYPES = (float, int)  # (the dispatcher hands a wrapped Python number over as one of these)
 # a division by a CPU scalar takes the reciprocal in double from torch 2.11 (seen on the H100; before,
 # in the math type, unverified on a GPU here: such a division is not emulated there)
 _DIV_IN_DOUBLE = _torch.TORCH_VERSION[:2] >= (2, 11)
@@ -116,7 +115,7 @@ class HostScalars(_torch.EagerDispatchMode):
         operand = False
         for pos, a in enumerate((*args, *kwargs.values())):
             for v in a if isinstance(a, (list, tuple)) else (a,):
-                if type(v) not in _NUMBER_TYPES:
+                if type(v) not in NUMBER_TYPES:  # (the dispatcher hands a wrapped Python number over as one)
                     continue
                 for leaf, value in self.watched.items():
                     if type(v) is type(value) and v == value:

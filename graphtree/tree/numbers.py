@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["NUMBER", "Numbers", "describe_numbers", "is_number", "number_part"]
+__all__ = ["NUMBER", "NUMBER_TYPES", "Numbers", "describe_numbers", "is_number", "number_part"]
 
 
 class WarmUpLog(Protocol):
@@ -46,7 +46,8 @@ class WarmUpLog(Protocol):
 NUMBER = "number"
 """The stride slot of a key part ``((), dtype, NUMBER)``: a Python number read as a device scalar."""
 
-_NUMBER_TYPES = frozenset({float, int})
+NUMBER_TYPES = frozenset({float, int})
+"""The types of the Python numbers that may be device scalars (not ``bool``, a subclass of ``int``)."""
 _INT64 = (-(2**63), 2**63 - 1)  # (an int past it is keyed by value: an int64 placeholder cannot hold it)
 _MAX_WARM_LOGS = 64
 
@@ -86,11 +87,7 @@ class Numbers:
         key = list(call.key)
         for i in range(call.n_args):
             x = leaves[i]
-            if (
-                type(x) in _NUMBER_TYPES
-                and i not in self.by_value
-                and (type(x) is float or _INT64[0] <= x <= _INT64[1])
-            ):
+            if type(x) in NUMBER_TYPES and i not in self.by_value and (type(x) is float or _fits_int64(x)):
                 key[i] = number_part(x)
                 if i not in self._names:
                     self._names[i] = _keyword(call.spec, i)

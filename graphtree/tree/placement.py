@@ -22,10 +22,9 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree.inputs import Call
-from graphtree.tree.numbers import NUMBER
+from graphtree.tree.numbers import NUMBER, NUMBER_TYPES
 
 _Tensor = torch.Tensor
-_NUMBERS = (float, int)
 
 
 def is_marked_static(t: torch.Tensor) -> bool:
@@ -138,7 +137,7 @@ def place_inputs(
     graph_leaves = list(leaves)
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
-            if i >= call.n_args or type(x) not in _NUMBERS or call.key[i][-1] is not NUMBER:
+            if i >= call.n_args or type(x) not in NUMBER_TYPES or call.key[i][-1] is not NUMBER:
                 continue  # (a Python number keyed by value: part of the graph)
         elif i not in call.padded and (
             i >= call.n_args or is_marked_static(x) or x.untyped_storage().data_ptr() in held
