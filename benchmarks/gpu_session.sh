@@ -174,8 +174,10 @@ for stage in $stages; do
     suite_bg)  # the one-process suite in the background, in a process session of its own, so that it
                # outlives this call (the machine stays warm 30 s between calls) and may run past 600 s;
                # `suite_wait` in the next call waits for it and brings its log back
-      mkdir -p /tmp/bg && rm -f /tmp/bg/*
-      setsid nohup bash -c "GRAPHTREE_TEST_TIMES=/tmp/bg/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
+               # It runs from a snapshot of the tree (/tmp/bg-tree): a later call copies the working tree
+               # again, and once a new module was missing under the running suite for a moment.
+      mkdir -p /tmp/bg && rm -f /tmp/bg/* && rm -rf /tmp/bg-tree && cp -a . /tmp/bg-tree
+      setsid nohup bash -c "cd /tmp/bg-tree && PYTHONPATH=/tmp/bg-tree:$PYTHONPATH GRAPHTREE_TEST_TIMES=/tmp/bg/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
         python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > /tmp/bg/suite.log 2>&1; \
         echo \$? > /tmp/bg/rc" > /dev/null 2>&1 < /dev/null &
       echo "suite started in the background at $(date +%T)" | tee "$OUT/suite_bg.txt"
