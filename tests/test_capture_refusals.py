@@ -27,6 +27,18 @@ def test_a_watch_notes_the_cuda_generator_state_read_or_set_and_puts_torch_cuda_
     assert quiet.generator_state == "" and recorder._unsafe_reason("f", quiet) is None
 
 
+def test_a_generator_state_read_while_dynamo_compiled_is_the_compilers_not_the_functions():
+    # dynamo reads the CUDA generator's state around each trace (convert_frame.preserve_global_state):
+    # a helper compiled on a graphed call's first call ran eagerly for good with this reason (H100,
+    # test_compile_inside_gpu.py and test_hf_compile_gpu.py); such a warm-up is warmed up again instead
+    watch = _torch.StateWatch({})
+    with watch:
+        torch.cuda.seed_all()
+    assert watch.generator_state == "torch.cuda.seed_all"
+    assert recorder._unsafe_reason("f", watch, compiled=True) is None
+    assert "torch.cuda.seed_all" in (recorder._unsafe_reason("f", watch, compiled=False) or "")
+
+
 def test_checkpoint_of_cpu_tensors_is_not_noted_and_a_seeding_is():
     # torch.utils.checkpoint stashes the CUDA generators' state only for CUDA inputs (the GPU test
     # test_graph_checkpoint_preserve_rng_state covers those): its CPU path is not noted.

@@ -170,9 +170,27 @@ def test_the_warm_up_log_stays_for_a_second_capture_of_the_same_key():
 
 def test_an_int_past_int64_is_keyed_by_value():
     numbers = Numbers()
-    call = read_call((torch.tensor(1.0), 2**63, 5), {}, None)
-    numbers.rekey(call)
-    assert call.key[1] == (int, 2**63) and call.key[2] == ((), torch.int64, NUMBER)
+    for a, b in ((2**63, 5), (2**63 + 1, 6)):  # (an int is a device scalar once it changed)
+        call = read_call((torch.tensor(1.0), a, b), {}, None)
+        numbers.rekey(call)
+    assert call.key[1] == (int, 2**63 + 1) and call.key[2] == ((), torch.int64, NUMBER)
+
+
+def test_an_int_is_keyed_by_value_until_it_comes_with_another():
+    # PyTorch's test_dynamic_warmup: f(n, x) returns x * 2 and is called with n = 2; a device scalar
+    # from the start, n was taken for the operand 2 by the warm-up, and the capture failed (Python
+    # ran 4 times for 3 calls, H100). As torch.compile specialises ints until one changes:
+    numbers = Numbers()
+    keys = []
+    for n in (2, 2, 3, 2):
+        call = read_call((n, torch.tensor(1.0)), {}, None)
+        numbers.rekey(call)
+        keys.append(call.key[0])
+    assert keys == [(int, 2), (int, 2), ((), torch.int64, NUMBER), ((), torch.int64, NUMBER)]
+    assert Numbers.positions(call) == [0]
+    fresh = Numbers()
+    fresh.rekey(read_call((2, torch.tensor(1.0)), {}, None))
+    assert fresh.describe() == ["argument 0: an int keyed by its value (2) until it comes with another"]
 
 
 def test_a_failed_capture_puts_back_the_plain_values_it_wrote():
@@ -231,6 +249,7 @@ def test_in_place_into_an_int_tensor_stops_where_eager_refuses():
 def test_numbers_are_keyed_by_type_until_one_is_found_to_reach_python():
     x = torch.tensor(1.0)  # (a 0-dim CPU tensor: no GPU needed to read the call)
     numbers = Numbers()
+    numbers.rekey(read_call((x, 0.5, True, 2, "s"), {}, None))  # (the int changes next: a device scalar)
     call = read_call((x, 0.5, True, 3, "s"), {}, None)
     numbers.rekey(call)
     assert call.key[1] == ((), torch.float64, NUMBER) and call.key[3] == ((), torch.int64, NUMBER)

@@ -159,6 +159,25 @@ def test_copy_d2d_declines_without_a_cuda_runtime(native) -> None:
 
 
 @needs_toolchain
+@needs_toolchain
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build loads the CUDA runtime")
+def test_copy_in_declines_without_a_cuda_runtime_and_the_plan_falls_back_to_python(native) -> None:
+    from graphtree.tree.placement import InputPlan
+
+    a, b = torch.randn(5), torch.randn(5)
+    dst = [torch.zeros(5), torch.zeros((), dtype=torch.float64), torch.zeros(5)]
+    assert native.copy_in(0, [a, 0.25, b], (0, dst[0].data_ptr(), 20), (1, dst[1].data_ptr())) is False
+    with pytest.raises(TypeError):
+        native.copy_in(0, [a], (0, 1), ())  # (copies come in threes)
+    plan = InputPlan(
+        inplace_idx=[], inplace_ptrs=[0, 0, 0], copy_idx=[0, 1, 2], placeholders=dst,
+        padded=(), pad_dim=0, bucket=0, device=0, host=(1,), numbers=(1,),
+    )  # fmt: skip
+    assert plan._native is not None and plan._native[2] == (1, dst[1].data_ptr())
+    plan.copy_in([a, 0.25, b], 0)
+    assert torch.equal(dst[0], a) and dst[1].item() == 0.25 and torch.equal(dst[2], b)
+
+
 def test_a_process_that_exits_during_the_build_does_not_block_later_ones(tmp_path) -> None:
     # The build runs in a child of its own: it finishes and removes cpp_extension's lock file even
     # when the process that started it exits first (in a daemon thread the lock stayed behind, and

@@ -192,6 +192,109 @@ PyObject* copy_d2d(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// copy_in(stream, leaves, copies, writes) -> bool: a replay's whole copy-in in one call. copies is
+// a flat tuple of (leaf, dst, nbytes): a device-to-device cudaMemcpyAsync from the exact tensor
+// leaves[leaf]; writes a flat tuple of (leaf, dst): the Python float (as a float64) or int (as an
+// int64) leaves[leaf] written to the 8 bytes at dst with cuStreamWriteValue64, stream-ordered and
+// without a kernel (fill_ launched one: ~5 us of the host's time on the H100 machine). Every leaf
+// is read before anything is written; False, having done nothing, where the runtime or the
+// driver's entry is not loaded or a leaf is not what the plan expects (the caller's Python twin,
+// InputPlan.copy_in, does it then). A CUDA error raises RuntimeError.
+using StreamWrite64 = int (*)(void*, uint64_t, uint64_t, unsigned int);
+
+StreamWrite64 find_write64() {
+  for (const char* name : {"cuStreamWriteValue64_v2", "cuStreamWriteValue64"}) {
+    if (void* f = dlsym(RTLD_DEFAULT, name)) return reinterpret_cast<StreamWrite64>(f);
+    if (void* h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD)) {
+      if (void* f = dlsym(h, name)) return reinterpret_cast<StreamWrite64>(f);
+    }
+  }
+  return nullptr;
+}
+
+bool number_bits(PyObject* x, uint64_t* out) {
+  if (PyFloat_CheckExact(x)) {
+    const double d = PyFloat_AS_DOUBLE(x);
+    std::memcpy(out, &d, sizeof d);
+    return true;
+  }
+  if (PyLong_CheckExact(x)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    *out = static_cast<uint64_t>(v);
+    return true;
+  }
+  return false;
+}
+
+PyObject* copy_in(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  static MemcpyAsync memcpy_async = reinterpret_cast<MemcpyAsync>(runtime_symbol("cudaMemcpyAsync"));
+  static ErrorString error_string = reinterpret_cast<ErrorString>(runtime_symbol("cudaGetErrorString"));
+  static StreamWrite64 write64 = find_write64();
+  if (nargs != 4 || !(PyList_Check(args[1]) || PyTuple_Check(args[1])) || !PyTuple_Check(args[2]) ||
+      !PyTuple_Check(args[3]) || PyTuple_GET_SIZE(args[2]) % 3 != 0 || PyTuple_GET_SIZE(args[3]) % 2 != 0) {
+    PyErr_SetString(PyExc_TypeError,
+                    "copy_in(stream, leaves: list | tuple, copies: (leaf, dst, nbytes)*, writes: (leaf, dst)*)");
+    return nullptr;
+  }
+  void* stream = PyLong_AsVoidPtr(args[0]);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* leaves = args[1];
+  PyObject* copies = args[2];
+  PyObject* writes = args[3];
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(leaves);
+  const Py_ssize_t nc = PyTuple_GET_SIZE(copies) / 3, nw = PyTuple_GET_SIZE(writes) / 2;
+  if ((nc && memcpy_async == nullptr) || (nw && write64 == nullptr)) Py_RETURN_FALSE;
+  auto leaf = [&](PyObject* index) -> PyObject* {
+    const Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i < 0 || i >= n) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "copy_in: a leaf index past the call's leaves");
+      return nullptr;
+    }
+    return PySequence_Fast_GET_ITEM(leaves, i);
+  };
+  c10::SmallVector<void*, 8> srcs;
+  c10::SmallVector<uint64_t, 4> bits;
+  for (Py_ssize_t k = 0; k < nc; ++k) {
+    PyObject* x = leaf(PyTuple_GET_ITEM(copies, 3 * k));
+    if (x == nullptr) return nullptr;
+    if (!THPVariable_CheckExact(x)) Py_RETURN_FALSE;
+    srcs.push_back(THPVariable_Unpack(x).data_ptr());
+  }
+  for (Py_ssize_t k = 0; k < nw; ++k) {
+    PyObject* x = leaf(PyTuple_GET_ITEM(writes, 2 * k));
+    if (x == nullptr) return nullptr;
+    uint64_t b = 0;
+    if (!number_bits(x, &b)) Py_RETURN_FALSE;
+    bits.push_back(b);
+  }
+  for (Py_ssize_t k = 0; k < nc; ++k) {
+    void* dst = PyLong_AsVoidPtr(PyTuple_GET_ITEM(copies, 3 * k + 1));
+    const size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(copies, 3 * k + 2));
+    if (PyErr_Occurred()) return nullptr;
+    const int err = memcpy_async(dst, srcs[k], nbytes, kDeviceToDevice, stream);
+    if (err != 0) {
+      PyErr_Format(PyExc_RuntimeError, "graphtree: cudaMemcpyAsync of an input failed: %s (%d)",
+                   error_string ? error_string(err) : "cudaError", err);
+      return nullptr;
+    }
+  }
+  for (Py_ssize_t k = 0; k < nw; ++k) {
+    const uint64_t dst = static_cast<uint64_t>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(writes, 2 * k + 1)));
+    if (PyErr_Occurred()) return nullptr;
+    const int err = write64(stream, dst, bits[k], 0);
+    if (err != 0) {
+      PyErr_Format(PyExc_RuntimeError, "graphtree: cuStreamWriteValue64 of a Python number's value failed (CUDA error %d)", err);
+      return nullptr;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 PyObject* int_tuple(const c10::SmallVector<int64_t, 8>& values) {
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
   if (!out) return nullptr;
@@ -1146,6 +1249,8 @@ PyMethodDef methods[] = {
      "addresses_unchanged(tensors: list, expected: bytes) -> bool"},
     {"copy_d2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_d2d)), METH_FASTCALL,
      "copy_d2d(dst, src, nbytes, stream) -> bool"},
+    {"copy_in", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_in)), METH_FASTCALL,
+     "copy_in(stream, leaves, copies, writes) -> bool"},
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(signature)), METH_FASTCALL,
      "signature(args, plain_types) -> (parts, device, needs_grad) | None"},
     {"object_state", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(object_state)), METH_FASTCALL,

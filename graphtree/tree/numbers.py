@@ -4,7 +4,11 @@ scalars, by value once a warm-up or a capture shows they are used otherwise, and
 A float or int argument is keyed by its value unless the function only uses it as an operand of
 ``+ - * /`` or a comparison with tensors. :class:`Numbers` (one per graphed callable) keys such an
 argument by type (``((), float64 | int64, NUMBER)``: a placeholder each replay fills), and a
-recording tries it:
+recording tries it. An int is keyed by its value until the argument comes with another, as
+``torch.compile`` specialises ints until one changes: an int is more often a size, a count or a
+flag than an operand, and one equal to a constant of the function (``n=2`` beside ``x * 2``) is
+taken for an operand by the warm-up, whose capture then fails (PyTorch's
+``test_dynamic_warmup``).
 
 - its warm-up runs with the number itself, under a log-only
   :class:`~graphtree.tree.host_scalars.HostScalars` that notes every operator and where each takes
@@ -71,6 +75,7 @@ class Numbers:
         self.device: set[int] = set()  # leaf indices recorded as device scalars at least once
         self._warm_logs: dict[Any, list[str]] = {}  # call key -> the operators its last warm-up called
         self._names: dict[int, str] = {}  # leaf index -> the keyword it was passed by, if one
+        self._ints: dict[int, int | None] = {}  # leaf index -> the one value an int argument had, None once it changed
         if owner is not None:
             _owners[owner] = self
 
@@ -87,11 +92,21 @@ class Numbers:
         key = list(call.key)
         for i in range(call.n_args):
             x = leaves[i]
-            if type(x) in NUMBER_TYPES and i not in self.by_value and (type(x) is float or _fits_int64(x)):
+            t = type(x)
+            if t not in NUMBER_TYPES or i in self.by_value:
+                continue
+            if i not in self._names:
+                self._names[i] = _keyword(call.spec, i)
+            if t is float or self._int_changed(i, x):
                 key[i] = number_part(x)
-                if i not in self._names:
-                    self._names[i] = _keyword(call.spec, i)
         call.key = tuple(key)
+
+    def _int_changed(self, i: int, x: int) -> bool:
+        """Whether int argument ``i`` has come with another value than ``x`` (and fits an int64)."""
+        seen = self._ints.setdefault(i, x)
+        if seen is not None and seen != x:
+            self._ints[i] = seen = None
+        return seen is None and _fits_int64(x)
 
     @staticmethod
     def positions(call: Any) -> list[int]:
@@ -149,6 +164,9 @@ class Numbers:
             lines.append(f"{self._name(i)}: a device scalar, filled on each call")
         for i, why in sorted(self.by_value.items()):
             lines.append(f"{self._name(i)}: keyed by value ({why})")
+        for i, seen in sorted(self._ints.items()):
+            if seen is not None and i not in self.by_value:
+                lines.append(f"{self._name(i)}: an int keyed by its value ({seen}) until it comes with another")
         return lines
 
     def _name(self, i: int) -> str:

@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from graphtree import _torch
+from graphtree import _native, _torch
 from graphtree.tree.inputs import Call
 from graphtree.tree.numbers import NUMBER, NUMBER_TYPES
 
 _Tensor = torch.Tensor
+_current_stream: Callable[[int], int] = _torch.raw_stream_getter() or (lambda device: 0)  # (a CPU build: never called)
 
 
 def is_marked_static(t: torch.Tensor) -> bool:
@@ -63,6 +64,7 @@ class InputPlan:
         device: int,
         relaid: tuple[int, ...] = (),
         host: tuple[int, ...] = (),
+        numbers: tuple[int, ...] = (),
     ) -> None:
         self.inplace_idx = inplace_idx
         self.inplace_ptrs = inplace_ptrs  # aligned with the leaves; 0 elsewhere
@@ -78,6 +80,22 @@ class InputPlan:
         copies = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i not in host]  # the device copies
         self._copies = ([ph for ph, _ in copies], [i for _, i in copies])
         self.raw = self._raw_copy()
+        self._native = self._native_plan(copies, numbers)
+
+    def _native_plan(
+        self, copies: list[tuple[torch.Tensor, int]], numbers: tuple[int, ...]
+    ) -> tuple[list[tuple[torch.Tensor, int]], tuple[int, ...], tuple[int, ...]] | None:
+        """The copy-in as one native call (``_native`` ``copy_in``): the 0-dim CPU tensors' fills
+        (left to ``fill_``), then the contiguous copies and the Python numbers' writes, flattened;
+        None where the Python path must do it (padding, an expanded input, nothing to gain)."""
+        if self.raw is not None or self.padded or self.relaid or not (len(copies) > 1 or numbers):
+            return None
+        if any(not ph.is_contiguous() or not ph.numel() for ph, _ in copies):
+            return None
+        flat_copies = tuple(v for ph, i in copies for v in (i, ph.data_ptr(), ph.numel() * ph.element_size()))
+        writes = tuple(v for ph, i in self._fills if i in numbers for v in (i, ph.data_ptr()))
+        tensor_fills = [(ph, i) for ph, i in self._fills if i not in numbers]
+        return tensor_fills, flat_copies, writes
 
     def _raw_copy(self) -> RawCopy | None:
         if len(self.copy_idx) != 1 or self.padded or self.relaid or self.host:
@@ -92,7 +110,16 @@ class InputPlan:
     def copy_in(self, leaves: Sequence[Any], n: int) -> None:
         """Copy the copied inputs into their placeholders (padding rows past ``n`` are zeroed);
         fill those of 0-dim CPU tensors with their values (a kernel launch with the value as its
-        argument: no host-to-device copy, no synchronisation)."""
+        argument: no host-to-device copy, no synchronisation) and write Python numbers'. Once the
+        native helpers are built, the contiguous copies and the numbers' writes are one C call
+        (``cudaMemcpyAsync`` each, ``cuStreamWriteValue64`` for a number: no kernel)."""
+        plan, native = self._native, _native.loaded
+        if plan is not None and native is not None:
+            tensor_fills, copies, writes = plan
+            for ph, i in tensor_fills:
+                ph.fill_(leaves[i])
+            if native.copy_in(_current_stream(self.device), leaves, copies, writes):
+                return
         for ph, i in self._fills:
             ph.fill_(leaves[i])
         placeholders, copy_idx = self._copies
@@ -134,6 +161,7 @@ def place_inputs(
     owning: list[torch.Tensor] = []
     relaid: list[int] = []  # copied inputs whose placeholder is laid out unlike the input
     host: list[int] = []  # 0-dim CPU tensors (stride None: inputs.read_call) and Python numbers (NUMBER)
+    numbers: list[int] = []  # the Python numbers among them
     graph_leaves = list(leaves)
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
@@ -149,6 +177,8 @@ def place_inputs(
         if stride is None or stride is NUMBER:  # a 0-dim CPU tensor or a Python number: a device scalar
             ph = torch.empty(shape, dtype=dtype, device=dev)
             host.append(i)
+            if stride is NUMBER:
+                numbers.append(i)
         elif any(st == 0 and n > 1 for n, st in zip(shape, stride)):
             # An expanded input (stride 0): a placeholder of the same strides could not be copied
             # into (its elements share memory); a dense one holds the same values.
@@ -172,6 +202,7 @@ def place_inputs(
         device=device,
         relaid=tuple(relaid),
         host=tuple(host),
+        numbers=tuple(numbers),
     )
     return plan, graph_leaves, owning
 

@@ -165,11 +165,14 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
             out = gc.fn(*args, **kwargs)
         if noted is not None:
             gc.numbers.warmed(call, numbers, noted)
-        compiled = _torch.dynamo_graphs() != graphs  # (its syncs may be the compiler's: warmed up again)
+        # dynamo compiled during it: its syncs and generator-state reads may be the compiler's (dynamo
+        # saves and restores the CUDA generator's state around a trace), and it is warmed up again
+        compiled = _torch.dynamo_graphs() != graphs
+        syncs = sync.found if not compiled else ""
         reason = (
             _mutation_reason(watch.written)
             if watch.written
-            else (_output_reason(out) or (sync.found if not compiled else "") or _unsafe_reason(gc.name, watch))
+            else (_output_reason(out) or syncs or _unsafe_reason(gc.name, watch, compiled))
         )
         grads: list[torch.Tensor] = []  # a training step's gradients are the caller's, not state it keeps
         if step is not None:
@@ -198,9 +201,10 @@ def _refused_in_capture(error: BaseException | None) -> bool:
     return any(s in first for s in _CAPTURE_ONLY)
 
 
-def _unsafe_reason(name: str, watch: _torch.StateWatch) -> str | None:
-    """Why what the call did under ``watch`` cannot be recorded, or None."""
-    if watch.generator_state:
+def _unsafe_reason(name: str, watch: _torch.StateWatch, compiled: bool = False) -> str | None:
+    """Why what the call did under ``watch`` cannot be recorded, or None (a generator's state read or
+    set while dynamo ``compiled`` is the compiler's, not the function's)."""
+    if watch.generator_state and not compiled:
         return (
             f"`{name}` calls {watch.generator_state} (torch.utils.checkpoint's preserve_rng_state, "
             f"fork_rng and manual_seed do): a recording draws from a generator of its own, and cannot "

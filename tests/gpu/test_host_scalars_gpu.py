@@ -62,7 +62,7 @@ def test_an_int_operand_is_a_device_scalar_too(n):
     f = lambda x, k: x * k + k  # noqa: E731
     g = graphtree.graphed(f)
     x = _x(torch.float16)
-    for k in range(n, n + 5):
+    for k in range(n, n + 6):  # (keyed by value at k = n: a device scalar once it changed)
         graphtree.mark_step()
         assert torch.equal(g(x, k), f(x, k)), k
     s = graphtree.stats()

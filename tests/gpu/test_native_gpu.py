@@ -103,6 +103,44 @@ def test_copy_d2d_copies_on_the_current_stream_and_reports_cuda_errors(native):
     assert "raised" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
+def test_copy_in_copies_tensors_and_writes_numbers_in_stream_order(native):
+    stream = torch.cuda.Stream()
+    a, b = (torch.randn(1 << 16, device=DEV) for _ in range(2))
+    da, db = torch.zeros_like(a), torch.zeros_like(b)
+    f, i = torch.zeros((), dtype=torch.float64, device=DEV), torch.zeros((), dtype=torch.int64, device=DEV)
+    leaves = [a, 0.1, b, -(2**40) - 3]
+    copies = (0, da.data_ptr(), a.numel() * 4, 2, db.data_ptr(), b.numel() * 4)
+    writes = (1, f.data_ptr(), 3, i.data_ptr())
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1_000_000)  # (the writes wait behind it: stream-ordered)
+        assert native.copy_in(stream.cuda_stream, leaves, copies, writes) is True
+        f_after, i_after = f * 1, i * 1
+    torch.cuda.synchronize()
+    assert torch.equal(da, a) and torch.equal(db, b)
+    assert f_after.item() == 0.1 and i_after.item() == -(2**40) - 3  # (0.1 as a float64, bit for bit)
+    # a leaf the plan does not expect: nothing written, the Python path does it
+    assert native.copy_in(stream.cuda_stream, [a, "x", b, 1], copies, writes) is False
+    assert native.copy_in(stream.cuda_stream, [a, 0.5, b, 2**64], copies, writes) is False
+    with pytest.raises(IndexError):
+        native.copy_in(stream.cuda_stream, [a], copies, ())
+
+
+def test_a_replay_with_two_inputs_and_a_float_copies_and_writes_in_one_native_call(native):
+    f = lambda x, m, t: (x / t).masked_fill(~m, 0.0).softmax(-1)  # noqa: E731 - (issue 45's sampler's shape)
+    g = graphtree.graphed(f)
+    x = torch.randn(4, 256, device=DEV)
+    m = x > 0
+    for k in range(6):
+        graphtree.mark_step()
+        t = 0.5 + k / 7
+        assert torch.equal(g(x, m, t), f(x, m, t)), t
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 4 and not s.eager, s
+    (node,) = [n for mgr in graphtree.tree.manager.managers() for n in mgr.nodes()]
+    assert node.inputs._native is not None and len(node.inputs._native[2]) == 2, node.inputs._native
+
+
 class _State:
     def __init__(self, **kw):
         self.__dict__.update(kw)
