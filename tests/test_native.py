@@ -159,7 +159,6 @@ def test_copy_d2d_declines_without_a_cuda_runtime(native) -> None:
 
 
 @needs_toolchain
-@needs_toolchain
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build loads the CUDA runtime")
 def test_copy_in_declines_without_a_cuda_runtime_and_the_plan_falls_back_to_python(native) -> None:
     from graphtree.tree.placement import InputPlan
@@ -178,6 +177,30 @@ def test_copy_in_declines_without_a_cuda_runtime_and_the_plan_falls_back_to_pyth
     assert torch.equal(dst[0], a) and dst[1].item() == 0.25 and torch.equal(dst[2], b)
 
 
+def test_a_conjugate_view_is_copied_resolved_never_raw(monkeypatch) -> None:
+    """torch.conj(x) is a lazy view: its memory holds x's values. A raw copy of it handed the graph
+    the unconjugated values (the sweep on the H100: dot, vdot and mm of complex64 WRONG through
+    the native copy; the single-input raw copy had the same flaw). Here the raw copy is a host
+    memmove, so that the plan's choice shows on the CPU."""
+    import ctypes
+
+    from graphtree.tree.placement import InputPlan, RawCopy
+
+    monkeypatch.setattr(_native, "loaded", None)  # (the raw path: the one the native helpers stand in for)
+    x = torch.randn(6, dtype=torch.complex64)
+    for view, want in ((x.conj(), x.conj().resolve_conj()), (torch._neg_view(x.real), -x.real), (x, x)):
+        dst = torch.zeros(view.shape, dtype=view.dtype)
+        plan = InputPlan(
+            inplace_idx=[], inplace_ptrs=[0], copy_idx=[0], placeholders=[dst],
+            padded=(), pad_dim=0, bucket=0, device=0,
+        )  # fmt: skip
+        memmove = lambda d, s, n, _: ctypes.memmove(d, s, n)  # noqa: E731
+        plan.raw = RawCopy(0, dst.data_ptr(), dst.numel() * dst.element_size(), 0, memmove)
+        plan.copy_in([view], 0)
+        assert torch.equal(dst, want), (view.is_conj(), view.is_neg())
+
+
+@needs_toolchain
 def test_a_process_that_exits_during_the_build_does_not_block_later_ones(tmp_path) -> None:
     # The build runs in a child of its own: it finishes and removes cpp_extension's lock file even
     # when the process that started it exits first (in a daemon thread the lock stayed behind, and

@@ -196,10 +196,12 @@ PyObject* copy_d2d(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // a flat tuple of (leaf, dst, nbytes): a device-to-device cudaMemcpyAsync from the exact tensor
 // leaves[leaf]; writes a flat tuple of (leaf, dst): the Python float (as a float64) or int (as an
 // int64) leaves[leaf] written to the 8 bytes at dst with cuStreamWriteValue64, stream-ordered and
-// without a kernel (fill_ launched one: ~5 us of the host's time on the H100 machine). Every leaf
-// is read before anything is written; False, having done nothing, where the runtime or the
-// driver's entry is not loaded or a leaf is not what the plan expects (the caller's Python twin,
-// InputPlan.copy_in, does it then). A CUDA error raises RuntimeError.
+// without a kernel (fill_ launched one). Every leaf is read before anything is written; False,
+// having done nothing, where the runtime or the driver's entry is not loaded or a leaf is not
+// what the plan expects: not an exact tensor or number, or a tensor with its conjugate or
+// negative bit set (torch.conj's lazy view: its memory holds the values unconjugated, which a raw
+// copy would hand the graph; the sweep found dot, vdot and mm of such a view WRONG, H100). The
+// caller's Python twin, InputPlan.copy_in, copies then. A CUDA error raises RuntimeError.
 using StreamWrite64 = int (*)(void*, uint64_t, uint64_t, unsigned int);
 
 StreamWrite64 find_write64() {
@@ -263,7 +265,9 @@ PyObject* copy_in(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyObject* x = leaf(PyTuple_GET_ITEM(copies, 3 * k));
     if (x == nullptr) return nullptr;
     if (!THPVariable_CheckExact(x)) Py_RETURN_FALSE;
-    srcs.push_back(THPVariable_Unpack(x).data_ptr());
+    const at::Tensor& t = THPVariable_Unpack(x);
+    if (t.is_conj() || t.is_neg()) Py_RETURN_FALSE;  // (its memory reads conjugated or negated: copy_ resolves it)
+    srcs.push_back(t.data_ptr());
   }
   for (Py_ssize_t k = 0; k < nw; ++k) {
     PyObject* x = leaf(PyTuple_GET_ITEM(writes, 2 * k));

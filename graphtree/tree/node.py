@@ -175,8 +175,7 @@ class Node:
         self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals or first)
         self._device = torch.device("cuda", inputs.device)
         self._launch = _draws.launcher(graph)
-        self._raw = inputs.raw  # replay fast paths (see InputPlan.raw and OutputPlan.single)
-        self._single = outputs.single
+        self._single = outputs.single  # a replay fast path (see OutputPlan.single)
         # With a single output: a tensor on its memory, and that tensor's storage object, which
         # the node keeps between replays while they own nothing (see Node.replay). None until the
         # first replay, and whenever the caller may still hold the previous output.
@@ -251,11 +250,7 @@ class Node:
         the next step (``y = f(x)`` in a loop) gets outputs built anew, as the held output is
         invalidated when its step ends, and the base with it.
         """
-        raw = self._raw
-        if raw is not None:
-            raw.copy(raw.dst, leaves[raw.leaf].data_ptr(), raw.nbytes, raw.device)
-        else:
-            self.inputs.copy_in(leaves, n)
+        self.inputs.copy_in(leaves, n)
         self._launch()
         return self.hand_out(leaves, n)
 

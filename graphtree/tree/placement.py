@@ -87,8 +87,8 @@ class InputPlan:
     ) -> tuple[list[tuple[torch.Tensor, int]], tuple[int, ...], tuple[int, ...]] | None:
         """The copy-in as one native call (``_native`` ``copy_in``): the 0-dim CPU tensors' fills
         (left to ``fill_``), then the contiguous copies and the Python numbers' writes, flattened;
-        None where the Python path must do it (padding, an expanded input, nothing to gain)."""
-        if self.raw is not None or self.padded or self.relaid or not (len(copies) > 1 or numbers):
+        None where the Python path must do it (padding, an expanded input, nothing to copy)."""
+        if self.padded or self.relaid or not (copies or numbers):
             return None
         if any(not ph.is_contiguous() or not ph.numel() for ph, _ in copies):
             return None
@@ -112,13 +112,22 @@ class InputPlan:
         fill those of 0-dim CPU tensors with their values (a kernel launch with the value as its
         argument: no host-to-device copy, no synchronisation) and write Python numbers'. Once the
         native helpers are built, the contiguous copies and the numbers' writes are one C call
-        (``cudaMemcpyAsync`` each, ``cuStreamWriteValue64`` for a number: no kernel)."""
+        (``cudaMemcpyAsync`` each, ``cuStreamWriteValue64`` for a number: no kernel).
+
+        An input with its conjugate or negative bit set (``torch.conj``'s lazy view) holds its
+        values unconjugated in memory: only ``Tensor.copy_`` resolves it, never a raw copy."""
         plan, native = self._native, _native.loaded
         if plan is not None and native is not None:
             tensor_fills, copies, writes = plan
             for ph, i in tensor_fills:
                 ph.fill_(leaves[i])
             if native.copy_in(_current_stream(self.device), leaves, copies, writes):
+                return
+        raw = self.raw
+        if raw is not None:
+            x = leaves[raw.leaf]
+            if not (x.is_conj() or x.is_neg()):
+                raw.copy(raw.dst, x.data_ptr(), raw.nbytes, raw.device)
                 return
         for ph, i in self._fills:
             ph.fill_(leaves[i])
