@@ -200,6 +200,36 @@ def test_a_conjugate_view_is_copied_resolved_never_raw(monkeypatch) -> None:
         assert torch.equal(dst, want), (view.is_conj(), view.is_neg())
 
 
+def test_a_conjugate_view_is_keyed_with_its_bits_and_copied_as_memory_into_a_placeholder_with_them(monkeypatch) -> None:
+    """Equal to eager bit for bit: the recording reads a placeholder with the input's lazy bits, so
+    that its kernels are eager's (the conjugating cuBLAS path; `dot` of a resolved copy differed from
+    eager in the last bits on the H100), and a replay copies the input's memory as it is."""
+    from graphtree import _torch
+    from graphtree.tree.node import signature
+    from graphtree.tree.placement import InputPlan
+
+    monkeypatch.setattr(_native, "loaded", None)
+    x = torch.randn(6, dtype=torch.complex64)
+    part = lambda t: inputs._tensor_part(t, t.shape, t.stride())  # noqa: E731 - (read_call's, for a CUDA tensor)
+    plain, conj, neg = part(x), part(x.conj()), part(torch._neg_view(x.real))
+    assert len(plain) == 3 and conj == (*plain, _torch.CONJ) and neg[3] == _torch.NEG
+
+    class _Node:  # (what signature() reads of a recording)
+        name, key = "f", (0, (conj, neg))
+
+    assert signature(_Node()) == "f(conj complex64[6], neg float32[6])"  # type: ignore[arg-type]
+    for view, bits, memory in ((x.conj(), _torch.CONJ, x), (torch._neg_view(x.real), _torch.NEG, x.real)):
+        dst = torch.zeros(view.shape, dtype=view.dtype)
+        plan = InputPlan(
+            inplace_idx=[], inplace_ptrs=[0, 0], copy_idx=[0, 1], placeholders=[dst, torch.zeros(2)],
+            padded=(), pad_dim=0, bucket=0, device=0, lazy={0: bits},
+        )  # fmt: skip
+        assert plan.raw is None and plan._native is None
+        plan.copy_in([view, torch.ones(2)], 0)
+        assert torch.equal(dst, memory)  # the memory as it is; the graph reads it with the bits
+        assert torch.equal(_torch.flip_bits(dst, bits).resolve_conj().resolve_neg(), view.resolve_conj().resolve_neg())
+
+
 @needs_toolchain
 def test_a_process_that_exits_during_the_build_does_not_block_later_ones(tmp_path) -> None:
     # The build runs in a child of its own: it finishes and removes cpp_extension's lock file even

@@ -344,7 +344,8 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       long d = -1;
       try {  // a nested or otherwise unusual tensor may throw: the Python path reports it
         const at::Tensor& t = THPVariable_Unpack(x);
-        if (t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+        if (t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || t.is_conj() ||
+            t.is_neg()) {  // (a lazy view's key part holds its bits: the Python path builds it)
           Py_DECREF(parts);
           Py_RETURN_NONE;
         }

@@ -224,7 +224,7 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
                     if device != -2:
                         raise Unsupported(f"mixed-device inputs (cuda:{device} and cuda:{d})")
                     device = d
-                parts.append((x.shape, x.dtype, x.stride()))
+                parts.append(_tensor_part(x, x.shape, x.stride()))
                 if x.requires_grad:
                     needs_grad = True
             elif type(x) in _PLAIN:
@@ -268,15 +268,25 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
             if bucket >= 0 and x.dim() > dim and shape[dim] == n:
                 padded.append(i)
                 shape = (*shape[:dim], bucket, *shape[dim + 1 :])
-                parts.append((shape, x.dtype, _contiguous_strides(shape)))  # padded: contiguous placeholder
+                parts.append(_tensor_part(x, shape, _contiguous_strides(shape)))  # padded: contiguous placeholder
             else:
-                parts.append((shape, x.dtype, x.stride()))
+                parts.append(_tensor_part(x, shape, x.stride()))
             needs_grad = needs_grad or x.requires_grad
         elif type(x) in _PLAIN:
             parts.append((type(x), x))
         else:
             parts.append(read_object(x, held))
     return _with_held(leaves, spec, parts, device, needs_grad, n, bucket, tuple(padded), held)
+
+
+def _tensor_part(x: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[Any, ...]:
+    """A copied tensor's key part: ``(shape, dtype, stride)``, and its lazy bits after them where it
+    has any (``torch.conj``'s view, the negative bit: :func:`graphtree._torch.lazy_bits`). Its
+    recording reads a placeholder with the same bits, so that its kernels are eager's (cuBLAS
+    reduces a conjugated operand in another order than a resolved one)."""
+    if x.is_conj() or x.is_neg():
+        return (shape, x.dtype, stride, _torch.lazy_bits(x))
+    return (shape, x.dtype, stride)
 
 
 _CPU_TENSORS = "CPU tensor inputs (only 0-dim ones, such as a step count, are filled into the device per call)"

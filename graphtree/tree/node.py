@@ -408,8 +408,10 @@ def signature(node: Node) -> str:
             continue
         if len(p) == 3 and p[2] is NUMBER:  # a Python number read as a device scalar (tree/host_scalars.py)
             parts.append(f"{'float' if p[1] is torch.float64 else 'int'} (device scalar)")
-        elif len(p) == 3:  # tensor: (shape, dtype, stride); stride None: a 0-dim CPU tensor
-            parts.append(f"{'cpu ' if p[2] is None else ''}{str(p[1]).replace('torch.', '')}{list(p[0])}")
+        elif len(p) == 3 or (len(p) == 4 and isinstance(p[1], torch.dtype)):  # tensor: (shape, dtype, stride[, bits])
+            bits = p[3] if len(p) == 4 else 0
+            lazy = ("conj " if bits & _torch.CONJ else "") + ("neg " if bits & _torch.NEG else "")
+            parts.append(f"{'cpu ' if p[2] is None else ''}{lazy}{str(p[1]).replace('torch.', '')}{list(p[0])}")
         elif p[0] == "training":  # a graphed module's mode
             parts.append("train" if p[1] else "eval")
         elif p[0] == "keywords":  # the last len(names) leaves were passed by keyword

@@ -65,6 +65,7 @@ class InputPlan:
         relaid: tuple[int, ...] = (),
         host: tuple[int, ...] = (),
         numbers: tuple[int, ...] = (),
+        lazy: dict[int, int] | None = None,
     ) -> None:
         self.inplace_idx = inplace_idx
         self.inplace_ptrs = inplace_ptrs  # aligned with the leaves; 0 elsewhere
@@ -76,6 +77,7 @@ class InputPlan:
         self.device = device
         self.relaid = relaid  # copied inputs whose placeholder is dense where the input is not (expanded)
         self.host = host  # 0-dim CPU tensors and Python numbers: their placeholders are filled with their values
+        self.lazy = lazy or {}  # leaf -> lazy bits: copied as memory (the bits flipped off), read with the bits
         self._fills = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i in host]
         copies = [(ph, i) for ph, i in zip(placeholders, copy_idx) if i not in host]  # the device copies
         self._copies = ([ph for ph, _ in copies], [i for _, i in copies])
@@ -88,7 +90,7 @@ class InputPlan:
         """The copy-in as one native call (``_native`` ``copy_in``): the 0-dim CPU tensors' fills
         (left to ``fill_``), then the contiguous copies and the Python numbers' writes, flattened;
         None where the Python path must do it (padding, an expanded input, nothing to copy)."""
-        if self.padded or self.relaid or not (copies or numbers):
+        if self.padded or self.relaid or self.lazy or not (copies or numbers):
             return None
         if any(not ph.is_contiguous() or not ph.numel() for ph, _ in copies):
             return None
@@ -98,7 +100,7 @@ class InputPlan:
         return tensor_fills, flat_copies, writes
 
     def _raw_copy(self) -> RawCopy | None:
-        if len(self.copy_idx) != 1 or self.padded or self.relaid or self.host:
+        if len(self.copy_idx) != 1 or self.padded or self.relaid or self.host or self.lazy:
             return None
         ph = self.placeholders[0]
         # The key fixes shape, dtype and strides: a contiguous placeholder means a contiguous input.
@@ -115,7 +117,9 @@ class InputPlan:
         (``cudaMemcpyAsync`` each, ``cuStreamWriteValue64`` for a number: no kernel).
 
         An input with its conjugate or negative bit set (``torch.conj``'s lazy view) holds its
-        values unconjugated in memory: only ``Tensor.copy_`` resolves it, never a raw copy."""
+        values unconjugated in memory. Its recording reads a placeholder with the same bits
+        (``lazy``): its memory is copied as it is, with the bits flipped off the source. A raw
+        copy never meets one it was not planned for (its key would differ); it checks anyway."""
         plan, native = self._native, _native.loaded
         if plan is not None and native is not None:
             tensor_fills, copies, writes = plan
@@ -134,8 +138,11 @@ class InputPlan:
         placeholders, copy_idx = self._copies
         if not copy_idx:
             return
+        lazy = self.lazy
         if not self.padded or n == self.bucket:
-            if len(copy_idx) == 1:
+            if lazy:
+                _torch.foreach_copy(placeholders, [_torch.flip_bits(leaves[i], lazy.get(i, 0)) for i in copy_idx])
+            elif len(copy_idx) == 1:
                 placeholders[0].copy_(leaves[copy_idx[0]])
             else:
                 _torch.foreach_copy(placeholders, [leaves[i] for i in copy_idx])
@@ -146,7 +153,7 @@ class InputPlan:
                 ph.narrow(self.pad_dim, n, self.bucket - n).zero_()
                 ph = ph.narrow(self.pad_dim, 0, n)
             dsts.append(ph)
-            srcs.append(leaves[i])
+            srcs.append(_torch.flip_bits(leaves[i], lazy[i]) if i in lazy else leaves[i])
         _torch.foreach_copy(dsts, srcs)
 
 
@@ -171,6 +178,7 @@ def place_inputs(
     relaid: list[int] = []  # copied inputs whose placeholder is laid out unlike the input
     host: list[int] = []  # 0-dim CPU tensors (stride None: inputs.read_call) and Python numbers (NUMBER)
     numbers: list[int] = []  # the Python numbers among them
+    lazy: dict[int, int] = {}  # copied inputs with lazy bits: the placeholder holds their memory as it is
     graph_leaves = list(leaves)
     for i, x in enumerate(leaves):
         if not isinstance(x, _Tensor):
@@ -182,7 +190,8 @@ def place_inputs(
             inplace_idx.append(i)
             inplace_ptrs[i] = x.data_ptr()
             continue
-        shape, dtype, stride = call.key[i]
+        shape, dtype, stride = call.key[i][:3]
+        bits = call.key[i][3] if len(call.key[i]) == 4 else 0  # a conjugate or negative view (inputs._tensor_part)
         if stride is None or stride is NUMBER:  # a 0-dim CPU tensor or a Python number: a device scalar
             ph = torch.empty(shape, dtype=dtype, device=dev)
             host.append(i)
@@ -196,7 +205,9 @@ def place_inputs(
         else:
             ph = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
         owning.append(ph)
-        graph_leaves[i] = ph
+        graph_leaves[i] = _torch.flip_bits(ph, bits) if bits else ph  # (the capture's kernels are eager's)
+        if bits:
+            lazy[i] = bits
         copy_idx.append(i)
         storage = ph.untyped_storage()
         views.append(_torch.tensor_on(_torch.meta_of(ph), _torch.storage_at(storage.data_ptr(), dev, storage.nbytes())))
@@ -212,6 +223,7 @@ def place_inputs(
         relaid=tuple(relaid),
         host=tuple(host),
         numbers=tuple(numbers),
+        lazy=lazy,
     )
     return plan, graph_leaves, owning
 
