@@ -90,6 +90,28 @@ def test_the_ambient_state_is_part_of_the_key_of_a_call(monkeypatch):
     assert seen[1][0] == "x" and seen[1][1] != seen[0][1]
 
 
+def test_a_global_the_function_reads_is_part_of_the_key_of_a_call(monkeypatch):
+    from graphtree.tree import graphed as graphed_module
+    from graphtree.tree.inputs import Call
+
+    seen = []
+    monkeypatch.setattr(graphed_module, "_cuda_ok", True)
+    monkeypatch.setattr(graphed_module, "read_call", lambda a, k, b: Call(a, None, ("x",), 0, False, -1, -1, (), 1))
+    monkeypatch.setattr(graphed_module._manager, "run", lambda gc_, call, device: seen.append(call.key))
+    g = graphtree.graphed(_times_factor)
+    g("s")
+    monkeypatch.setitem(globals(), "FACTOR", 3)
+    g("s")
+    assert seen[0][-1] == ("reads", (("FACTOR", int, 2),)) and seen[1][-1] == ("reads", (("FACTOR", int, 3),))
+
+
+FACTOR = 2
+
+
+def _times_factor(x):
+    return x * FACTOR
+
+
 def test_tensor_kinds_a_graph_cannot_take_are_named():
     dense = torch.zeros(3)
     assert tensor_kind(dense) is None

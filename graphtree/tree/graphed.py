@@ -37,7 +37,7 @@ from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, rele
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
-from graphtree.tree.reach import Reach
+from graphtree.tree.reach import FreeValues, Reach
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
 
@@ -169,6 +169,7 @@ class GraphedCallable:
         self.numbers = Numbers(self.id)
         self._kept_state: dict[Any, int] = {}
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
+        self._free = FreeValues(fn)  # the plain values its code reads from globals and closures (keyed per call)
         self._module = self._reach.module
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
@@ -273,6 +274,7 @@ class GraphedCallable:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
+        reads = self._free.part()  # plain values its code reads from globals and closures: a graph's constants
         if (
             torch.is_grad_enabled()
             and not self._grad_off_inside
@@ -280,15 +282,17 @@ class GraphedCallable:
         ):
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
-            return self._autograd(self.fn, args, kwargs, (call.key, _state()), self._eager)
+            return self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
-        # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so is a module's train()
-        # or eval() (dropout, batch norm).
+        # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so are a module's train()
+        # or eval() (dropout, batch norm) and the plain values the code reads (reach.py).
         if self._module is not None:
             call.key = (*call.key, _state(), ("training", self._module.training))
         else:
             call.key = (*call.key, _state())
+        if reads is not None:
+            call.key = (*call.key, reads)
         if self._step is not None and self._step.trains:  # gradients present, optimizers' settings
             call.key = (*call.key, self._step.key(call.leaves))
         device = call.device

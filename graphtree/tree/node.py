@@ -403,8 +403,12 @@ def signature(node: Node) -> str:
     """A recording as people read it: its function and the call's signature, e.g. ``step(float32[4, 8], 2)``
     (for messages, ``describe()`` and the replay-error explanation)."""
     parts: list[str] = []
+    reads = ""
     for p in node.key[1]:
         if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
+            continue
+        if p[0] == "reads":  # plain values its code reads from globals and closures (tree/reach.py)
+            reads = " [" + ", ".join(f"{n}={v!r}" for n, _, v in p[1]) + "]"
             continue
         if len(p) == 3 and p[2] is NUMBER:  # a Python number read as a device scalar (tree/host_scalars.py)
             parts.append(f"{'float' if p[1] is torch.float64 else 'int'} (device scalar)")
@@ -423,4 +427,4 @@ def signature(node: Node) -> str:
             parts.append(repr(p[1]))
         else:  # an object argument: its type (its state is in the key, too long to show)
             parts.append(p[0].__name__ if isinstance(p[0], type) else "?")
-    return f"{node.name}(" + ", ".join(parts) + ")"
+    return f"{node.name}(" + ", ".join(parts) + ")" + reads

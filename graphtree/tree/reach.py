@@ -1,5 +1,6 @@
-"""What a graphed callable reads besides its arguments: the module it belongs to, and the tensors its
-closure holds, which its graphs read in place.
+"""What a graphed callable reads besides its arguments: the module it belongs to, the tensors its
+closure holds, which its graphs read in place, and the plain values its code reads from its globals
+and closure, which its graphs hold as constants.
 
 A closure's cell can be rebound between calls (``w = new_w`` in the enclosing function): the graphs
 recorded with the old tensor would read it, or its freed memory, where eager reads the new one.
@@ -7,22 +8,32 @@ recorded with the old tensor would read it, or its freed memory, where eager rea
 tensor, says so (``inputs.statics_replaced``): every recording checks the state it reads in place
 before its next replay, and those made with the old tensor no longer fit.
 
+A plain value (a number, a bool, a string, ``None``, a dtype, a device) that the code reads from a
+global or a closure cell is baked into the graph: ``x * SCALE`` recorded with ``SCALE = 2.0``
+replayed ``x * 2.0`` after ``SCALE = 3.0``. :class:`FreeValues` reads them at each call, as
+``torch.compile`` guards on them, and they are part of the call's key: a new value is a new
+signature (one recording per value), never a stale one.
+
 Example::
 
     reach = Reach(fn)
     reach.module, reach.tensors     # the module in its closure (or that it is), its closure's tensors
     reach.follow()                  # at each call: a cell rebound is seen
+    FreeValues(fn).part()           # at each call: the plain values the code reads, for the key
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from graphtree.tree.inputs import statics_replaced
+from graphtree.tree.inputs import PLAIN_TYPES, statics_replaced
 
 
 class Reach:
@@ -67,3 +78,122 @@ def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
             yield cell, cell.cell_contents
         except ValueError:
             continue
+
+
+_PLAIN_SET = frozenset(PLAIN_TYPES)
+_LIBRARIES = frozenset({"torch", "transformers", "graphtree", "numpy", "triton", "accelerate", "timm", "torchvision"})
+_MAX_FUNCTIONS = 64  # functions walked per graphed callable (its own, those it calls by global name)
+_MAX_DEPTH = 3  # calls deep
+_MISSING = object()  # a global deleted since
+
+
+class FreeValues:
+    """The plain values ``fn``'s code reads from its globals and closure cells, and those of the
+    functions it calls by global name (its own code: not torch's, transformers' or other libraries'),
+    as a key part. Only names whose value is plain when first read are followed (tensors are
+    externals, read in place; modules and functions are code). Costs nothing for a callable
+    that reads none (a library's module: an HF model's forward)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._sources = _sources(fn)  # (globals, names, cells) of each function walked
+        self._pairs: list[tuple[dict[str, Any], str]] | None = None  # the globals followed, once resolved
+        self._cells: list[tuple[Any, str]] = []  # the closure cells followed, by variable name
+        self._last: list[Any] = []
+        self._part: tuple[Any, ...] | None = None
+
+    def part(self) -> tuple[Any, ...] | None:
+        """``("reads", ((name, type, value), ...))`` for the values read now, or None if none is read.
+        The same part object while no value changed (one identity check per value)."""
+        if self._pairs is None:
+            self._resolve()
+        pairs, cells = self._pairs, self._cells
+        if not pairs and not cells:
+            return None
+        now = [d.get(n, _MISSING) for d, n in pairs]  # type: ignore[union-attr]
+        if cells:
+            now.extend(_content(c) for c, _ in cells)
+        last = self._last
+        if len(now) == len(last) and all(map(operator.is_, now, last)):
+            return self._part
+        names = [n for _, n in pairs] + [n for _, n in cells]  # type: ignore[union-attr]
+        self._last = now
+        self._part = ("reads", tuple(_value_part(n, v) for n, v in zip(names, now)))
+        return self._part
+
+    def _resolve(self) -> None:
+        """Follow the names whose value is plain now (at the first call: globals defined after the
+        function are there by then)."""
+        pairs: list[tuple[dict[str, Any], str]] = []
+        seen: set[tuple[int, str]] = set()
+        for env, names, cells in self._sources:
+            for n in sorted(names):
+                if type(env.get(n, _MISSING)) in _PLAIN_SET and (id(env), n) not in seen:
+                    seen.add((id(env), n))
+                    pairs.append((env, n))
+            self._cells.extend((c, n) for c, n in cells if type(_content(c)) in _PLAIN_SET)
+        self._pairs = pairs
+
+
+def _value_part(name: str, v: Any) -> tuple[Any, ...]:
+    """A value's key part: by type and value where plain (``1``, ``1.0`` and ``True`` differ), by
+    type and identity otherwise (a name rebound to an object: hashable whatever it is)."""
+    return (name, type(v), v) if type(v) in _PLAIN_SET else (name, type(v), id(v))
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return _MISSING
+
+
+def _function(fn: Any) -> types.FunctionType | None:
+    """The Python function whose code ``fn`` runs (a module's forward, a method's, a partial's)."""
+    for _ in range(4):
+        if isinstance(fn, types.FunctionType):
+            return fn
+        if isinstance(fn, torch.nn.Module):
+            fn = type(fn).forward
+        elif inspect.ismethod(fn):
+            fn = fn.__func__
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+        else:
+            return None
+    return None
+
+
+def _library(f: types.FunctionType) -> bool:
+    return (getattr(f, "__module__", None) or "").partition(".")[0] in _LIBRARIES
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global names a code object and those nested in it (lambdas, comprehensions) may read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _sources(fn: Any) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]]:
+    """For ``fn``'s function and those its code calls by global name (not libraries', at most
+    :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS` in all): its globals, the names its
+    code reads and its closure's cells."""
+    out: list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]] = []
+    first = _function(fn)
+    todo = [(first, 0)] if first is not None and not _library(first) else []
+    walked: set[int] = set()
+    while todo and len(walked) < _MAX_FUNCTIONS:
+        f, depth = todo.pop()
+        if id(f) in walked:
+            continue
+        walked.add(id(f))
+        names = _code_names(f.__code__)
+        cells = list(zip(f.__closure__ or (), f.__code__.co_freevars))
+        out.append((f.__globals__, names, [(c, n) for c, n in cells]))
+        if depth < _MAX_DEPTH:
+            for v in [f.__globals__.get(n) for n in names] + [_content(c) for c, _ in cells]:
+                if isinstance(v, types.FunctionType) and not _library(v):
+                    todo.append((v, depth + 1))
+    return out

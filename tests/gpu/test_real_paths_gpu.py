@@ -427,3 +427,37 @@ def test_a_deep_copy_of_a_graphed_module_records_its_own_and_replays():
         torch.testing.assert_close(b, ema.graphed_callable.fn(x))
     assert not torch.equal(a, b)
     assert graphtree.stats().recordings >= 2 and graphtree.stats().replays >= 3, graphtree.stats()
+
+
+SCALE = 2.0  # a setting the graphed code reads as a global (tests below rebind it)
+
+
+def _scaled_relu(x):
+    return torch.relu(x) * SCALE
+
+
+def test_a_global_or_closure_value_the_code_reads_is_never_replayed_stale():
+    # A graph holds `SCALE` as a constant: recorded at 2.0, it replayed x * 2.0 after SCALE = 3.0
+    # (the key held the arguments only; torch.compile guards on such globals).
+    global SCALE
+    g = graphtree.graphed(_scaled_relu)
+    x = torch.randn(64, device=DEV)
+    try:
+        for value in (2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 2.0):
+            SCALE = value
+            graphtree.mark_step()
+            assert torch.equal(g(x), _scaled_relu(x)), value
+    finally:
+        SCALE = 2.0
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+    offset = 1
+
+    def shifted(x):
+        return x + offset
+
+    h = graphtree.graphed(shifted)
+    for value in (1, 1, 1, 5, 5):
+        offset = value
+        graphtree.mark_step()
+        assert torch.equal(h(x), x + value), value

@@ -1,0 +1,81 @@
+"""The plain values a graphed function's code reads from its globals and closure are part of each
+call's key (tree/reach.py, FreeValues): a graph holds them as constants, so ``x * SCALE`` recorded
+with ``SCALE = 2.0`` must not be replayed after ``SCALE = 3.0``."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from graphtree.tree.node import signature
+from graphtree.tree.reach import FreeValues
+
+SCALE = 2.0
+FLAG = True
+NAME = "relu"
+W = torch.ones(3)  # (a tensor: read in place as an external, not keyed)
+
+
+def _helper(x):
+    return x + OFFSET  # (defined below the function: read at the first call)
+
+
+def scaled(x):
+    y = _helper(x) * SCALE
+    return y if FLAG else -y
+
+
+OFFSET = 1
+
+
+def _values(part):
+    return {n: v for n, _, v in part[1]}
+
+
+def test_a_global_read_by_the_code_or_a_helper_it_calls_is_keyed_by_type_and_value(monkeypatch):
+    free = FreeValues(scaled)
+    first = free.part()
+    assert _values(first) == {"SCALE": 2.0, "FLAG": True, "OFFSET": 1}  # (not W, F or the helper)
+    assert free.part() is first  # nothing changed: the same part, one identity check per value
+    monkeypatch.setitem(globals(), "SCALE", 3.0)
+    assert _values(free.part())["SCALE"] == 3.0
+    monkeypatch.setitem(globals(), "OFFSET", True)  # equal to 1 in Python, not in a graph
+    part = free.part()
+    assert ("OFFSET", bool, True) in part[1] and part != first
+    monkeypatch.setitem(globals(), "OFFSET", torch.zeros(()))  # rebound to an object: by identity
+    assert any(n == "OFFSET" and t is torch.Tensor for n, t, _ in free.part()[1])
+
+
+def test_closure_cells_lambdas_and_module_forwards_are_followed():
+    k = 3
+
+    def f(x):
+        return [x * k for _ in range(2)]
+
+    free = FreeValues(f)
+    assert _values(free.part()) == {"k": 3}
+    k = 4  # (the cell is rebound: the next call reads 4)
+    assert _values(free.part()) == {"k": 4}
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return getattr(F, NAME)(x) * SCALE
+
+    assert set(_values(FreeValues(Net()).part())) == {"NAME", "SCALE"}
+    assert set(_values(FreeValues(functools.partial(scaled, 1)).part())) == {"SCALE", "FLAG", "OFFSET"}
+
+
+def test_library_code_and_code_without_plain_reads_cost_nothing():
+    assert FreeValues(torch.nn.Linear(2, 2)).part() is None  # (torch's own forward)
+    assert FreeValues(lambda x: x * W).part() is None
+    assert FreeValues(torch.sin).part() is None
+
+
+def test_a_recordings_signature_shows_the_values_it_was_recorded_with():
+    class _Node:
+        name = "scaled"
+        key = (0, (((4,), torch.float32, (1,)), FreeValues(scaled).part()))
+
+    assert signature(_Node()) == "scaled(float32[4]) [FLAG=True, SCALE=2.0, OFFSET=1]"  # type: ignore[arg-type]
