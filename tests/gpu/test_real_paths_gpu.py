@@ -437,8 +437,9 @@ def _scaled_relu(x):
 
 
 def test_a_global_or_closure_value_the_code_reads_is_never_replayed_stale():
-    # A graph holds `SCALE` as a constant: recorded at 2.0, it replayed x * 2.0 after SCALE = 3.0
-    # (the key held the arguments only; torch.compile guards on such globals).
+    # A graph holds `SCALE` as a constant: the key held the arguments only, so a recording made at
+    # 2.0 would replay x * 2.0 after SCALE = 3.0 (found reading the code; torch.compile guards on
+    # such globals).
     global SCALE
     g = graphtree.graphed(_scaled_relu)
     x = torch.randn(64, device=DEV)
