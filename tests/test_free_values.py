@@ -71,6 +71,24 @@ def test_library_code_and_code_without_plain_reads_cost_nothing():
     assert FreeValues(torch.nn.Linear(2, 2)).part() is None  # (torch's own forward)
     assert FreeValues(lambda x: x * W).part() is None
     assert FreeValues(torch.sin).part() is None
+    assert FreeValues(functools.partial(functools.reduce, max)).part() is None  # (the standard library's)
+
+
+def test_a_compiled_helper_is_read_through_to_its_own_code():
+    # torch.compile(h) is dynamo's wrapper (its globals are torch's), with h as __wrapped__: dynamo
+    # guards on SCALE and recompiles when it changes; a graph around the compiled kernels must not
+    # replay the old constant either (issue 46, "never a stale kernel replayed")
+    helper = torch.compile(_helper_scaled, backend="eager")
+
+    def calls_it(x):
+        return helper(x) + 1
+
+    assert set(_values(FreeValues(helper).part())) == {"SCALE"}
+    assert set(_values(FreeValues(calls_it).part())) == {"SCALE"}
+
+
+def _helper_scaled(x):
+    return x * SCALE
 
 
 def test_a_recordings_signature_shows_the_values_it_was_recorded_with():

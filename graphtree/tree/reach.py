@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import os
+import sysconfig
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -81,7 +83,6 @@ def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
 
 
 _PLAIN_SET = frozenset(PLAIN_TYPES)
-_LIBRARIES = frozenset({"torch", "transformers", "graphtree", "numpy", "triton", "accelerate", "timm", "torchvision"})
 _MAX_FUNCTIONS = 64  # functions walked per graphed callable (its own, those it calls by global name)
 _MAX_DEPTH = 3  # calls deep
 _MISSING = object()  # a global deleted since
@@ -89,8 +90,9 @@ _MISSING = object()  # a global deleted since
 
 class FreeValues:
     """The plain values ``fn``'s code reads from its globals and closure cells, and those of the
-    functions it calls by global name (its own code: not torch's, transformers' or other libraries'),
-    as a key part. Only names whose value is plain when first read are followed (tensors are
+    functions it calls by global name (the user's code, not installed code: torch, transformers, the
+    standard library), as a key part. A decorated function (``torch.compile``, ``functools.wraps``)
+    is read through to the function it wraps. Only names whose value is plain when first read are followed (tensors are
     externals, read in place; modules and functions are code). Costs nothing for a callable
     that reads none (a library's module: an HF model's forward)."""
 
@@ -148,11 +150,15 @@ def _content(cell: Any) -> Any:
 
 
 def _function(fn: Any) -> types.FunctionType | None:
-    """The Python function whose code ``fn`` runs (a module's forward, a method's, a partial's)."""
-    for _ in range(4):
+    """The Python function whose code ``fn`` runs (a module's forward, a method's, a partial's, the
+    function a decorator such as ``torch.compile`` wraps)."""
+    for _ in range(8):
         if isinstance(fn, types.FunctionType):
-            return fn
-        if isinstance(fn, torch.nn.Module):
+            wrapped = getattr(fn, "__wrapped__", None)  # (functools.wraps: torch.compile's, a decorator's)
+            if wrapped is None:
+                return fn
+            fn = wrapped
+        elif isinstance(fn, torch.nn.Module):
             fn = type(fn).forward
         elif inspect.ismethod(fn):
             fn = fn.__func__
@@ -163,8 +169,19 @@ def _function(fn: Any) -> types.FunctionType | None:
     return None
 
 
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Where installed code lives (the standard library, site-packages) and graphtree itself."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+    roots |= {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # (graphtree's package)
+    return tuple(os.path.join(r, "") for r in roots)
+
+
 def _library(f: types.FunctionType) -> bool:
-    return (getattr(f, "__module__", None) or "").partition(".")[0] in _LIBRARIES
+    """Whether ``f`` is installed code (torch, transformers, the standard library), not the user's:
+    its globals are the library's, and its reads are not followed."""
+    return os.path.abspath(f.__code__.co_filename).startswith(_library_roots())
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -194,6 +211,7 @@ def _sources(fn: Any) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, st
         out.append((f.__globals__, names, [(c, n) for c, n in cells]))
         if depth < _MAX_DEPTH:
             for v in [f.__globals__.get(n) for n in names] + [_content(c) for c, _ in cells]:
-                if isinstance(v, types.FunctionType) and not _library(v):
-                    todo.append((v, depth + 1))
+                g = _function(v) if isinstance(v, types.FunctionType) else None
+                if g is not None and not _library(g):
+                    todo.append((g, depth + 1))
     return out

@@ -1,22 +1,26 @@
 """torch.compile inside a graphed call (issue 46, item 2): a helper compiled on the graphed call's
 first call is recorded once compiled, not run eagerly for good with the compiler's host syncs
-given as the function's ("`TensorBase.matmul` synchronizes with the host", on an H200 before)."""
+given as the function's ("`TensorBase.matmul` synchronizes with the host", on an H200 before),
+and a recompile (a new shape, a changed global the helper reads) is never replayed stale."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import graphtree
 
 DEV = "cuda"
+SCALE = 2.0  # read by the compiled helper below (the test rebinds it)
 
 
-def test_a_helper_compiled_inside_the_first_graphed_call_is_recorded_after_its_compile():
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_a_helper_compiled_inside_the_first_graphed_call_is_recorded_after_its_compile(mode):
     torch._dynamo.reset()
     torch.manual_seed(0)
     w = torch.randn(64, 64, device=DEV)
 
-    @torch.compile  # inductor's kernels, no CUDA graphs of its own (mode="default")
+    @torch.compile(mode=mode)  # inductor's kernels, no CUDA graphs of its own
     def helper(x):
         return torch.relu(x @ w) * 2
 
@@ -32,3 +36,31 @@ def test_a_helper_compiled_inside_the_first_graphed_call_is_recorded_after_its_c
     assert not s.eager, s
     assert s.recordings == 1 and s.replays >= 3, s  # warmed up twice: compiling, then compiled
     torch._dynamo.reset()
+
+
+def _scaled(x):
+    return torch.relu(x) * SCALE
+
+
+def test_a_recompile_for_a_new_shape_or_a_changed_global_is_never_replayed_stale():
+    global SCALE
+    torch._dynamo.reset()
+    helper = torch.compile(_scaled)  # dynamo guards on SCALE: a new value recompiles
+
+    def f(x):
+        return helper(x) - 1
+
+    g = graphtree.graphed(f)
+    try:
+        for value, n in ((2.0, 8), (2.0, 8), (2.0, 8), (3.0, 8), (3.0, 8), (3.0, 16), (3.0, 16), (2.0, 8)):
+            SCALE = value
+            graphtree.mark_step()
+            x = torch.randn(n, 64, device=DEV)
+            want = f(x)  # (eager: the compiled helper as dynamo runs it now, recompiled for the new value)
+            assert torch.equal(g(x), want), (value, n)
+            torch.testing.assert_close(want, torch.relu(x) * value - 1)
+    finally:
+        SCALE = 2.0
+        torch._dynamo.reset()
+    s = graphtree.stats()
+    assert not s.eager and s.recordings == 3 and s.replays >= 2, s  # (2.0, 8), (3.0, 8), (3.0, 16)
