@@ -97,3 +97,42 @@ def test_a_recordings_signature_shows_the_values_it_was_recorded_with():
         key = (0, (((4,), torch.float32, (1,)), FreeValues(scaled).part()))
 
     assert signature(_Node()) == "scaled(float32[4]) [FLAG=True, SCALE=2.0, OFFSET=1]"  # type: ignore[arg-type]
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temperature = 1.0
+        self.proj = torch.nn.Linear(2, 2)  # (torch's class: its attributes are not followed)
+
+    def forward(self, x):
+        return self.proj(x) / self.temperature
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2
+        self.calls = 0
+        self.head = _Head()
+
+    def forward(self, x):
+        self.calls += 1  # (its own state: a recording of it fails, with the reason)
+        return self.head(x) * self.scale
+
+
+def test_a_user_modules_plain_attributes_are_keyed_but_those_the_call_changes():
+    model = _Model()
+    free = FreeValues(model, model)
+    values = _values(free.part())
+    assert values == {"self.scale": 2, "self.calls": 0, "self.head.training": True, "self.head.temperature": 1.0}
+    model.head.temperature = 0.5  # a setting changed between calls: a new signature
+    assert _values(free.part())["self.head.temperature"] == 0.5
+    model.head.eval()  # (a submodule's mode; the module's own `training` is keyed apart)
+    assert _values(free.part())["self.head.training"] is False
+    model(torch.ones(1, 2))  # the call changes `calls`: its state, no longer followed
+    free.after_call()
+    assert "self.calls" not in _values(free.part()) and free.follows_modules
+    free.after_call()  # (nothing changed since: nothing dropped)
+    assert set(_values(free.part())) == {"self.scale", "self.head.training", "self.head.temperature"}
+    assert FreeValues(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).part() is None

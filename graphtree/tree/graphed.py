@@ -169,8 +169,8 @@ class GraphedCallable:
         self.numbers = Numbers(self.id)
         self._kept_state: dict[Any, int] = {}
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
-        self._free = FreeValues(fn)  # the plain values its code reads from globals and closures (keyed per call)
         self._module = self._reach.module
+        self._free = FreeValues(fn, self._module)  # plain values it reads besides its arguments (keyed per call)
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
@@ -282,7 +282,10 @@ class GraphedCallable:
         ):
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
-            return self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
+            out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
+            if self._free.follows_modules:
+                self._free.after_call()
+            return out
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
         # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so are a module's train()
@@ -300,7 +303,10 @@ class GraphedCallable:
             device = self._state_device()
             if device < 0:
                 return self._eager(args, kwargs, "no CUDA tensors in the call")
-        return _manager.run(self, call, device)
+        out = _manager.run(self, call, device)
+        if self._free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
+            self._free.after_call()
+        return out
 
     def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         snapshots = self._snapshots

@@ -28,6 +28,7 @@ import functools
 import inspect
 import operator
 import os
+import sys
 import sysconfig
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -89,51 +90,102 @@ _MISSING = object()  # a global deleted since
 
 
 class FreeValues:
-    """The plain values ``fn``'s code reads from its globals and closure cells, and those of the
-    functions it calls by global name (the user's code, not installed code: torch, transformers, the
-    standard library), as a key part. A decorated function (``torch.compile``, ``functools.wraps``)
-    is read through to the function it wraps. Only names whose value is plain when first read are followed (tensors are
-    externals, read in place; modules and functions are code). Costs nothing for a callable
+    """The plain values a graphed callable reads besides its arguments, as a key part:
+
+    - those ``fn``'s code reads from its globals and closure cells, and those of the functions it
+      calls by global name (the user's code, not installed code: torch, transformers, the standard
+      library); a decorated function (``torch.compile``, ``functools.wraps``) is read through to the
+      function it wraps;
+    - the plain attributes of ``module`` and of its submodules whose classes are the user's
+      (``self.scale``, ``self.head.temperature``, a submodule's ``training``), but the module's own
+      ``training``, keyed already.
+
+    Only names whose value is plain when first read are followed (tensors are externals, read in
+    place; modules and functions are code). A module attribute the call itself changes is the
+    call's state, not a setting: it is no longer followed (:meth:`after_call`), and a recording of
+    such a call fails with the reason (``writes.module_changes``). Costs nothing for a callable
     that reads none (a library's module: an HF model's forward)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._sources = _sources(fn)  # (globals, names, cells) of each function walked
-        self._pairs: list[tuple[dict[str, Any], str]] | None = None  # the globals followed, once resolved
+        self._module = module
+        self._reads: list[tuple[dict[str, Any], str, str]] | None = None  # (namespace, name, label), once resolved
+        self._own = 0  # the first _own reads are module attributes
         self._cells: list[tuple[Any, str]] = []  # the closure cells followed, by variable name
         self._last: list[Any] = []
         self._part: tuple[Any, ...] | None = None
 
+    @property
+    def follows_modules(self) -> bool:
+        """Whether it follows module attributes (:meth:`after_call` then has something to do)."""
+        return self._own > 0
+
     def part(self) -> tuple[Any, ...] | None:
         """``("reads", ((name, type, value), ...))`` for the values read now, or None if none is read.
         The same part object while no value changed (one identity check per value)."""
-        if self._pairs is None:
+        if self._reads is None:
             self._resolve()
-        pairs, cells = self._pairs, self._cells
-        if not pairs and not cells:
+        reads, cells = self._reads, self._cells
+        if not reads and not cells:
             return None
-        now = [d.get(n, _MISSING) for d, n in pairs]  # type: ignore[union-attr]
+        now = [d.get(n, _MISSING) for d, n, _ in reads]  # type: ignore[union-attr]
         if cells:
             now.extend(_content(c) for c, _ in cells)
         last = self._last
         if len(now) == len(last) and all(map(operator.is_, now, last)):
             return self._part
-        names = [n for _, n in pairs] + [n for _, n in cells]  # type: ignore[union-attr]
+        labels = [label for _, _, label in reads] + [n for _, n in cells]  # type: ignore[union-attr]
         self._last = now
-        self._part = ("reads", tuple(_value_part(n, v) for n, v in zip(names, now)))
+        self._part = ("reads", tuple(_value_part(n, v) for n, v in zip(labels, now)))
         return self._part
+
+    def after_call(self) -> None:
+        """Stop following the module attributes the call just changed (a replay changes none)."""
+        reads, last = self._reads or [], self._last
+        changed = [i for i in range(self._own) if reads[i][0].get(reads[i][1], _MISSING) is not last[i]]
+        if changed:
+            self._reads = [r for i, r in enumerate(reads) if i not in changed]
+            self._own -= len(changed)
+            self._last = []  # (the next part() is built anew)
 
     def _resolve(self) -> None:
         """Follow the names whose value is plain now (at the first call: globals defined after the
         function are there by then)."""
-        pairs: list[tuple[dict[str, Any], str]] = []
+        reads = _module_reads(self._module) if self._module is not None else []
+        self._own = len(reads)
         seen: set[tuple[int, str]] = set()
         for env, names, cells in self._sources:
             for n in sorted(names):
                 if type(env.get(n, _MISSING)) in _PLAIN_SET and (id(env), n) not in seen:
                     seen.add((id(env), n))
-                    pairs.append((env, n))
+                    reads.append((env, n, n))
             self._cells.extend((c, n) for c, n in cells if type(_content(c)) in _PLAIN_SET)
-        self._pairs = pairs
+        self._reads = reads
+
+
+def _module_reads(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, str]]:
+    """The plain attributes of ``module`` and its submodules whose classes are the user's code."""
+    out = []
+    for path, sub in module.named_modules():
+        if not _user_class(type(sub)):
+            continue
+        for name, v in vars(sub).items():
+            if type(v) in _PLAIN_SET and name not in _module_internals() and (sub is not module or name != "training"):
+                out.append((vars(sub), name, f"self.{path + '.' if path else ''}{name}"))
+    return out
+
+
+@functools.cache
+def _module_internals() -> frozenset[str]:
+    """What ``nn.Module.__init__`` itself sets (hook bookkeeping), but ``training``."""
+    return frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+def _user_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in the user's code (a script, a notebook, a project's module)."""
+    module = sys.modules.get(cls.__module__)
+    file = getattr(module, "__file__", None)
+    return file is None or not os.path.abspath(file).startswith(_library_roots())
 
 
 def _value_part(name: str, v: Any) -> tuple[Any, ...]:

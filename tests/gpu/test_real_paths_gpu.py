@@ -462,3 +462,28 @@ def test_a_global_or_closure_value_the_code_reads_is_never_replayed_stale():
         offset = value
         graphtree.mark_step()
         assert torch.equal(h(x), x + value), value
+
+
+class _Sampler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.temperature = 1.0  # a setting the caller changes between calls
+
+    def forward(self, x):
+        return torch.softmax(self.lin(x) / self.temperature, dim=-1)
+
+
+def test_a_plain_attribute_of_a_graphed_module_set_between_calls_is_never_replayed_stale():
+    # The key held the module's identity and `training` only (found reading the code): a recording
+    # made at temperature 1.0 would replay it after `model.temperature = 0.5`.
+    model = _Sampler().to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+    with torch.no_grad():
+        for t in (1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 1.0):
+            model.temperature = t
+            graphtree.mark_step()
+            assert torch.equal(g(x), model(x)), t
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
