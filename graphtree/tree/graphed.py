@@ -274,7 +274,8 @@ class GraphedCallable:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
-        reads = self._free.part()  # plain values its code reads from globals and closures: a graph's constants
+        free = self._free  # plain values it reads besides its arguments: a graph's constants (reach.py)
+        reads = free.part() if free.active else None
         if (
             torch.is_grad_enabled()
             and not self._grad_off_inside

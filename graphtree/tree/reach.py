@@ -114,11 +114,8 @@ class FreeValues:
         self._cells: list[tuple[Any, str]] = []  # the closure cells followed, by variable name
         self._last: list[Any] = []
         self._part: tuple[Any, ...] | None = None
-
-    @property
-    def follows_modules(self) -> bool:
-        """Whether it follows module attributes (:meth:`after_call` then has something to do)."""
-        return self._own > 0
+        self.active = True  # whether part() may return a part (False once it found nothing to follow)
+        self.follows_modules = False  # whether it follows module attributes (after_call has work)
 
     def part(self) -> tuple[Any, ...] | None:
         """``("reads", ((name, type, value), ...))`` for the values read now, or None if none is read.
@@ -147,6 +144,7 @@ class FreeValues:
             self._reads = [r for i, r in enumerate(reads) if i not in changed]
             self._own -= len(changed)
             self._last = []  # (the next part() is built anew)
+            self.follows_modules = self._own > 0
 
     def _resolve(self) -> None:
         """Follow the names whose value is plain now (at the first call: globals defined after the
@@ -161,6 +159,8 @@ class FreeValues:
                     reads.append((env, n, n))
             self._cells.extend((c, n) for c, n in cells if type(_content(c)) in _PLAIN_SET)
         self._reads = reads
+        self.active = bool(reads or self._cells)
+        self.follows_modules = self._own > 0
 
 
 def _module_reads(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, str]]:
