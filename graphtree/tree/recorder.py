@@ -28,6 +28,7 @@ from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import BreakFailed, Breaks, Segment, WarmUpReads
 from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
+from graphtree.tree.host_random import HostRandom
 from graphtree.tree.host_scalars import HostScalars, ScalarEscapes, placeholders_of
 from graphtree.tree.inputs import Call, param_epoch, tensor_kind
 from graphtree.tree.lockstep import UnagreedCollective, Vote, watch_collectives
@@ -148,6 +149,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     graphs = _torch.dynamo_graphs()
+    host_random = HostRandom.now()
     try:
         with (
             _Inside(),
@@ -172,7 +174,12 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
         reason = (
             _mutation_reason(watch.written)
             if watch.written
-            else (_output_reason(out) or syncs or _unsafe_reason(gc.name, watch, compiled))
+            else (
+                _output_reason(out)
+                or syncs
+                or _unsafe_reason(gc.name, watch, compiled)
+                or (host_random.drawn(gc.name) if not compiled else None)
+            )
         )
         grads: list[torch.Tensor] = []  # a training step's gradients are the caller's, not state it keeps
         if step is not None:

@@ -487,3 +487,23 @@ def test_a_plain_attribute_of_a_graphed_module_set_between_calls_is_never_replay
             assert torch.equal(g(x), model(x)), t
     s = graphtree.stats()
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
+def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
+    # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
+    # replay, where eager draws anew (found reading the code).
+    import random
+
+    def augment(x):
+        return x.flip(-1) if random.random() < 0.5 else x
+
+    g = graphtree.graphed(augment)
+    x = torch.arange(8.0, device=DEV)
+    random.seed(0)
+    want = [augment(x) for _ in range(8)]
+    random.seed(0)
+    for w in want:
+        graphtree.mark_step()
+        assert torch.equal(g(x), w)
+    s = graphtree.stats()
+    assert s.recordings == 0 and any("Python's random module" in r for r in s.eager), s
