@@ -57,3 +57,25 @@ def test_a_bounded_set_within_the_limit_never_churns_in_its_first_round():
         assert not churn.skip(key)
         churn.warmed_up()
     assert not churn.skip(0)
+
+
+def test_the_reason_names_what_changes_between_the_last_two_signatures():
+    import torch
+
+    def key(n, step):
+        return (((n, 8), torch.float32, (8, 1)), ("reads", (("SCALE", float, 2.0), ("step", int, step))))
+
+    churn = Churn(limit=1)
+    churn.skip(key(3, 0))
+    churn.skip(key(4, 0))
+    first = churn.reason("f")
+    assert "the shape of tensor argument 0 changes: [3, 8] -> [4, 8]" in first
+    churn.skip(key(5, 0))
+    assert churn.reason("f") is first  # (one reason per run: one line in stats() and the log)
+    churn.recorded()
+    churn.skip(key(5, 1))
+    assert "`step`, which its code reads, changes: 0 -> 1" in churn.reason("f")
+    churn.recorded()
+    churn.skip((((4, 8), torch.float32, (8, 1)), (int, 5)))
+    churn.skip((((4, 8), torch.float32, (8, 1)), (int, 6)))
+    assert "argument 1 changes: 5 -> 6" in churn.reason("f")

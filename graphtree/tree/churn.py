@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 LIMIT = 8
 """Warm-ups of never-met signatures in a row without a recording before new signatures run plain
 eager. A bounded set of more signatures than this, met in turn, replays a round later than it could
@@ -46,12 +48,15 @@ class Churn:
         self.streak = 0  # warm-ups of never-met signatures since the last recording
         self._seen: dict[Any, None] = {}  # signatures met, oldest first
         self._new = True  # whether the signature skip() saw last was never met before
+        self._keys: tuple[Any, Any] = (None, None)  # the last two signatures skip() saw, for the reason
+        self._reason: str | None = None  # the reason, fixed for a run (stats() counts one, logged once)
 
     def skip(self, key: Any) -> bool:
         """Whether a call of signature ``key``, which no recording fits, should run eagerly without
         a warm-up: the callable is churning and has never met ``key``. Notes ``key`` as met."""
         met = key in self._seen
         self._new = not met
+        self._keys = (self._keys[1], key)
         if met:
             del self._seen[key]  # (moved to the newest end)
         self._seen[key] = None
@@ -69,11 +74,37 @@ class Churn:
     def recorded(self) -> None:
         """A recording was made: the signatures have settled."""
         self.streak = 0
+        self._reason = None
 
     def reason(self, name: str) -> str:
-        """The eager reason ``stats()`` counts for a skipped call."""
-        return (
-            f"`{name}` meets a new signature on almost every call ({self.limit} warm-ups of new signatures "
-            f"in a row without a recording): new signatures run eagerly, without graphtree's checks, "
-            f"until one comes again"
-        )
+        """The eager reason ``stats()`` counts for a skipped call, with what changed between the
+        last two signatures where it can say (a shape, a value, a global the code reads), the same
+        for the whole run (one line in ``stats()`` and in the log)."""
+        if self._reason is None:
+            what = _what_changes(*self._keys)
+            self._reason = (
+                f"`{name}` meets a new signature on almost every call ({self.limit} warm-ups of new signatures "
+                f"in a row without a recording): new signatures run eagerly, without graphtree's checks, "
+                f"until one comes again" + (f" (first: {what})" if what else "")
+            )
+        return self._reason
+
+
+def _what_changes(a: Any, b: Any) -> str:
+    """What differs first between signatures ``a`` and ``b`` (call keys), in words, or ""."""
+    if not isinstance(a, tuple) or not isinstance(b, tuple) or len(a) != len(b):
+        return ""
+    for i, (pa, pb) in enumerate(zip(a, b)):
+        if pa == pb or not (isinstance(pa, tuple) and isinstance(pb, tuple)) or len(pa) != len(pb):
+            continue
+        if pa and pa[0] == "reads":  # plain values the code reads (tree/reach.py): (name, type, value)
+            for (n, _, va), (_, _, vb) in zip(pa[1], pb[1]):
+                if va != vb:
+                    return f"`{n}`, which its code reads, changes: {va!r} -> {vb!r}"
+        elif len(pa) in (3, 4) and isinstance(pa[1], torch.dtype) and isinstance(pa[0], tuple):  # a tensor
+            if pa[0] != pb[0]:
+                return f"the shape of tensor argument {i} changes: {list(pa[0])} -> {list(pb[0])}"
+            return f"tensor argument {i} changes dtype or strides"
+        elif len(pa) == 2 and isinstance(pa[0], type):  # a plain value
+            return f"argument {i} changes: {pa[1]!r} -> {pb[1]!r}"
+    return ""
