@@ -199,9 +199,10 @@ for stage in $stages; do
     conform)  # issue 44: PyTorch's OpInfo database through graphtree (benchmarks/conformance/opinfo_sweep.py,
               # ~10 min on one GPU: CONFORM_OPS names some operators, CONFORM_TIMEOUT its limit), then the
               # ported CUDA-graph tests; conformance.json holds both (needs the expecttest wheel in .whl)
-      timeout -s INT ${CONFORM_TIMEOUT:-480} python3 benchmarks/conformance/opinfo_sweep.py --workers ${CONFORM_WORKERS:-4} --budget ${CONFORM_BUDGET:-330} \
+      # CONFORM_GPU=1 on a two-GPU machine: the sweep on the second GPU while suite_bg runs on the first
+      ${CONFORM_GPU:+env CUDA_VISIBLE_DEVICES=$CONFORM_GPU} timeout -s INT ${CONFORM_TIMEOUT:-480} python3 benchmarks/conformance/opinfo_sweep.py --workers ${CONFORM_WORKERS:-4} --budget ${CONFORM_BUDGET:-330} \
         ${CONFORM_OPS:+--ops "$CONFORM_OPS"} ${CONFORM_ARGS:-} --json "$OUT/conformance.json" --records "$OUT/conformance-records.jsonl" 2>&1 | tee "$OUT/conform.log" | tail -40
-      timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_random_gpu.py tests/gpu/test_ported_test_cuda_gpu.py \
+      ${CONFORM_GPU:+env CUDA_VISIBLE_DEVICES=$CONFORM_GPU} timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_random_gpu.py tests/gpu/test_ported_test_cuda_gpu.py \
         tests/gpu/test_ported_cudagraph_trees_gpu.py 2>&1 | tee "$OUT/ported.log" | tail -3
       python3 - "$OUT" <<'PY'
 import json, re, sys
