@@ -136,3 +136,22 @@ def test_a_user_modules_plain_attributes_are_keyed_but_those_the_call_changes():
     free.after_call()  # (nothing changed since: nothing dropped)
     assert set(_values(free.part())) == {"self.scale", "self.head.training", "self.head.temperature"}
     assert FreeValues(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).part() is None
+
+
+class _Sampler:
+    def __init__(self):
+        self.temperature = 1.0
+        self.name = "greedy"
+        self.vocab = torch.arange(4)  # (a tensor: read in place, not keyed)
+
+    def sample(self, logits):
+        return logits / self.temperature
+
+
+def test_the_object_a_graphed_method_is_bound_to_is_read_too():
+    sampler = _Sampler()
+    free = FreeValues(sampler.sample)
+    assert _values(free.part()) == {"self.temperature": 1.0, "self.name": "greedy"}
+    sampler.temperature = 0.7
+    assert _values(free.part())["self.temperature"] == 0.7
+    assert FreeValues(torch.Generator().manual_seed).part() is None  # (a method of torch's class)

@@ -98,16 +98,18 @@ class FreeValues:
       function it wraps;
     - the plain attributes of ``module`` and of its submodules whose classes are the user's
       (``self.scale``, ``self.head.temperature``, a submodule's ``training``), but the module's own
-      ``training``, keyed already.
+      ``training``, keyed already; or, for a method bound to an object of the user's class that is
+      no module, that object's (``self.temperature``).
 
     Only names whose value is plain when first read are followed (tensors are externals, read in
-    place; modules and functions are code). A module attribute the call itself changes is the
+    place; modules and functions are code). An attribute the call itself changes is the
     call's state, not a setting: it is no longer followed (:meth:`after_call`), and a recording of
     such a call fails with the reason (``writes.module_changes``). Costs nothing for a callable
     that reads none (a library's module: an HF model's forward)."""
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._sources = _sources(fn)  # (globals, names, cells) of each function walked
+        self._fn = fn if inspect.ismethod(fn) else None  # (a bound method: the object it is bound to is read too)
         self._module = module
         self._reads: list[tuple[dict[str, Any], str, str]] | None = None  # (namespace, name, label), once resolved
         self._own = 0  # the first _own reads are module attributes
@@ -149,7 +151,7 @@ class FreeValues:
     def _resolve(self) -> None:
         """Follow the names whose value is plain now (at the first call: globals defined after the
         function are there by then)."""
-        reads = _module_reads(self._module) if self._module is not None else []
+        reads = _owner_reads(self._module if self._module is not None else getattr(self._fn, "__self__", None))
         self._own = len(reads)
         seen: set[tuple[int, str]] = set()
         for env, names, cells in self._sources:
@@ -163,8 +165,17 @@ class FreeValues:
         self.follows_modules = self._own > 0
 
 
-def _module_reads(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, str]]:
-    """The plain attributes of ``module`` and its submodules whose classes are the user's code."""
+def _owner_reads(owner: Any) -> list[tuple[dict[str, Any], str, str]]:
+    """The plain attributes of what the callable belongs to, where its class is the user's code: a
+    module and its submodules (of the user's classes too), or the object a graphed method is bound
+    to (``sampler.sample`` reading ``self.temperature``)."""
+    if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
+        return []
+    if not isinstance(owner, torch.nn.Module):
+        if not _user_class(type(owner)):
+            return []
+        return [(vars(owner), n, f"self.{n}") for n, v in vars(owner).items() if type(v) in _PLAIN_SET]
+    module = owner
     out = []
     for path, sub in module.named_modules():
         if not _user_class(type(sub)):
