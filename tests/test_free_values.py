@@ -155,3 +155,20 @@ def test_the_object_a_graphed_method_is_bound_to_is_read_too():
     sampler.temperature = 0.7
     assert _values(free.part())["self.temperature"] == 0.7
     assert FreeValues(torch.Generator().manual_seed).part() is None  # (a method of torch's class)
+
+
+def test_a_bound_objects_attribute_the_call_changes_stays_keyed():
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+
+        def step(self, x):
+            self.calls += 1
+            return x * self.calls
+
+    counter = Counter()
+    free = FreeValues(counter.step)
+    assert _values(free.part()) == {"self.calls": 0}
+    counter.step(1)
+    free.after_call()  # (not a module: kept, each value its own signature, churn names it)
+    assert _values(free.part()) == {"self.calls": 1} and not free.follows_modules

@@ -102,10 +102,12 @@ class FreeValues:
       no module, that object's (``self.temperature``).
 
     Only names whose value is plain when first read are followed (tensors are externals, read in
-    place; modules and functions are code). An attribute the call itself changes is the
+    place; modules and functions are code). A module attribute the call itself changes is the
     call's state, not a setting: it is no longer followed (:meth:`after_call`), and a recording of
-    such a call fails with the reason (``writes.module_changes``). Costs nothing for a callable
-    that reads none (a library's module: an HF model's forward)."""
+    such a call fails with the reason (``writes.module_changes``). A bound object's attribute the
+    call changes stays followed: each value is a signature of its own, and a call that changes it
+    every time runs eagerly as signatures that keep changing do (tree/churn.py, which names it).
+    Costs nothing for a callable that reads none (a library's module: an HF model's forward)."""
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._sources = _sources(fn)  # (globals, names, cells) of each function walked
@@ -151,8 +153,11 @@ class FreeValues:
     def _resolve(self) -> None:
         """Follow the names whose value is plain now (at the first call: globals defined after the
         function are there by then)."""
-        reads = _owner_reads(self._module if self._module is not None else getattr(self._fn, "__self__", None))
-        self._own = len(reads)
+        owner = self._module if self._module is not None else getattr(self._fn, "__self__", None)
+        reads = _owner_reads(owner)
+        # A module attribute the call changes is dropped after it (a capture that changes one fails,
+        # writes.module_changes); another object's stays keyed: each change is a new signature
+        self._own = len(reads) if isinstance(owner, torch.nn.Module) else 0
         seen: set[tuple[int, str]] = set()
         for env, names, cells in self._sources:
             for n in sorted(names):
