@@ -30,6 +30,7 @@ import operator
 import os
 import sys
 import sysconfig
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -116,8 +117,8 @@ class FreeValues:
         self._reads: list[tuple[dict[str, Any], str, str]] | None = None  # (namespace, name, label), once resolved
         self._own = 0  # the first _own reads are module attributes
         self._cells: list[tuple[Any, str]] = []  # the closure cells followed, by variable name
-        self._last: list[Any] = []
-        self._part: tuple[Any, ...] | None = None
+        self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
+        self._lock = threading.Lock()
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
 
@@ -132,22 +133,28 @@ class FreeValues:
         now = [d.get(n, _MISSING) for d, n, _ in reads]  # type: ignore[union-attr]
         if cells:
             now.extend(_content(c) for c, _ in cells)
-        last = self._last
+        last, cached = self._cache  # (one attribute: threads read and replace it whole)
         if len(now) == len(last) and all(map(operator.is_, now, last)):
-            return self._part
+            return cached
         labels = [label for _, _, label in reads] + [n for _, n in cells]  # type: ignore[union-attr]
-        self._last = now
-        self._part = ("reads", tuple(_value_part(n, v) for n, v in zip(labels, now)))
-        return self._part
+        part = ("reads", tuple(_value_part(n, v) for n, v in zip(labels, now)))
+        self._cache = (now, part)
+        return part
 
     def after_call(self) -> None:
         """Stop following the module attributes the call just changed (a replay changes none)."""
-        reads, last = self._reads or [], self._last
-        changed = [i for i in range(self._own) if reads[i][0].get(reads[i][1], _MISSING) is not last[i]]
-        if changed:
+        reads, own, last = self._reads or [], self._own, self._cache[0]
+        if len(last) < own:  # (the values were not read for these reads: another thread dropped some)
+            return
+        changed = [i for i in range(own) if reads[i][0].get(reads[i][1], _MISSING) is not last[i]]
+        if not changed:
+            return
+        with self._lock:  # (rare: a call changed its module; another thread may be here too)
+            if self._reads is not reads:
+                return
             self._reads = [r for i, r in enumerate(reads) if i not in changed]
-            self._own -= len(changed)
-            self._last = []  # (the next part() is built anew)
+            self._own = own - len(changed)
+            self._cache = ([], None)  # (the next part() is built anew)
             self.follows_modules = self._own > 0
 
     def _resolve(self) -> None:
