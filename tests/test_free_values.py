@@ -172,3 +172,34 @@ def test_a_bound_objects_attribute_the_call_changes_stays_keyed():
     counter.step(1)
     free.after_call()  # (not a module: kept, each value its own signature, churn names it)
     assert _values(free.part()) == {"self.calls": 1} and not free.follows_modules
+
+
+LOSSES: list = []
+CACHE: dict = {}
+
+
+def _logs_its_loss(x):
+    loss = x.sum()
+    LOSSES.append(loss)  # (a replay would not append)
+    return loss
+
+
+def test_containers_the_code_reads_are_watched_for_changes_a_replay_would_not_make():
+    free = FreeValues(_logs_its_loss)
+    watched = free.containers()
+    assert watched is not None and watched.changed() == ""
+    _logs_its_loss(torch.ones(2))
+    assert "the list `LOSSES`" in watched.changed()
+    again = free.containers()
+    CACHE["k"] = 1  # (not read by this function's code: not watched)
+    assert again.changed() == ""
+    assert FreeValues(lambda x: x + 1).containers() is None
+    LOSSES.clear()
+
+
+def test_a_warm_up_that_keeps_changing_a_container_gives_that_as_its_reason():
+    from graphtree.tree.recorder import WarmUp
+
+    done = WarmUp(None, None, 0, {}, mutated="the list `LOSSES` (a global or closure variable its code reads)")
+    assert "`f` changes the list `LOSSES`" in done.again_reason("f")
+    assert "keeps tensors it allocates" in WarmUp(None, None, 1, {}).again_reason("f")

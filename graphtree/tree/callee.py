@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from graphtree.tree.inputs import Bucketing, Call
     from graphtree.tree.lockstep import Lockstep
     from graphtree.tree.numbers import Numbers
+    from graphtree.tree.reach import FreeValues
     from graphtree.tree.training_step import TrainingStep
 
 
@@ -43,6 +44,7 @@ class Callee(Protocol):
     given_up: dict[Any, str]
     churn: Churn  # its run of warm-ups: new signatures run eagerly while they keep changing
     numbers: Numbers  # its Python number arguments: device scalars, or keyed by value and why
+    free: FreeValues  # what it reads besides its arguments: plain values keyed, containers watched
 
     def give_up(self, key: Any, reason: str) -> None: ...
     def run_eager(self, call: Call, reason: str) -> Any: ...

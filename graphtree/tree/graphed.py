@@ -170,7 +170,7 @@ class GraphedCallable:
         self._kept_state: dict[Any, int] = {}
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
         self._module = self._reach.module
-        self._free = FreeValues(fn, self._module)  # plain values it reads besides its arguments (keyed per call)
+        self.free = FreeValues(fn, self._module)  # plain values it reads besides its arguments (keyed per call)
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
@@ -274,7 +274,7 @@ class GraphedCallable:
             call = read_call(args, kwargs, self.bucketing)
         except Unsupported as e:
             return self._eager(args, kwargs, str(e))
-        free = self._free  # plain values it reads besides its arguments: a graph's constants (reach.py)
+        free = self.free  # plain values it reads besides its arguments: a graph's constants (reach.py)
         reads = free.part() if free.active else None
         if (
             torch.is_grad_enabled()
@@ -284,8 +284,8 @@ class GraphedCallable:
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
             out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
-            if self._free.follows_modules:
-                self._free.after_call()
+            if self.free.follows_modules:
+                self.free.after_call()
             return out
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
@@ -305,8 +305,8 @@ class GraphedCallable:
             if device < 0:
                 return self._eager(args, kwargs, "no CUDA tensors in the call")
         out = _manager.run(self, call, device)
-        if self._free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
-            self._free.after_call()
+        if self.free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
+            self.free.after_call()
         return out
 
     def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

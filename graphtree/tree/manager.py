@@ -449,16 +449,16 @@ class TreeManager:
         self.counters.warmups += 1
         gc.churn.warmed_up()
         key = (gc.id, call.key)
-        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept) or done.compiled
+        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept or done.mutated) or done.compiled
         lockstep = gc.lockstep(done.groups)
         if lockstep is not None:  # it calls collectives: its ranks decide together (tree/lockstep.py)
             give_up, again = lockstep.agree("warm-up", give_up or environment_problem(), again)
             self.counters.agreements += 1
         if give_up:
             gc.give_up(call.key, give_up)
-        elif again:  # it allocated state (a cache filled on first use) or compiled: warm up again
+        elif again:  # it allocated state or filled a container (a cache, on first use), or compiled: again
             if gc.note_kept_state(call.key):
-                gc.give_up(call.key, KEEPS_STATE.format(name=gc.name))
+                gc.give_up(call.key, done.again_reason(gc.name))
         else:
             self.warmed[key] = self.warmed.get(key, 0) + 1
         return done.out
@@ -614,12 +614,6 @@ def _held_in(path: list[Node]) -> list[tuple[int, str]]:
 
 _NO_STEP = "graphtree: %d calls without a new step; starting one (call graphtree.mark_step() once per iteration)"
 _DEEP = "more than {n} graphed calls in a step, in a call of a module graphed in parts: the rest run eagerly"
-
-KEEPS_STATE = (
-    "`{name}` keeps tensors it allocates beyond its outputs on every call (a cache created "
-    "inside the call, or tensors returned inside an object graphtree cannot see into): allocate "
-    "that state before the first call and pass it in, or return tensors, tuples, lists or dicts"
-)
 
 
 def managers() -> list[TreeManager]:

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import operator
@@ -117,6 +118,7 @@ class FreeValues:
         self._reads: list[tuple[dict[str, Any], str, str]] | None = None  # (namespace, name, label), once resolved
         self._own = 0  # the first _own reads are module attributes
         self._cells: list[tuple[Any, str]] = []  # the closure cells followed, by variable name
+        self._containers: list[tuple[str, Any]] = []  # lists, dicts, sets its code reads (watched in warm-ups)
         self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
         self._lock = threading.Lock()
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
@@ -140,6 +142,12 @@ class FreeValues:
         part = ("reads", tuple(_value_part(n, v) for n, v in zip(labels, now)))
         self._cache = (now, part)
         return part
+
+    def containers(self) -> Containers | None:
+        """The containers its code reads, as they are now (for a warm-up to compare), or None."""
+        if self._reads is None:
+            self._resolve()
+        return Containers(self._containers) if self._containers else None
 
     def after_call(self) -> None:
         """Stop following the module attributes the call just changed (a replay changes none)."""
@@ -168,13 +176,45 @@ class FreeValues:
         seen: set[tuple[int, str]] = set()
         for env, names, cells in self._sources:
             for n in sorted(names):
-                if type(env.get(n, _MISSING)) in _PLAIN_SET and (id(env), n) not in seen:
-                    seen.add((id(env), n))
+                v = env.get(n, _MISSING)
+                if (id(env), n) in seen:
+                    continue
+                seen.add((id(env), n))
+                if type(v) in _PLAIN_SET:
                     reads.append((env, n, n))
-            self._cells.extend((c, n) for c, n in cells if type(_content(c)) in _PLAIN_SET)
+                elif isinstance(v, _CONTAINERS):
+                    self._containers.append((n, v))
+            for c, n in cells:
+                v = _content(c)
+                if type(v) in _PLAIN_SET:
+                    self._cells.append((c, n))
+                elif isinstance(v, _CONTAINERS):
+                    self._containers.append((n, v))
         self._reads = reads
         self.active = bool(reads or self._cells)
         self.follows_modules = self._own > 0
+
+
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+class Containers:
+    """The lists, dicts, sets and deques a callable's code reads from its globals and closure, at one
+    moment: a warm-up compares their lengths after the call (:meth:`changed`). A replay runs no
+    Python: a call that appends its loss to a global list would append on its warm-ups only. (An
+    item written in place, ``counts[0] += 1``, keeps the length: such a side effect is not seen, and
+    runs at the warm-up and the recording only, as any Python of the call.)"""
+
+    def __init__(self, watched: list[tuple[str, Any]]) -> None:
+        self._watched = watched
+        self._before = [len(c) for _, c in watched]
+
+    def changed(self) -> str:
+        """The first container the call added to or removed from, in words ("" if none)."""
+        for (name, c), before in zip(self._watched, self._before):
+            if len(c) != before:
+                return f"the {type(c).__name__} `{name}` (a global or closure variable its code reads)"
+        return ""
 
 
 def _owner_reads(owner: Any) -> list[tuple[dict[str, Any], str, str]]:

@@ -110,6 +110,7 @@ class WarmUp:
         groups: dict[str, tuple[int, ...]],
         ops: int = 0,
         compiled: bool = False,
+        mutated: str = "",
     ) -> None:
         self.out = out
         self.give_up = give_up  # a reason never to graph this signature, or None
@@ -119,6 +120,24 @@ class WarmUp:
         # torch.compile compiled code the call ran, in it: its host syncs were the compiler's (the
         # next warm-up, compiled already, says whether the call syncs)
         self.compiled = compiled
+        # a list, dict or set its code reads from a global or closure that the call changed ("" if
+        # none): warmed up again (a cache filled on first use), given up if every call does it
+        self.mutated = mutated
+
+    def again_reason(self, name: str) -> str:
+        """Why ``name``'s signature runs eagerly when its warm-ups keep asking for another (every
+        call keeps state it allocated, or changes a container its code reads)."""
+        if self.mutated:
+            return (
+                f"`{name}` changes {self.mutated} on every call: a replay runs no Python and would not; "
+                f"return what it adds and add it after the call, or keep such bookkeeping outside the "
+                f"graphed function"
+            )
+        return (
+            f"`{name}` keeps tensors it allocates beyond its outputs on every call (a cache created "
+            f"inside the call, or tensors returned inside an object graphtree cannot see into): allocate "
+            f"that state before the first call and pass it in, or return tensors, tuples, lists or dicts"
+        )
 
 
 def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool: Pool) -> WarmUp:
@@ -150,6 +169,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     stream.wait_stream(current)
     graphs = _torch.dynamo_graphs()
     host_random = HostRandom.now()
+    containers = gc.free.containers()
     try:
         with (
             _Inside(),
@@ -193,7 +213,8 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     finally:
         current.wait_stream(stream)
         watch.close()
-    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops, compiled)
+    mutated = containers.changed() if containers is not None else ""
+    return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops, compiled, mutated)
 
 
 _CAPTURE_ONLY = ("during cuda graph capture", "during stream capture", "when stream is capturing")

@@ -507,3 +507,27 @@ def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
         assert torch.equal(g(x), w)
     s = graphtree.stats()
     assert s.recordings == 0 and any("Python's random module" in r for r in s.eager), s
+
+
+LOSSES = []  # a training loop's log, appended to inside the graphed step
+
+
+def _step_logging_its_loss(x):
+    loss = (x * 2).sum()
+    LOSSES.append(loss)
+    return loss
+
+
+def test_a_call_that_appends_to_a_global_list_is_not_replayed_without_the_append():
+    # A replay runs no Python: the list would stop growing after the recording (found reading the
+    # code: the loss is an output, so no kept tensor showed it).
+    g = graphtree.graphed(_step_logging_its_loss)
+    x = torch.randn(32, device=DEV)
+    LOSSES.clear()
+    for i in range(6):
+        graphtree.mark_step()
+        g(x)
+        assert len(LOSSES) == i + 1
+    s = graphtree.stats()
+    assert s.recordings == 0 and any("changes the list `LOSSES`" in r for r in s.eager), s
+    LOSSES.clear()
