@@ -125,16 +125,14 @@ def test_a_user_modules_plain_attributes_are_keyed_but_those_the_call_changes():
     model = _Model()
     free = FreeValues(model, model)
     values = _values(free.part())
-    assert values == {"self.scale": 2, "self.calls": 0, "self.head.training": True, "self.head.temperature": 1.0}
+    assert values == {"self.scale": 2, "self.calls": 0, "self.head.temperature": 1.0}  # (modes: keyed apart)
     model.head.temperature = 0.5  # a setting changed between calls: a new signature
     assert _values(free.part())["self.head.temperature"] == 0.5
-    model.head.eval()  # (a submodule's mode; the module's own `training` is keyed apart)
-    assert _values(free.part())["self.head.training"] is False
     model(torch.ones(1, 2))  # the call changes `calls`: its state, no longer followed
     free.after_call()
     assert "self.calls" not in _values(free.part()) and free.follows_modules
     free.after_call()  # (nothing changed since: nothing dropped)
-    assert set(_values(free.part())) == {"self.scale", "self.head.training", "self.head.temperature"}
+    assert set(_values(free.part())) == {"self.scale", "self.head.temperature"}
     assert FreeValues(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).part() is None
 
 
@@ -203,3 +201,34 @@ def test_a_warm_up_that_keeps_changing_a_container_gives_that_as_its_reason():
     done = WarmUp(None, None, 0, {}, mutated="the list `LOSSES` (a global or closure variable its code reads)")
     assert "`f` changes the list `LOSSES`" in done.again_reason("f")
     assert "keeps tensors it allocates" in WarmUp(None, None, 1, {}).again_reason("f")
+
+
+MODEL = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+WRAPPED = torch.nn.Linear(2, 2)
+WRAPPED.require_backward_grad_sync = True  # (as DistributedDataParallel has it; no_sync() turns it off)
+
+
+def _predict(x):
+    return MODEL(x) + WRAPPED(x)
+
+
+def test_the_mode_of_a_model_the_code_calls_and_ddps_sync_flag_are_keyed():
+    # model.eval() between calls of a function that calls a global model: its recording made in
+    # train mode (dropout) must not be replayed; nor one made with gradient sync under no_sync()
+    global MODEL
+    free = FreeValues(_predict)
+    want = {"MODEL.training": True, "WRAPPED.training": True, "WRAPPED.require_backward_grad_sync": True}
+    assert want.items() <= _values(free.part()).items()
+    assert _values(free.part())["MODEL"] == id(MODEL)  # (a model by its identity: rebound, it is followed anew)
+    MODEL.eval()
+    WRAPPED.require_backward_grad_sync = False
+    values = _values(free.part())
+    assert values["MODEL.training"] is False and values["WRAPPED.require_backward_grad_sync"] is False
+    MODEL.train()
+    WRAPPED.require_backward_grad_sync = True
+    old, MODEL = MODEL, torch.nn.Sequential(torch.nn.Linear(2, 2)).eval()
+    try:
+        values = _values(free.part())
+        assert values["MODEL"] == id(MODEL) and values["MODEL.training"] is False
+    finally:
+        MODEL = old

@@ -99,9 +99,12 @@ class FreeValues:
       library); a decorated function (``torch.compile``, ``functools.wraps``) is read through to the
       function it wraps;
     - the plain attributes of ``module`` and of its submodules whose classes are the user's
-      (``self.scale``, ``self.head.temperature``, a submodule's ``training``), but the module's own
-      ``training``, keyed already; or, for a method bound to an object of the user's class that is
-      no module, that object's (``self.temperature``).
+      (``self.scale``, ``self.head.temperature``; not their ``training``: ``model.eval()`` turns
+      the module's own off too, keyed already) and DDP's gradient-sync flags; or, for a method
+      bound to an object of the user's class that is no module, that object's
+      (``self.temperature``);
+    - for a model the code calls by a global or closure name: its identity (rebound, it is
+      followed anew), its ``training`` (``model.eval()`` between calls) and the same attributes.
 
     Only names whose value is plain when first read are followed (tensors are externals, read in
     place; modules and functions are code). A module attribute the call itself changes is the
@@ -115,9 +118,9 @@ class FreeValues:
         self._sources = _sources(fn)  # (globals, names, cells) of each function walked
         self._fn = fn if inspect.ismethod(fn) else None  # (a bound method: the object it is bound to is read too)
         self._module = module
-        self._reads: list[tuple[dict[str, Any], str, str]] | None = None  # (namespace, name, label), once resolved
+        self._reads: list[tuple[Any, str, str]] | None = None  # (namespace, name, label), once resolved
         self._own = 0  # the first _own reads are module attributes
-        self._cells: list[tuple[Any, str]] = []  # the closure cells followed, by variable name
+        self._anchors: list[int] = []  # reads of a model by name: rebound, the reads are resolved again
         self._containers: list[tuple[str, Any]] = []  # lists, dicts, sets its code reads (watched in warm-ups)
         self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
         self._lock = threading.Lock()
@@ -127,19 +130,20 @@ class FreeValues:
     def part(self) -> tuple[Any, ...] | None:
         """``("reads", ((name, type, value), ...))`` for the values read now, or None if none is read.
         The same part object while no value changed (one identity check per value)."""
-        if self._reads is None:
-            self._resolve()
-        reads, cells = self._reads, self._cells
-        if not reads and not cells:
+        reads = self._reads
+        if reads is None:
+            reads = self._resolve()
+        if not reads:
             return None
-        now = [d.get(n, _MISSING) for d, n, _ in reads]  # type: ignore[union-attr]
-        if cells:
-            now.extend(_content(c) for c, _ in cells)
+        now = [d.get(n, _MISSING) for d, n, _ in reads]
         last, cached = self._cache  # (one attribute: threads read and replace it whole)
-        if len(now) == len(last) and all(map(operator.is_, now, last)):
-            return cached
-        labels = [label for _, _, label in reads] + [n for _, n in cells]  # type: ignore[union-attr]
-        part = ("reads", tuple(_value_part(n, v) for n, v in zip(labels, now)))
+        if len(now) == len(last):
+            if all(map(operator.is_, now, last)):
+                return cached
+            if any(now[i] is not last[i] for i in self._anchors):  # a model rebound: follow the new one
+                reads = self._resolve()
+                now = [d.get(n, _MISSING) for d, n, _ in reads]
+        part = ("reads", tuple(_value_part(label, v) for (_, _, label), v in zip(reads, now)))
         self._cache = (now, part)
         return part
 
@@ -162,37 +166,58 @@ class FreeValues:
                 return
             self._reads = [r for i, r in enumerate(reads) if i not in changed]
             self._own = own - len(changed)
+            self._anchors = [i - sum(c < i for c in changed) for i in self._anchors]
             self._cache = ([], None)  # (the next part() is built anew)
             self.follows_modules = self._own > 0
 
-    def _resolve(self) -> None:
+    def _resolve(self) -> list[tuple[Any, str, str]]:
         """Follow the names whose value is plain now (at the first call: globals defined after the
-        function are there by then)."""
+        function are there by then), and the models the code calls by name."""
         owner = self._module if self._module is not None else getattr(self._fn, "__self__", None)
-        reads = _owner_reads(owner)
+        reads: list[tuple[Any, str, str]] = list(_owner_reads(owner))
         # A module attribute the call changes is dropped after it (a capture that changes one fails,
         # writes.module_changes); another object's stays keyed: each change is a new signature
-        self._own = len(reads) if isinstance(owner, torch.nn.Module) else 0
+        own = len(reads) if isinstance(owner, torch.nn.Module) else 0
+        anchors: list[int] = []
+        containers: list[tuple[str, Any]] = []
         seen: set[tuple[int, str]] = set()
         for env, names, cells in self._sources:
-            for n in sorted(names):
-                v = env.get(n, _MISSING)
-                if (id(env), n) in seen:
+            spaces: list[tuple[Any, str]] = [(env, n) for n in sorted(names)] + [(_Cell(c), n) for c, n in cells]
+            for space, n in spaces:
+                key = (id(env), n) if isinstance(space, dict) else (id(space.cell), n)
+                if key in seen:
                     continue
-                seen.add((id(env), n))
+                seen.add(key)
+                v = space.get(n, _MISSING)
                 if type(v) in _PLAIN_SET:
-                    reads.append((env, n, n))
+                    reads.append((space, n, n))
                 elif isinstance(v, _CONTAINERS):
-                    self._containers.append((n, v))
-            for c, n in cells:
-                v = _content(c)
-                if type(v) in _PLAIN_SET:
-                    self._cells.append((c, n))
-                elif isinstance(v, _CONTAINERS):
-                    self._containers.append((n, v))
-        self._reads = reads
-        self.active = bool(reads or self._cells)
-        self.follows_modules = self._own > 0
+                    containers.append((n, v))
+                elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
+                    anchors.append(len(reads))
+                    reads.append((space, n, n))
+                    reads.extend(_owner_reads(v, n, training=True))
+        with self._lock:
+            self._reads, self._own, self._anchors, self._containers = reads, own, anchors, containers
+            self._cache = ([], None)
+            self.active = bool(reads)
+            self.follows_modules = own > 0
+        return reads
+
+
+class _Cell:
+    """A closure cell read as a namespace of one name (``get`` as ``dict.get``)."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any) -> None:
+        self.cell = cell
+
+    def get(self, name: str, default: Any) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # (an empty cell)
+            return default
 
 
 _CONTAINERS = (list, dict, set, collections.deque)
@@ -217,31 +242,38 @@ class Containers:
         return ""
 
 
-def _owner_reads(owner: Any) -> list[tuple[dict[str, Any], str, str]]:
-    """The plain attributes of what the callable belongs to, where its class is the user's code: a
-    module and its submodules (of the user's classes too), or the object a graphed method is bound
-    to (``sampler.sample`` reading ``self.temperature``)."""
+_SYNC_FLAGS = ("require_backward_grad_sync", "require_forward_param_sync")  # DDP's: no_sync() turns them off
+
+
+def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> list[tuple[dict[str, Any], str, str]]:
+    """The plain attributes of an object the callable reads, labelled ``label``: the object a graphed
+    method is bound to (``sampler.sample`` reading ``self.temperature``), where its class is the
+    user's; or a module, with those of its submodules of the user's classes (but their ``training``:
+    ``model.eval()`` turns the module's own off too), DDP's gradient-sync flags (``no_sync()``)
+    and, with ``training``, the module's own mode (a graphed module's is keyed apart)."""
     if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
         return []
     if not isinstance(owner, torch.nn.Module):
         if not _user_class(type(owner)):
             return []
-        return [(vars(owner), n, f"self.{n}") for n, v in vars(owner).items() if type(v) in _PLAIN_SET]
-    module = owner
-    out = []
-    for path, sub in module.named_modules():
+        return [(vars(owner), n, f"{label}.{n}") for n, v in vars(owner).items() if type(v) in _PLAIN_SET]
+    out = [(vars(owner), "training", f"{label}.training")] if training else []
+    for path, sub in owner.named_modules():
+        at = f"{label}.{path + '.' if path else ''}"
+        attrs = vars(sub)
+        out.extend((attrs, flag, at + flag) for flag in _SYNC_FLAGS if type(attrs.get(flag)) is bool)
         if not _user_class(type(sub)):
             continue
-        for name, v in vars(sub).items():
-            if type(v) in _PLAIN_SET and name not in _module_internals() and (sub is not module or name != "training"):
-                out.append((vars(sub), name, f"self.{path + '.' if path else ''}{name}"))
+        for name, v in attrs.items():
+            if type(v) in _PLAIN_SET and name not in _module_internals() and name not in _SYNC_FLAGS:
+                out.append((attrs, name, at + name))
     return out
 
 
 @functools.cache
 def _module_internals() -> frozenset[str]:
-    """What ``nn.Module.__init__`` itself sets (hook bookkeeping), but ``training``."""
-    return frozenset(vars(torch.nn.Module())) - {"training"}
+    """What ``nn.Module.__init__`` itself sets: hook bookkeeping, and ``training`` (followed apart)."""
+    return frozenset(vars(torch.nn.Module()))
 
 
 def _user_class(cls: type) -> bool:

@@ -531,3 +531,35 @@ def test_a_call_that_appends_to_a_global_list_is_not_replayed_without_the_append
     s = graphtree.stats()
     assert s.recordings == 0 and any("changes the list `LOSSES`" in r for r in s.eager), s
     LOSSES.clear()
+
+
+NET = None  # a model the graphed function calls as a global (set by the test)
+
+
+def _infer(x):
+    return NET(x)
+
+
+def test_a_global_models_train_and_eval_modes_are_never_replayed_stale():
+    # The key held the mode of a graphed module and of one found in the closure only (found reading
+    # the code): a function calling a global model, recorded in eval mode, would replay it without
+    # dropout after NET.train().
+    global NET
+    NET = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).to(DEV)
+    g = graphtree.graphed(_infer)
+    x = torch.randn(8, 64, device=DEV)
+    try:
+        with torch.no_grad():
+            for mode in ("eval", "eval", "eval", "train", "train", "train", "eval"):
+                getattr(NET, mode)()
+                graphtree.mark_step()
+                torch.manual_seed(1)
+                want = NET(x)
+                torch.manual_seed(1)
+                got = g(x)
+                assert torch.equal(got, want), mode
+                assert (got == 0).any() == (mode == "train"), mode  # (dropout zeroes about half in train mode)
+    finally:
+        NET = None
+    s = graphtree.stats()
+    assert s.recordings == 2 and not s.eager, s
