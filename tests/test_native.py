@@ -522,3 +522,14 @@ def test_object_state_refuses_bad_input(native) -> None:
         native.object_state(_Obj(), [int], (), 1)
     assert native.object_state(1, (int,), (), 1) is None  # a plain value or a tensor is no object
     assert native.object_state(torch.zeros(1), (int,), (), 1) is None
+
+
+def test_a_build_that_compiled_says_how_long_it_took_once(monkeypatch) -> None:
+    import subprocess as sp
+    import types
+
+    so = "/cache/graphtree_native/graphtree_native.so"
+    outputs = iter([f"compiled 17.4\n{so}\n", f"{so}\n"])
+    monkeypatch.setattr(sp, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=next(outputs), stderr=""))
+    assert _native._build_in_child() == (so, 17.4)
+    assert _native._build_in_child() == (so, None)  # (found in the cache: nothing to say)

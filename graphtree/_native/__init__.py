@@ -85,7 +85,13 @@ def _build() -> None:
     global loaded, _status
     t0 = time.perf_counter()
     try:
-        path = _build_in_child()
+        path, compiled = _build_in_child()
+        if compiled is not None:  # (once per torch version and Python: say what took the time)
+            print(
+                f"graphtree: compiled its native helpers in {compiled:.0f} s, in the background (once per torch "
+                f"version and Python; cached in {Path(path).parent.parent})",
+                file=sys.stderr,
+            )
         spec = importlib.util.spec_from_file_location(Path(path).stem.split(".")[0], path)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot import {path}")
@@ -104,8 +110,9 @@ def _build() -> None:
         _done.set()
 
 
-def _build_in_child() -> str:
-    """Build (or find built) in a child process of its own session; returns the library's path.
+def _build_in_child() -> tuple[str, float | None]:
+    """Build (or find built) in a child process of its own session; returns the library's path, and
+    the seconds the build took where the child compiled it (None where it was cached).
 
     Not in this process: cpp_extension guards its build folder with a lock file that only the
     building process removes. A build in a daemon thread of a process that exits first (a short
@@ -125,7 +132,8 @@ def _build_in_child() -> str:
     if proc.returncode != 0 or not lines:
         err = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()
         raise RuntimeError(err[-1])
-    return lines[-1]
+    compiled = next((float(line.split()[1]) for line in lines[:-1] if line.startswith("compiled ")), None)
+    return lines[-1], compiled
 
 
 def build_here() -> str:
