@@ -100,7 +100,10 @@ def _what_changes(a: Any, b: Any) -> str:
         if pa and pa[0] == "reads":  # plain values the code reads (tree/reach.py): (name, type, value)
             for (n, _, va), (_, _, vb) in zip(pa[1], pb[1]):
                 if va != vb:
-                    return f"`{n}`, which its code reads, changes: {va!r} -> {vb!r}"
+                    hint = "; pass it as an argument: a number used only as a tensor operand is a device scalar"
+                    return f"`{n}`, which its code reads, changes: {va!r} -> {vb!r}" + (
+                        hint if isinstance(va, (int, float)) and not isinstance(va, bool) else ""
+                    )
         elif len(pa) in (3, 4) and isinstance(pa[1], torch.dtype) and isinstance(pa[0], tuple):  # a tensor
             if pa[0] != pb[0]:
                 return f"the shape of tensor argument {i} changes: {list(pa[0])} -> {list(pb[0])}"
