@@ -232,3 +232,29 @@ def test_the_mode_of_a_model_the_code_calls_and_ddps_sync_flag_are_keyed():
         assert values["MODEL"] == id(MODEL) and values["MODEL.training"] is False
     finally:
         MODEL = old
+
+
+def test_a_ddp_model_the_code_calls_asks_for_eleven_warm_ups(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from graphtree.tree.reach import DDP_WARMUPS
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+
+        def step(x):
+            return ddp(x).sum()
+
+        free = FreeValues(step)
+        free.part()
+        assert free.min_warmups == DDP_WARMUPS == 11
+        assert "ddp.require_backward_grad_sync" in _values(free.part())
+        with ddp.no_sync():  # (gradient accumulation: a recording of its own)
+            assert _values(free.part())["ddp.require_backward_grad_sync"] is False
+        plain = FreeValues(_predict)
+        plain.part()
+        assert plain.min_warmups == 0
+    finally:
+        dist.destroy_process_group()

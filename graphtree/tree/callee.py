@@ -36,7 +36,6 @@ class Callee(Protocol):
     id: int  # its recordings are keyed (id, signature)
     name: str
     fn: Callable[..., Any]
-    warmup: int
     max_rerecords: int
     max_break_values: int  # distinct values a host read may give (tree/breaks.py); 0: no breaks
     debug: str | os.PathLike[str] | None
@@ -46,6 +45,8 @@ class Callee(Protocol):
     numbers: Numbers  # its Python number arguments: device scalars, or keyed by value and why
     free: FreeValues  # what it reads besides its arguments: plain values keyed, containers watched
 
+    @property
+    def warmup(self) -> int: ...  # eager runs before a new signature is recorded
     def give_up(self, key: Any, reason: str) -> None: ...
     def run_eager(self, call: Call, reason: str) -> Any: ...
     def note_kept_state(self, key: Any) -> bool: ...

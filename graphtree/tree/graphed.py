@@ -153,7 +153,7 @@ class GraphedCallable:
         # surface outside the calls) and the dump of a call that raises
         self._snapshots = _events.provided("debug").snapshots(fn, debug, self.name) if debug is not None else None
         self.bucketing = Bucketing(buckets, bucket_dim) if buckets is not None else None
-        self.warmup = warmup
+        self._warmup = warmup
         self.max_rerecords = max_rerecords
         self.max_break_values = max_break_values
         self.lockstep_timeout = float(lockstep_timeout)
@@ -225,6 +225,12 @@ class GraphedCallable:
         it shares no recording (its function deep-copied where the copy is deep: a module's method
         with a copy of the module)."""
         return (_graphed_again, (type(self), self.fn, self.copy_options()))
+
+    @property
+    def warmup(self) -> int:
+        """Eager runs before a new signature is recorded: ``warmup=``, or more where what the call
+        reads needs them (a DistributedDataParallel model: 11, see ``reach.DDP_WARMUPS``)."""
+        return max(self._warmup, self.free.min_warmups)
 
     def copy_options(self) -> dict[str, Any]:
         """The options it was made with, for a copy (``buckets``, ``warmup``, ``name``...)."""

@@ -124,6 +124,7 @@ class FreeValues:
         self._containers: list[tuple[str, Any]] = []  # lists, dicts, sets its code reads (watched in warm-ups)
         self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
         self._lock = threading.Lock()
+        self.min_warmups = 0  # warm-ups a capture needs at least (DistributedDataParallel's: see _resolve)
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
 
@@ -197,12 +198,26 @@ class FreeValues:
                     anchors.append(len(reads))
                     reads.append((space, n, n))
                     reads.extend(_owner_reads(v, n, training=True))
+        models = [owner] + [space.get(n, None) for space, n, _ in (reads[i] for i in anchors)]
+        # DistributedDataParallel collects runtime stats with CUDA events in its first 10 iterations
+        # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
+        ddp = any(_is_ddp(m) for m in models)
         with self._lock:
+            self.min_warmups = DDP_WARMUPS if ddp else 0
             self._reads, self._own, self._anchors, self._containers = reads, own, anchors, containers
             self._cache = ([], None)
             self.active = bool(reads)
             self.follows_modules = own > 0
         return reads
+
+
+DDP_WARMUPS = 11
+"""Eager iterations a DistributedDataParallel step runs before its capture (torch's CUDA semantics
+notes, "Usage with DistributedDataParallel")."""
+
+
+def _is_ddp(m: Any) -> bool:
+    return type(m).__name__ == "DistributedDataParallel" and type(m).__module__.startswith("torch.nn.parallel")
 
 
 class _Cell:
