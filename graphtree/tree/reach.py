@@ -257,7 +257,9 @@ class Containers:
         return ""
 
 
-_SYNC_FLAGS = ("require_backward_grad_sync", "require_forward_param_sync")  # DDP's: no_sync() turns them off
+# DDP's gradient all-reduce switch, which no_sync() turns off (its require_forward_param_sync is set
+# from it by each forward: derived, not keyed)
+_SYNC_FLAGS = ("require_backward_grad_sync",)
 
 
 def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> list[tuple[dict[str, Any], str, str]]:
