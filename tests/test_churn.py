@@ -79,3 +79,8 @@ def test_the_reason_names_what_changes_between_the_last_two_signatures():
     churn.skip((((4, 8), torch.float32, (8, 1)), (int, 5)))
     churn.skip((((4, 8), torch.float32, (8, 1)), (int, 6)))
     assert "argument 1 changes: 5 -> 6" in churn.reason("f")
+    churn.recorded()
+    model = ("reads", (("NET", torch.nn.Linear, 1),))
+    churn.skip((model,))
+    churn.skip((("reads", (("NET", torch.nn.Linear, 2),)),))
+    assert "`NET`, which its code reads, is rebound to another object" in churn.reason("f")

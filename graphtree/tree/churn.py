@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from graphtree.tree.inputs import PLAIN_TYPES as _PLAIN_TYPES
+
 LIMIT = 8
 """Warm-ups of never-met signatures in a row without a recording before new signatures run plain
 eager. A bounded set of more signatures than this, met in turn, replays a round later than it could
@@ -98,12 +100,14 @@ def _what_changes(a: Any, b: Any) -> str:
         if pa == pb or not (isinstance(pa, tuple) and isinstance(pb, tuple)) or len(pa) != len(pb):
             continue
         if pa and pa[0] == "reads":  # plain values the code reads (tree/reach.py): (name, type, value)
-            for (n, _, va), (_, _, vb) in zip(pa[1], pb[1]):
-                if va != vb:
-                    hint = "; pass it as an argument: a number used only as a tensor operand is a device scalar"
-                    return f"`{n}`, which its code reads, changes: {va!r} -> {vb!r}" + (
-                        hint if isinstance(va, (int, float)) and not isinstance(va, bool) else ""
-                    )
+            for (n, ta, va), (_, tb, vb) in zip(pa[1], pb[1]):
+                if ta is tb and va == vb:
+                    continue
+                if ta not in _PLAIN_TYPES or tb not in _PLAIN_TYPES:  # (an object, keyed by identity)
+                    return f"`{n}`, which its code reads, is rebound to another object"
+                number = ta in (int, float)
+                hint = "; pass it as an argument: a number used only as a tensor operand is a device scalar"
+                return f"`{n}`, which its code reads, changes: {va!r} -> {vb!r}" + (hint if number else "")
         elif len(pa) in (3, 4) and isinstance(pa[1], torch.dtype) and isinstance(pa[0], tuple):  # a tensor
             if pa[0] != pb[0]:
                 return f"the shape of tensor argument {i} changes: {list(pa[0])} -> {list(pb[0])}"
