@@ -130,6 +130,13 @@ for stage in $stages; do
     bench_breaks)  # issue 26: the breaks scenario (eager, whole-call fallback, breaks on)
       timeout 300 python3 -m graphtree bench --scenarios breaks --budget 280 --out "$OUT/bench-breaks" 2>&1 | tee "$OUT/bench-breaks.log" | tail -25
       ;;
+    new15)  # the fifteenth session's GPU tests, written after its device time was spent (one process, ~2 min)
+      timeout -s INT -k 20 ${NEW_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --durations=10 \
+        tests/gpu/test_opinfo_findings_gpu.py::test_a_conjugate_view_input_replays_with_its_values_conjugated \
+        tests/gpu/test_compile_inside_gpu.py tests/gpu/test_real_paths_gpu.py tests/gpu/test_native_gpu.py \
+        tests/gpu/test_host_scalars_gpu.py::test_an_int_operand_is_a_device_scalar_too \
+        tests/gpu/test_ported_cudagraph_trees_gpu.py::test_dynamic_warmup 2>&1 | tee "$OUT/new15.log" | tail -30
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
