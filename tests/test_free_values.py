@@ -258,3 +258,19 @@ def test_a_ddp_model_the_code_calls_asks_for_eleven_warm_ups(tmp_path):
         assert plain.min_warmups == 0
     finally:
         dist.destroy_process_group()
+
+
+class _Scaler:
+    def __init__(self):
+        self.factor = 2.0
+
+    def __call__(self, x):
+        return x * self.factor + OFFSET
+
+
+def test_a_callable_object_is_read_through_its_call_and_its_attributes():
+    scaler = _Scaler()
+    free = FreeValues(scaler)
+    assert _values(free.part()) == {"self.factor": 2.0, "OFFSET": 1}
+    scaler.factor = 3.0
+    assert _values(free.part())["self.factor"] == 3.0

@@ -101,8 +101,8 @@ class FreeValues:
     - the plain attributes of ``module`` and of its submodules whose classes are the user's
       (``self.scale``, ``self.head.temperature``; not their ``training``: ``model.eval()`` turns
       the module's own off too, keyed already) and DDP's gradient-sync flags; or, for a method
-      bound to an object of the user's class that is no module, that object's
-      (``self.temperature``);
+      bound to an object of the user's class that is no module, or such an object with a
+      ``__call__`` graphed itself, that object's (``self.temperature``);
     - for a model the code calls by a global or closure name: its identity (rebound, it is
       followed anew), its ``training`` (``model.eval()`` between calls) and the same attributes.
 
@@ -116,7 +116,8 @@ class FreeValues:
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._sources = _sources(fn)  # (globals, names, cells) of each function walked
-        self._fn = fn if inspect.ismethod(fn) else None  # (a bound method: the object it is bound to is read too)
+        # what the callable belongs to besides a module: a bound method's object, a callable object itself
+        self._owner = fn.__self__ if inspect.ismethod(fn) else fn if _callable_object(fn) else None
         self._module = module
         self._reads: list[tuple[Any, str, str]] | None = None  # (namespace, name, label), once resolved
         self._own = 0  # the first _own reads are module attributes
@@ -174,7 +175,7 @@ class FreeValues:
     def _resolve(self) -> list[tuple[Any, str, str]]:
         """Follow the names whose value is plain now (at the first call: globals defined after the
         function are there by then), and the models the code calls by name."""
-        owner = self._module if self._module is not None else getattr(self._fn, "__self__", None)
+        owner = self._module if self._module is not None else self._owner
         reads: list[tuple[Any, str, str]] = list(_owner_reads(owner))
         # A module attribute the call changes is dropped after it (a capture that changes one fails,
         # writes.module_changes); another object's stays keyed: each change is a new signature
@@ -328,9 +329,21 @@ def _function(fn: Any) -> types.FunctionType | None:
             fn = fn.__func__
         elif isinstance(fn, functools.partial):
             fn = fn.func
+        elif _callable_object(fn):
+            fn = type(fn).__call__
         else:
             return None
     return None
+
+
+def _callable_object(fn: Any) -> bool:
+    """An instance of a user's class with a ``__call__`` of its own (not a function, a method or a module)."""
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 - (the class's, as a call looks it up)
+    return (
+        isinstance(call, types.FunctionType)
+        and not isinstance(fn, (type, torch.nn.Module, functools.partial))
+        and _user_class(type(fn))
+    )
 
 
 @functools.cache
