@@ -290,8 +290,8 @@ class GraphedCallable:
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
             out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
-            if self.free.follows_modules:
-                self.free.after_call()
+            if free.follows_modules:
+                free.after_call()
             return out
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         # What the call computes under besides its arguments (autocast, grad mode, default dtype,
@@ -311,8 +311,8 @@ class GraphedCallable:
             if device < 0:
                 return self._eager(args, kwargs, "no CUDA tensors in the call")
         out = _manager.run(self, call, device)
-        if self.free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
-            self.free.after_call()
+        if free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
+            free.after_call()
         return out
 
     def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

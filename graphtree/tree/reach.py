@@ -79,16 +79,15 @@ def _cell_tensors(cells: tuple[Any, ...]) -> list[torch.Tensor]:
 def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
     """Each cell that holds a value, with it (an empty cell, ``del``-ed in its scope, holds none)."""
     for cell in cells:
-        try:
-            yield cell, cell.cell_contents
-        except ValueError:
-            continue
+        v = _content(cell)
+        if v is not _MISSING:
+            yield cell, v
 
 
 _PLAIN_SET = frozenset(PLAIN_TYPES)
 _MAX_FUNCTIONS = 64  # functions walked per graphed callable (its own, those it calls by global name)
 _MAX_DEPTH = 3  # calls deep
-_MISSING = object()  # a global deleted since
+_MISSING = object()  # a global deleted since, or an empty closure cell
 
 
 class FreeValues:
@@ -230,10 +229,8 @@ class _Cell:
         self.cell = cell
 
     def get(self, name: str, default: Any) -> Any:
-        try:
-            return self.cell.cell_contents
-        except ValueError:  # (an empty cell)
-            return default
+        v = _content(self.cell)
+        return default if v is _MISSING else v
 
 
 _CONTAINERS = (list, dict, set, collections.deque)
