@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import graphtree
+
 
 def start(device: str) -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up: (rank, world size, this rank's device)."""
@@ -46,6 +48,16 @@ def run_contenders(
             rows.append({"contender": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
         dist.barrier()
     return rows
+
+
+def with_graphtree_stats(row: dict[str, Any], name: str, calls: int) -> dict[str, Any]:
+    """``row``, and for the ``graphtree`` contender its replayed fraction of ``calls`` and its eager
+    reasons; its trees are reset for the next contender."""
+    if name == "graphtree":
+        s = graphtree.stats()
+        row.update(replayed_fraction=s.replays / calls, eager_reasons=dict(s.eager))
+        graphtree.reset()
+    return row
 
 
 def compare_to_eager(rows: list[dict[str, Any]], values: str, time: str) -> None:

@@ -39,7 +39,7 @@ os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # (PyTorch's note
 
 import torch
 import torch.distributed as dist
-from _torchrun import compare_to_eager, report, run_contenders, start
+from _torchrun import compare_to_eager, report, run_contenders, start, with_graphtree_stats
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -124,11 +124,7 @@ def run(name: str, args: argparse.Namespace, device: torch.device, rank: int) ->
         "first_three_steps_s": first,
         "losses": torch.stack(losses).tolist(),
     }
-    if name == "graphtree":
-        s = graphtree.stats()
-        row.update(replayed_fraction=s.replays / args.steps, eager_reasons=dict(s.eager))
-        graphtree.reset()
-    return row
+    return with_graphtree_stats(row, name, args.steps)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _torchrun import compare_to_eager, report, run_contenders, start
+from _torchrun import compare_to_eager, report, run_contenders, start, with_graphtree_stats
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -85,11 +85,7 @@ def run(name: str, args: argparse.Namespace, device: torch.device, mesh: Any) ->
             times.append(time.perf_counter() - t)
             tokens.append(int(token.item()))
     row: dict[str, Any] = {"contender": name, "ms_per_token": statistics.median(times[3:]) * 1e3, "tokens": tokens}
-    if name == "graphtree":
-        s = graphtree.stats()
-        row.update(replayed_fraction=s.replays / args.tokens, eager_reasons=dict(s.eager))
-        graphtree.reset()
-    return row
+    return with_graphtree_stats(row, name, args.tokens)
 
 
 def main() -> None:
