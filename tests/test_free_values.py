@@ -195,6 +195,28 @@ def test_containers_the_code_reads_are_watched_for_changes_a_replay_would_not_ma
     LOSSES.clear()
 
 
+def test_what_a_part_marked_eager_reads_is_not_watched_it_runs_on_every_replay():
+    """A logging part marked ``graphtree.eager`` appends on every replay as eager does: the list it
+    grows is not a change a replay would miss (on the H100 the step ran eagerly for good)."""
+    import graphtree
+
+    seen: list[float] = []
+
+    @graphtree.eager
+    def log(loss):
+        seen.append(float(loss))
+
+    def step(x):
+        log(x.sum())
+        return x + SCALE
+
+    free = FreeValues(step)
+    watched = free.containers()
+    step(torch.ones(2))
+    assert watched is None or watched.changed() == "", watched.changed()
+    assert ("SCALE", float, SCALE) in free.part()[1], free.part()  # (the step's own reads still keyed)
+
+
 def test_a_warm_up_that_keeps_changing_a_container_gives_that_as_its_reason():
     from graphtree.tree.recorder import WarmUp
 

@@ -368,9 +368,9 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 
 def _sources(fn: Any) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]]:
-    """For ``fn``'s function and those its code calls by global name (not libraries', at most
-    :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS` in all): its globals, the names its
-    code reads and its closure's cells."""
+    """For ``fn``'s function and those its code calls by global name (not libraries', nor parts
+    marked ``graphtree.eager``; at most :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS`
+    in all): its globals, the names its code reads and its closure's cells."""
     out: list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]] = []
     first = _function(fn)
     todo = [(first, 0)] if first is not None and not _library(first) else []
@@ -385,6 +385,8 @@ def _sources(fn: Any) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, st
         out.append((f.__globals__, names, [(c, n) for c, n in cells]))
         if depth < _MAX_DEPTH:
             for v in [f.__globals__.get(n) for n in names] + [_content(c) for c, _ in cells]:
+                if getattr(v, "__graphtree_eager__", False):
+                    continue  # a part marked graphtree.eager runs on every replay: what it reads is read live
                 g = _function(v) if isinstance(v, types.FunctionType) else None
                 if g is not None and not _library(g):
                     todo.append((g, depth + 1))

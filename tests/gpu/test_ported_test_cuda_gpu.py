@@ -7,7 +7,7 @@ fixed then (concurrent replays on two streams, checkpoint's RNG state, unpinned 
 
 | original                                                  | here                                       |
 | --------------------------------------------------------- | ------------------------------------------ |
-| test_graph_is_current_stream_capturing                    | ported: Python runs only eagerly           |
+| test_graph_is_current_stream_capturing                    | ported: True in the capture only (a spy)   |
 | test_graph_capture_simple                                 | ported                                     |
 | test_graph_capture_oom                                    | ported: raised, the process stays usable   |
 | test_repeat_graph_capture_cublas_workspace_memory         | ported: 100 graphed matmuls, memory flat   |
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import threading
 
 import pytest
@@ -77,20 +78,34 @@ def _calls(fn, make_args, n=4):
     return outs
 
 
-def test_graph_is_current_stream_capturing():
+def test_graph_is_current_stream_capturing(monkeypatch):
+    # What the function's call of torch.cuda.is_current_stream_capturing() answers, seen by a spy on
+    # torch's function. (A list the function itself appends to would grow on warm-ups only: graphtree
+    # takes that for bookkeeping a replay would skip and runs the function eagerly, with the reason.)
     seen = []
+    capturing = torch.cuda.is_current_stream_capturing
+
+    def spy():
+        answer = capturing()
+        if sys._getframe(1).f_code is fn.__code__:  # (the function's calls, not torch's own)
+            seen.append(answer)
+        return answer
 
     def fn(x):
-        seen.append(torch.cuda.is_current_stream_capturing())
+        assert torch.cuda.is_current_stream_capturing() in (True, False)
         return x + 1
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", spy)
 
     g = graphtree.graphed(fn)
     x = torch.zeros(4, device=DEV)
     for _ in range(4):
         graphtree.mark_step()
         torch.testing.assert_close(g(x), x + 1)
-        assert not torch.cuda.is_current_stream_capturing()
-    assert seen == [False, True], seen  # the warm-up, the capture; replays run no Python
+        assert not capturing()
+    s = graphtree.stats()
+    assert not s.eager and s.replays == 2, s
+    assert seen[-1] is True and not any(seen[:-1]), seen  # the warm-up, then the capture; replays run no Python
 
 
 def test_graph_capture_simple():
