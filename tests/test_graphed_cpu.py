@@ -434,7 +434,10 @@ def test_describe_names_every_kind_of_signature_part():
     [
         ("CUDA error: operation not permitted when stream is capturing", "copies to the host (.item()"),
         ("CUDA error: operation failed due to a previous error during capture", "another thread of this process"),
-        ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", "copies to"),
+        (  # (seen with DistributedDataParallel made on the default stream, on four H200s)
+            "CUDA error: operation would make the legacy stream depend on a capturing blocking stream",
+            "Build DistributedDataParallel inside `with torch.cuda.stream(",
+        ),
     ],
 )
 def test_a_failed_capture_is_explained_by_what_its_error_says(error, said):

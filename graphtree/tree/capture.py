@@ -97,6 +97,14 @@ def explain_capture_error(exc: BaseException, tracker: OpTracker, fn_name: str) 
             " while it captures, but an explicit gc.collect() or a del in the function still runs one),"
             " or by a CUDA call that another thread of this process made meanwhile (a synchronization)."
         )
+    elif "legacy stream" in low:  # (autograd runs a node on the stream its forward ran on)
+        hint = (
+            " Work of the call runs on the default stream, which no capture can take in: in a backward,"
+            " the gradient accumulators of parameters first used there (DistributedDataParallel made on"
+            " the default stream makes them so). Build DistributedDataParallel inside"
+            " `with torch.cuda.stream(torch.cuda.Stream()):`, as PyTorch's CUDA-graph notes ask (it keeps"
+            " them from then on)."
+        )
     elif "capturing" in low or "capture" in low or "not permitted" in low:
         hint = (
             " It waits for the GPU or copies to the host (.item(), .cpu(), .tolist(), print, "
@@ -105,12 +113,19 @@ def explain_capture_error(exc: BaseException, tracker: OpTracker, fn_name: str) 
     return f"capture of `{fn_name}` failed: {op}{where} raised {type(exc).__name__}: {first}.{hint}"
 
 
-def clear_traceback(exc: BaseException) -> None:
-    """Drop the frames of a failed capture so the tensors they hold are freed now."""
-    tb = exc.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    exc.__traceback__ = None
+def clear_traceback(exc: BaseException | None) -> None:
+    """Drop the frames of a failed capture, and of the errors it chained, so the tensors they hold
+    are freed now: one the capture allocated in the pool and a reference cycle kept (an error kept
+    by the object its frames hold) would still be allocated when the pool's bookkeeping is next
+    restored, which then frees its block under it (the process aborts when it dies)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        if tb is not None:
+            traceback.clear_frames(tb)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def _set_sync_mode(mode: Any) -> None:

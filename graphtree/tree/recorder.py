@@ -407,13 +407,18 @@ def record(
         escaped = _escaped(gc, (scalars and scalars.escaped) or user_error, numbers)
         if escaped:  # (the eager run raises the function's own error again, if it is one)
             _writes.restore(call.leaves, before)  # (its Python ran: the eager run starts where the caller left it)
+            clear_traceback(user_error)  # (the frames of a number that reached Python hold the capture's tensors:
+            clear_traceback(scalars.escaped if scalars else None)  # freed now, not by a later collection)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
             raise CaptureFailed(escaped)
         if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
-            del args, kwargs, graph_leaves, owning, graph, breaks
-            raise CaptureFailed(f"`{gc.name}` cannot be recorded: {user_error}")
+            msg = f"`{gc.name}` cannot be recorded: {user_error}"
+            clear_traceback(user_error)
+            del args, kwargs, graph_leaves, owning, graph, breaks, user_error
+            raise CaptureFailed(msg)
         if user_error is not None and _refused_in_capture(user_error):  # (eager runs it: so does this call)
             msg = explain_capture_error(user_error, tracker, gc.name)
+            clear_traceback(user_error)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
             raise CaptureFailed(msg)
         if user_error is not None:

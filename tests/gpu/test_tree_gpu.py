@@ -337,6 +337,41 @@ def test_one_recording_per_value_of_a_number_python_reads():
     assert graphtree.stats().recordings == 3
 
 
+NUMBER_REACHES_PYTHON = """
+import gc, sys, torch, graphtree
+from graphtree.tree import recorder
+if sys.argv[1] == "frames-kept":  # the control: the failed capture's frames are not cleared
+    recorder.clear_traceback = lambda exc: None
+gc.disable()  # a reference cycle lives until the collector runs: here, never
+g = graphtree.graphed(lambda x, k: x * k if k > 0 else x, name="branch")
+for _ in range(4):
+    for shape, k in [((4,), 2), ((8,), 2), ((4,), 3)]:
+        graphtree.mark_step()
+        x = torch.randn(shape, device="cuda")
+        assert torch.equal(g(x, k), x * k)
+graphtree.reset()
+gc.collect()
+torch.cuda.synchronize()
+print("OK", flush=True)
+"""
+
+
+def test_a_number_found_to_reach_python_in_a_capture_leaves_no_tensor_of_it_alive():
+    # An int that changed was tried as a device scalar; `k > 0` raised inside the capture, and the
+    # error's frames (in a cycle with the object that kept the error) held tensors the capture had
+    # allocated in the pool. The next recording restored the pool's bookkeeping under them
+    # ("stale tensors ... must be passed to set checkpoint"), and when the collector freed them the
+    # process aborted ("invalid device pointer"): the one-process suite died so on the H100.
+    fixed, control = (
+        subprocess.run(
+            [sys.executable, "-c", NUMBER_REACHES_PYTHON, mode], check=False, capture_output=True, text=True, timeout=99
+        )
+        for mode in ("cleared", "frames-kept")
+    )
+    assert fixed.returncode == 0 and "OK" in fixed.stdout, fixed.stderr[-3000:]
+    assert control.returncode != 0, ("the control should fail as before the fix", control.stderr[-2000:])
+
+
 def test_the_same_tensors_passed_by_another_keyword_are_another_recording():
     # Keys once held only the leaves: f(x, b=y) replayed f(x, a=y)'s graph (a wrong answer).
     def f(x, a=None, b=None):
