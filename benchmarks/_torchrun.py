@@ -62,11 +62,16 @@ def with_graphtree_stats(row: dict[str, Any], name: str, calls: int) -> dict[str
 
 def compare_to_eager(rows: list[dict[str, Any]], values: str, time: str) -> None:
     """Each row's ``values`` (dropped from it) against eager's, bit for bit, and its ``time`` against
-    eager's, as ``<values>_equal_to_eager`` and ``ratio_to_eager``."""
+    eager's, as ``<values>_equal_to_eager``, ``<values>_max_abs_diff_to_eager`` (how far apart, where
+    they are floats) and ``ratio_to_eager``. A row ``eager_again`` (eager run a second time) says
+    whether eager reproduces its own bits: where it does not, unequal bits say nothing."""
     eager = next((dict(r) for r in rows if r["contender"] == "eager" and values in r), None)
     for r in rows:
         if values in r and eager is not None:
             r[f"{values}_equal_to_eager"] = r[values] == eager[values]
+            pairs = list(zip(r[values], eager[values]))
+            if pairs and all(isinstance(a, float) and isinstance(b, float) for a, b in pairs):
+                r[f"{values}_max_abs_diff_to_eager"] = max(abs(a - b) for a, b in pairs)
             r["ratio_to_eager"] = r[time] / eager[time] if r[time] and eager[time] else None
         r.pop(values, None)
 

@@ -9,7 +9,12 @@ Every rank trains its own copy of one model (same initial weights), on batches o
 - ``graphtree``: ``graphtree.graphed(step)``, the same function;
 - ``hand``: the step captured by hand as PyTorch's CUDA-graph notes describe it for DDP (warm-up
   iterations on a side stream, at least 11 so that DDP has rebuilt its buckets, then
-  ``torch.cuda.graph`` around the whole step; the batch copied into static inputs).
+  ``torch.cuda.graph`` around the whole step; the batch copied into static inputs);
+- ``eager_again``: eager once more, whether eager reproduces its own losses bit for bit (where it
+  does not, as with attention kernels whose backward adds in any order, unequal bits say nothing:
+  ``losses_max_abs_diff_to_eager`` tells noise from a wrong result).
+
+DDP is made on a side stream, as those notes ask, for every contender alike.
 
 Per contender: the median time per step (back-to-back steps, synchronised every ``--round``
 steps), the first three steps' time, each step's loss compared with eager's bit for bit (with
@@ -83,7 +88,19 @@ def wrap(model: nn.Module, how: str, device: torch.device) -> nn.Module:
     """``model`` data-parallel: ``DistributedDataParallel``, or FSDP2's ``fully_shard`` on each linear
     and convolution layer (not the demo GPT's) and on the whole."""
     if how == "ddp":
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        if device.type != "cuda":
+            return DDP(model, gradient_as_bucket_view=True)
+        # Made on a side stream, as PyTorch's CUDA-graph notes ask: DDP keeps the parameters'
+        # gradient accumulators, and autograd runs each on the stream it was made on. Made on the
+        # default stream, no capture of the backward can take them in (on four H200s both graphtree's
+        # and the hand capture failed so: "operation would make the legacy stream depend on a
+        # capturing blocking stream").
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            ddp = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True)
+        torch.cuda.current_stream(device).wait_stream(side)
+        return ddp
     from torch.distributed.fsdp import fully_shard
 
     if not hasattr(model, "gpt"):  # (the demo GPT calls its blocks' parts directly: sharded whole)
@@ -133,7 +150,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="samples per GPU")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--round", type=int, default=10, help="steps between synchronisations when timed")
-    p.add_argument("--contenders", default="eager,graphtree,hand")
+    p.add_argument("--contenders", default="eager,graphtree,hand,eager_again", help="eager_again: eager once more")
     p.add_argument("--wrap", default="ddp", choices=("ddp", "fsdp2"), help="DistributedDataParallel or FSDP2")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
