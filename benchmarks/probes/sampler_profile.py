@@ -54,7 +54,8 @@ with torch.inference_mode():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, graphtree.stats())
     for k, v in rows.items():
         print(f"{k:32} {v:8.2f} us (host, no sync per call)")
-    for title, fn, ts in (("new temperature", lambda t: g(logits, t, mask), temps), ("x * 2 + 1", lambda t: two(x), same)):
+    cases = (("new temperature", lambda t: g(logits, t, mask), temps), ("x * 2 + 1", lambda t: two(x), same))
+    for title, fn, ts in cases:
         prof = cProfile.Profile()
         prof.enable()
         for t in ts:
