@@ -282,6 +282,34 @@ def test_a_ddp_model_the_code_calls_asks_for_eleven_warm_ups(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_step_over_an_fsdp2_model_names_fsdp2_when_it_runs_eagerly(tmp_path):
+    # On four H200s a step over a fully_shard model ran eagerly with the generic "keeps tensors it
+    # allocates ... allocate that state before the first call and pass it in", a fix no FSDP2 user has
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from graphtree.tree.recorder import WarmUp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        sharded = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        fully_shard(sharded)
+
+        def step(x):
+            return sharded(x).sum()
+
+        free = FreeValues(step)
+        free.part()
+        reason = WarmUp(None, None, 1, {}).again_reason("step", free.kept_hint)
+        assert "FSDP2 (`fully_shard`) all-gathers" in reason and "pass it in" not in reason, reason
+        plain = FreeValues(_predict)
+        plain.part()
+        assert plain.kept_hint == ""
+        assert "pass it in" in WarmUp(None, None, 1, {}).again_reason("f", plain.kept_hint)
+    finally:
+        dist.destroy_process_group()
+
+
 class _Scaler:
     def __init__(self):
         self.factor = 2.0

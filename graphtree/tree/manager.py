@@ -458,7 +458,7 @@ class TreeManager:
             gc.give_up(call.key, give_up)
         elif again:  # it allocated state or filled a container (a cache, on first use), or compiled: again
             if gc.note_kept_state(call.key):
-                gc.give_up(call.key, done.again_reason(gc.name))
+                gc.give_up(call.key, done.again_reason(gc.name, gc.free.kept_hint))
         else:
             self.warmed[key] = self.warmed.get(key, 0) + 1
         return done.out

@@ -125,6 +125,7 @@ class FreeValues:
         self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
         self._lock = threading.Lock()
         self.min_warmups = 0  # warm-ups a capture needs at least (DistributedDataParallel's: see _resolve)
+        self.kept_hint = ""  # why the models it reaches keep memory on every call, where known (FSDP2's)
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
 
@@ -202,8 +203,10 @@ class FreeValues:
         # DistributedDataParallel collects runtime stats with CUDA events in its first 10 iterations
         # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
         ddp = any(_is_ddp(m) for m in models)
+        fsdp2 = any(_is_fsdp2(m) for m in models)
         with self._lock:
             self.min_warmups = DDP_WARMUPS if ddp else 0
+            self.kept_hint = FSDP2_KEPT if fsdp2 else ""
             self._reads, self._own, self._anchors, self._containers = reads, own, anchors, containers
             self._cache = ([], None)
             self.active = bool(reads)
@@ -218,6 +221,21 @@ notes, "Usage with DistributedDataParallel")."""
 
 def _is_ddp(m: Any) -> bool:
     return type(m).__name__ == "DistributedDataParallel" and type(m).__module__.startswith("torch.nn.parallel")
+
+
+FSDP2_KEPT = (
+    "FSDP2 (`fully_shard`) all-gathers the parameters of each sharded module into memory it allocates "
+    "on every call, outside the graph's pool, and frees or keeps it as its own schedule says; a replay "
+    "would read memory FSDP2 has since given back, so a step over an FSDP2 model runs eagerly"
+)
+"""Why a call reaching an FSDP2 model keeps tensors on every call (seen on four H200s, issue 48)."""
+
+
+def _is_fsdp2(m: Any) -> bool:
+    """Whether ``m`` was sharded by FSDP2's ``fully_shard`` (its class then derives from ``FSDPModule``)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # (not imported: nothing was sharded)
+    cls = getattr(fsdp, "FSDPModule", None)
+    return isinstance(cls, type) and isinstance(m, cls)
 
 
 class _Cell:

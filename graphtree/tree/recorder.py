@@ -124,9 +124,12 @@ class WarmUp:
         # none): warmed up again (a cache filled on first use), given up if every call does it
         self.mutated = mutated
 
-    def again_reason(self, name: str) -> str:
+    def again_reason(self, name: str, kept_hint: str = "") -> str:
         """Why ``name``'s signature runs eagerly when its warm-ups keep asking for another (every
-        call keeps state it allocated, or changes a container its code reads)."""
+        call keeps state it allocated, or changes a container its code reads). ``kept_hint``: why
+        the models it reaches keep memory, where known (``FreeValues.kept_hint``)."""
+        if not self.mutated and kept_hint:
+            return f"`{name}` keeps tensors it allocates beyond its outputs on every call: {kept_hint}"
         if self.mutated:
             return (
                 f"`{name}` changes {self.mutated} on every call: a replay runs no Python and would not; "
