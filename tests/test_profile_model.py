@@ -78,7 +78,7 @@ def test_launch_table_is_bounded():
     for c in range(100):
         d.api_enter(RT, RUNTIME_KERNEL, c, 1, 0, lambda: 0)
         d.api_exit(RT, RUNTIME_KERNEL, c, 1, 0)
-    assert len(d._launches) <= 32 and d.summary()["launches_evicted"] > 0
+    assert len(d._calls.table) <= 32 and d.summary()["launches_evicted"] > 0
     d.record(KERNEL, "k", 1, 2, 0, 0, 0, 0, 0, 0)  # its launch was evicted long ago
     assert d.summary()["records_without_launch"] == 1
 

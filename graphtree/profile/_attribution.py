@@ -10,8 +10,8 @@ work) and drops the frames of torch, graphtree, cupti, cuda-python and the stand
 left is the user's code. A module can mark itself internal with a global
 ``__graphtree_profile_internal__ = True``.
 
-The graph-node -> stack map itself lives in :class:`graphtree.profile._model.ProfileData`
-(``node_created`` / ``node_cloned``), fed by the CUPTI resource callbacks.
+The graph-node -> stack map itself lives in :class:`graphtree.profile._nodes.GraphNodes` (fed by
+``ProfileData.node_created`` / ``node_cloned`` from the CUPTI resource callbacks).
 
 Example::
 
