@@ -178,7 +178,8 @@ def test_all_scenarios_cover_every_contender_and_validate(fake_gpu, monkeypatch)
     assert share[("eager", "producer_time_per_step")].note == "not a way to share"
     # generate() applies to eager, graphtree and reduce-overhead; without transformers it says so
     gen = {r.contender: r for r in rows if r.scenario == "generate"}
-    assert set(gen) == {*cfg.contenders, "hf-default"} and all(r.ok and r.value is None for r in gen.values())
+    want = {*cfg.contenders, "hf-default", "graphtree-hf-compile"}  # (graphtree's twin with HF's compile kept)
+    assert set(gen) == want and all(r.ok and r.value is None for r in gen.values())
     assert "transformers is not installed" in gen["hf-default"].note  # HF's own way is always a contender
     assert "not applicable" in gen["handwritten"].note
     assert "transformers is not installed" in gen["graphtree"].note
@@ -321,3 +322,58 @@ def test_a_contender_run_in_its_own_process_brings_back_its_rows_only(monkeypatc
     assert row.ok and row.value == 2e-3 and row.equal_to_eager is True
     assert "process of its own" in row.note
     assert generate.exit_reason(1) == "exited with status 1" and generate.exit_reason(-9) == "was killed by SIGKILL"
+
+
+def test_hfs_compiled_call_is_kept_per_contender_not_handed_from_one_to_the_other():
+    """HF reuses the compiled call it stored on the model for an unchanged config: graphtree's twin
+    stored by one contender would have run as HF's default's compiled step (issue 46's bench)."""
+    from types import SimpleNamespace
+
+    from graphtree.bench.generate import HFCompiledCalls
+
+    model = SimpleNamespace()
+    calls = HFCompiledCalls(model)
+    with calls.of("graphtree-hf-compile"):
+        assert not hasattr(model, "_compiled_call")
+        model._compiled_call, model._last_compile_config = "twin", "config"
+    assert not hasattr(model, "_compiled_call")
+    with calls.of("hf-default"):
+        assert not hasattr(model, "_compiled_call")  # (HF compiles its own)
+        model._compiled_call, model._last_compile_config = "hf's", "config"
+    with calls.of("graphtree-hf-compile"):
+        assert model._compiled_call == "twin"
+    with calls.of("hf-default"):
+        assert model._compiled_call == "hf's" and model._last_compile_config == "config"
+
+
+def test_generate_runs_its_four_cases_for_each_contender_with_eagers_tokens(monkeypatch):
+    """The scenario's plumbing on the CPU (graphtree runs CPU calls eagerly, compiles are identities):
+    every case (fresh cache, one cache, a padded batch of four, sampling) has a row per contender,
+    graphtree's twin with HF's compile kept included, and each has eager's tokens."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from graphtree.bench import generate
+
+    def cpu_llama(hidden, layers, vocab, max_positions):
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+    monkeypatch.setattr(generate, "tiny_llama", cpu_llama)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: fn)
+    ctx, _logged = _generate_ctx()
+    ctx.cfg.contenders = ("eager", "graphtree")
+    rows = [r for r in generate.run_generate(ctx) if r.metric == "time_per_token"]
+    cases = ["fresh cache", "one cache", "padded batch of 4", "sampling"]
+    got = {(r.case, r.contender): r for r in rows}
+    for case in cases:
+        for name in ("eager", "graphtree", "hf-default", "graphtree-hf-compile"):
+            row = got[(case, name)]
+            assert row.ok, (case, name, row.error)
+            assert row.equal_to_eager is True, (case, name)

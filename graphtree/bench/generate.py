@@ -10,11 +10,20 @@ with ``cache_implementation="static"``. Contenders replace ``model.forward``:
 - ``hf-default``: what ``generate()`` does by itself (no ``disable_compile``): with a static cache it
   compiles the decode steps with ``torch.compile`` as its ``CompileConfig`` says, and runs the
   prefill uncompiled. What a user of Hugging Face runs otherwise; always in the scenario.
+- ``graphtree-hf-compile`` (with ``graphtree``): the forward graphed and ``disable_compile=False``:
+  HF compiles the decode step as it decides, without inductor's CUDA graphs, and graphtree graphs
+  the compiled forward (``graphtree.tree.hf_compile``, issue 46).
 
-Two cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticCache`` per call;
+Each contender keeps the compiled call HF stores on the model (``_compiled_call``) to itself: HF
+reuses the stored one for an unchanged config, which would hand one contender's compiled step to
+the other.
+
+Four cases: ``fresh cache`` (what ``generate()`` does by default: a new ``StaticCache`` per call;
 graphtree moves it into the memory of the decode step's recording, one device copy, instead of
-recording again: ``graphtree.tree.adoption``) and ``one cache`` (one
-``StaticCache`` passed as ``past_key_values`` and reset between calls: every decode step replays).
+recording again: ``graphtree.tree.adoption``), ``one cache`` (one ``StaticCache`` passed as
+``past_key_values`` and reset between calls: every decode step replays), ``padded batch of 4``
+(four prompts left-padded to one length, with their attention mask, fresh caches) and ``sampling``
+(top-k 50, top-p 0.9, temperature 0.8, the seed set before each call).
 ``compile-reduce-overhead`` runs in a Python process of its own (:func:`in_own_process`), with
 inductor's static CUDA launcher off (``TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0`` unless set): on an
 H100 (torch 2.11) the static launcher segfaulted on its first ``generate()`` with a fresh cache, in
@@ -34,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +68,7 @@ if TYPE_CHECKING:
 SCENARIO = "generate"
 REDUCE_OVERHEAD = "compile-reduce-overhead"
 HF_DEFAULT = "hf-default"
+GRAPHTREE_HF_COMPILE = "graphtree-hf-compile"
 APPLICABLE = (EAGER, GRAPHTREE, REDUCE_OVERHEAD)
 ONLY = "GRAPHTREE_BENCH_GENERATE_ONLY"
 """Set in the process :func:`in_own_process` starts: the one contender that process runs."""
@@ -101,6 +112,79 @@ def _compiled_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
+CASE_NOTES = {
+    "fresh cache": "greedy, batch 1",
+    "one cache": "greedy, batch 1",
+    "padded batch of 4": "greedy, 4 prompts left-padded",
+    "sampling": "sampled (top-k 50, top-p 0.9, temperature 0.8), batch 1",
+}
+
+
+def generate_cases(ids: torch.Tensor, cache: Any) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+    """Each case's prompt and ``generate()`` arguments: ``ids`` a prompt of one row, ``cache`` the
+    ``StaticCache`` the ``one cache`` case keeps. The padded batch repeats the prompt four times,
+    row r left-padded with r pad tokens (id 0) and masked so."""
+    rows = 4
+    padded = ids.repeat(rows, 1)
+    mask = torch.ones_like(padded)
+    for r in range(rows):
+        padded[r, :r] = 0
+        mask[r, :r] = 0
+    return {
+        "fresh cache": (ids, {"cache_implementation": "static"}),
+        "one cache": (ids, {"past_key_values": cache}),
+        "padded batch of 4": (padded, {"cache_implementation": "static", "attention_mask": mask}),
+        "sampling": (
+            ids,
+            {"cache_implementation": "static", "do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8},
+        ),
+    }
+
+
+def _disable_compile(name: str, hf_setting: Any) -> Any:
+    """What ``generate(disable_compile=...)`` gets for contender ``name``: HF's own setting for HF's
+    default, False for graphtree's twin that keeps HF's compile, True for the others."""
+    if name == HF_DEFAULT:
+        return hf_setting
+    return name != GRAPHTREE_HF_COMPILE
+
+
+class HFCompiledCalls:
+    """The compiled call HF stores on ``model`` (``_compiled_call``, ``_last_compile_config``), kept
+    per contender: HF reuses the stored one for an unchanged config, which would hand one
+    contender's compiled decode step to another.
+
+    Example::
+
+        calls = HFCompiledCalls(model)
+        with calls.of("hf-default"):
+            model.generate(ids)
+    """
+
+    _ATTRS = ("_compiled_call", "_last_compile_config")
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._kept: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def of(self, name: str) -> Iterator[None]:
+        """Inside: ``model`` holds ``name``'s compiled call (none at first); after: kept for ``name``."""
+        m = self._model
+        for a in self._ATTRS:
+            if a in m.__dict__:
+                delattr(m, a)
+        for a, v in self._kept.get(name, {}).items():
+            setattr(m, a, v)
+        try:
+            yield
+        finally:
+            self._kept[name] = {a: m.__dict__[a] for a in self._ATTRS if a in m.__dict__}
+            for a in self._ATTRS:
+                if a in m.__dict__:
+                    delattr(m, a)
+
+
 def run_generate(ctx: Ctx) -> list[Result]:
     """Time per generated token of ``generate()`` for each applicable contender, both cases."""
     cfg = ctx.cfg
@@ -110,6 +194,8 @@ def run_generate(ctx: Ctx) -> list[Result]:
     applicable = [n for n in cfg.contenders if n in APPLICABLE]
     only = os.environ.get(ONLY)
     names = [only] if only else [n for n in applicable if n != REDUCE_OVERHEAD] + [HF_DEFAULT]
+    if GRAPHTREE in names:
+        names.append(GRAPHTREE_HF_COMPILE)
     own_process = [] if only else [n for n in applicable if n == REDUCE_OVERHEAD]
     for n in cfg.contenders:
         if n not in APPLICABLE:
@@ -137,6 +223,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
     )
     tokens = 16 if quick else 64
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    model.generation_config.pad_token_id = 0  # (the padded batch's)
     original = model.forward
     # graphed(model.forward) turns HF's own compile off in the model's generation config (two graph
     # systems on one forward): HF's default gets the setting back for its own calls
@@ -145,27 +232,32 @@ def run_generate(ctx: Ctx) -> list[Result]:
     for name in names:
         if name == GRAPHTREE:
             forwards[name] = graphtree.graphed(original, name="LlamaForCausalLM.forward")
+        elif name == GRAPHTREE_HF_COMPILE:
+            forwards[name] = graphtree.graphed(original, name="LlamaForCausalLM.forward (HF's compile)")
         elif name == REDUCE_OVERHEAD:
             forwards[name] = _new_step_each_call(torch.compile(original, mode="reduce-overhead"))
     cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + tokens)
-    cases: dict[str, dict[str, Any]] = {
-        "fresh cache": {"cache_implementation": "static"},
-        "one cache": {"past_key_values": cache},
-    }
-    for case, extra in cases.items():
+    hf_calls = HFCompiledCalls(model)
+    for case, (case_ids, extra) in generate_cases(ids, cache).items():
         kw = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "disable_compile": True, **extra}
 
         n_calls = dict.fromkeys(names, 0)
 
-        def generate(name: str, kw: dict[str, Any] = kw, n_calls: dict[str, int] = n_calls) -> torch.Tensor:
+        def generate(
+            name: str, kw: dict[str, Any] = kw, n_calls: dict[str, int] = n_calls, case_ids: Any = case_ids
+        ) -> torch.Tensor:
             n_calls[name] = n_calls.get(name, 0) + 1
             model.forward = forwards[name]
             if "past_key_values" in kw:
                 kw["past_key_values"].reset()
-            # HF's default compiles by itself: everyone else passes disable_compile=True
-            call_kw = {**kw, "disable_compile": hf_disable_compile} if name == HF_DEFAULT else kw
+            if kw.get("do_sample"):
+                torch.manual_seed(0)  # (each contender draws from the same seed)
+            # HF's default compiles by itself, and graphtree's twin with HF's compile kept; everyone
+            # else passes disable_compile=True
+            call_kw = {**kw, "disable_compile": _disable_compile(name, hf_disable_compile)}
             try:
-                return model.generate(ids, **call_kw)
+                with hf_calls.of(name):
+                    return model.generate(case_ids, **call_kw)
             finally:
                 model.forward = original
 
@@ -176,7 +268,7 @@ def run_generate(ctx: Ctx) -> list[Result]:
         before = graphtree.stats()
         for name in names:
             try:
-                if name in COMPILED or name == HF_DEFAULT:  # compiling is slow: a spent budget fails this row only
+                if name in (*COMPILED, HF_DEFAULT, GRAPHTREE_HF_COMPILE):  # slow: a spent budget fails this row only
                     ctx.budget.check(f"{name} in generate/{case}")
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -209,9 +301,9 @@ def run_generate(ctx: Ctx) -> list[Result]:
             extra_info: dict[str, Any] = {"first_call_s": first[name]}
             if name == HF_DEFAULT:
                 extra_info["dynamo_graphs_so_far"] = compiled.get(case, 0)
-            note = f"{tokens} tokens per generate(), greedy, batch 1"
-            if name == GRAPHTREE:
-                decode = n_calls[GRAPHTREE] * (tokens - 1)  # every call: one prefill, then decode steps
+            note = f"{tokens} tokens per generate(), " + CASE_NOTES[case]
+            if name in (GRAPHTREE, GRAPHTREE_HF_COMPILE):
+                decode = n_calls[name] * (tokens - 1)  # every call: one prefill, then decode steps
                 extra_info["replayed_decode_share"] = (after.replays - before.replays) / decode
                 extra_info["recordings"] = after.recordings - before.recordings
                 extra_info["adopted"] = after.adopted - before.adopted  # fresh caches moved in, not recorded
@@ -242,18 +334,19 @@ def run_generate(ctx: Ctx) -> list[Result]:
                     note="the first generate(): warm-up, recording or compiling included",
                 )
             )
-        if GRAPHTREE in medians and HF_DEFAULT in medians:
-            results.append(
-                Result(
-                    SCENARIO,
-                    case,
-                    GRAPHTREE,
-                    "vs_hf_default",
-                    medians[GRAPHTREE] / medians[HF_DEFAULT],
-                    "x",
-                    note="graphtree's time per token over HF's default generate()'s (below 1: faster)",
+        for ours in (GRAPHTREE, GRAPHTREE_HF_COMPILE):
+            if ours in medians and HF_DEFAULT in medians:
+                results.append(
+                    Result(
+                        SCENARIO,
+                        case,
+                        ours,
+                        "vs_hf_default",
+                        medians[ours] / medians[HF_DEFAULT],
+                        "x",
+                        note=f"{ours}'s time per token over HF's default generate()'s (below 1: faster)",
+                    )
                 )
-            )
         ctx.log(f"generate: {case}: per token: " + " | ".join(f"{n} {v * 1e3:.3f} ms" for n, v in medians.items()))
     reset_all()
     for name in own_process:
