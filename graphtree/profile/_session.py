@@ -1,4 +1,5 @@
-"""The CUPTI side: subscription, callbacks, activity buffers, flush, teardown, busy detection.
+"""The CUPTI side: one session's start and stop, in order, over its two halves: the callbacks
+(``_subscription.py``: the subscription, busy detection) and the activity buffers (``_buffers.py``).
 
 One :class:`Session` is one ``start()``..``stop()`` of a :class:`graphtree.profile.Profile`. At most
 one runs per process (CUPTI allows a single callback subscriber).
@@ -33,24 +34,27 @@ import atexit
 import ctypes
 import functools
 import importlib
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from graphtree.profile import _cbids
 from graphtree.profile._attribution import capture_stack, format_frame, is_user_file
 from graphtree.profile._buffers import ActivityBuffers, step
 from graphtree.profile._errors import INSTALL_HINT, ProfilerBusyError, ProfilerUnavailableError
 from graphtree.profile._model import ProfileData, ProfileOptions
 from graphtree.profile._sampling import Sampler, Sampling
+from graphtree.profile._subscription import (
+    MULTIPLE_SUBSCRIBERS,
+    Subscription,
+    busy_message,
+    guess_other_cupti_users,
+    status_of,
+)
 
 __all__ = ["Session", "active_session", "guess_other_cupti_users", "load_cupti"]
 
-SUBSCRIBER_NAME = "graphtree.profile"
-_MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
 _STATE_LOCK = threading.Lock()
 _ACTIVE: Session | None = None
 
@@ -101,63 +105,6 @@ def _no_gpu() -> str:
     return ""
 
 
-def _status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status", None)
-    try:
-        return int(status) if status is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
-def guess_other_cupti_users(old_subscriber_name: str = "") -> list[str]:
-    """Best guesses at who else holds CUPTI in this process, most likely first.
-
-    Example::
-
-        >>> isinstance(guess_other_cupti_users(), list)
-        True
-    """
-    who: list[str] = []
-    if old_subscriber_name and old_subscriber_name.strip("<>") != "not provided":
-        who.append(f"the subscriber named {old_subscriber_name!r}")
-    if "torch" in sys.modules:
-        from graphtree import _torch
-
-        if _torch.torch_profiler_active():
-            who.append("torch.profiler (a torch.profiler.profile() / Kineto session is running)")
-    inj = os.environ.get("CUDA_INJECTION64_PATH", "")
-    low = inj.lower()
-    keys = " ".join(os.environ).upper()
-    if "sanitizer" in low or "SANITIZER" in keys:
-        who.append("compute-sanitizer")
-    if "nsys" in low or "nsight-systems" in low or "toolsinjection" in low or "NSYS_" in keys:
-        who.append("Nsight Systems (nsys)")
-    if "ncu" in low or "nsight-compute" in low or "nsight_compute" in low or "NV_COMPUTE_PROFILER" in keys:
-        who.append("Nsight Compute (ncu)")
-    if inj and not any(w for w in who if "Nsight" in w or "sanitizer" in w):
-        who.append(f"the CUDA injection library {inj!r} (CUDA_INJECTION64_PATH)")
-    if not who and "torch.profiler" in sys.modules:  # only a guess when nothing else explains it
-        who.append("torch.profiler/Kineto from an earlier session (Kineto may keep its CUPTI subscription)")
-    if "dcgm" in keys.lower():
-        who.append("DCGM profiling")
-    return who
-
-
-def _busy_message(old_subscriber_name: str = "") -> str:
-    who = guess_other_cupti_users(old_subscriber_name)
-    likely = (
-        " or ".join(who)
-        if who
-        else "another CUPTI-based tool (torch.profiler, Nsight Systems/Compute, compute-sanitizer)"
-    )
-    return (
-        "graphtree.profile cannot start: CUPTI already has a subscriber in this process "
-        f"(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED); likely {likely}. CUPTI allows one "
-        "profiler at a time: stop the other one first (leave the torch.profiler.profile() block, or "
-        "run without nsys/ncu/compute-sanitizer), or profile in a separate process."
-    )
-
-
 def _synchronize_cuda() -> None:
     torch = sys.modules.get("torch")
     if torch is None:
@@ -187,17 +134,12 @@ class Session:
         self.options = options
         self.sink: Any = options.tap(data) if options.tap is not None else data
         self.cupti: Any = None
-        self.subscriber: Any = None
-        self.enabled_callbacks: list[tuple[int, int]] = []
+        self.subscription: Subscription | None = None  # the callback side (_subscription.py), once started
         self.buffers: ActivityBuffers | None = None  # the activity side, once subscribed (_buffers.py)
         self.sampler: Sampler | None = None  # sampled mode: opens and closes the tracing windows
         self._sites: dict[Any, str] = {}  # (stack id, graph, label) -> call site text (window tables)
-        self.missing_callbacks: list[str] = []
         self._unsubscribe_events: list[Callable[[], None]] = []
         self._capture = functools.partial(capture_stack, data.stacks, options.stack_depth)
-        self._params: Any = None
-        self._callback: Any = None
-        self._resource_ids: dict[str, int] = {}
         self._atexit: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------------------- start
@@ -212,15 +154,10 @@ class Session:
                 )
             cupti = load_cupti()
             self.cupti = cupti
-            domains, api_table, launch_ids, resource_ids = self._resolve_ids(cupti)
-            self.sink.set_api_table(api_table)
-            self._subscribe(cupti)
+            self.subscription = subscription = Subscription(cupti, self.data, self.sink, self._capture)
+            subscription.subscribe()  # (first: another subscriber is found before anything is touched)
             try:
-                sub = self.subscriber
-                for domain, cbid in launch_ids + [(domains["resource"], c) for c in resource_ids.values()]:
-                    cupti.enable_callback(1, sub, domain, cbid)
-                    self.enabled_callbacks.append((domain, cbid))
-                self._resource_ids = resource_ids
+                subscription.enable()
                 self.buffers = buffers = ActivityBuffers(cupti, self.data, self.options, self.sink)
                 if self.options.sample is None:
                     buffers.enable()
@@ -228,14 +165,14 @@ class Session:
                     self.sampler = self._make_sampler(self.options.sample, buffers)
             except BaseException as e:
                 self._teardown([])
-                if _status(e) == _MULTIPLE_SUBSCRIBERS:
-                    raise ProfilerBusyError(_busy_message()) from e
+                if status_of(e) == MULTIPLE_SUBSCRIBERS:
+                    raise ProfilerBusyError(busy_message()) from e
                 if isinstance(e, Exception):
                     raise ProfilerUnavailableError(f"CUPTI could not be set up for profiling: {e}") from e
                 raise
             self._watch_graphtree()
             self._name_earlier_recordings()
-            self.sink.session_start(self._now())
+            self.sink.session_start(subscription.now())
             _ACTIVE = self
             self._atexit = self._stop_at_exit
             atexit.register(self._atexit)
@@ -285,72 +222,6 @@ class Session:
             note=self.data.notes.append,
         )
 
-    def _resolve_ids(
-        self, cupti: Any
-    ) -> tuple[dict[str, int], dict[tuple[int, int], tuple[str, str]], list[tuple[int, int]], dict[str, int]]:
-        dom = cupti.CallbackDomain
-        domains = {
-            "driver": int(dom.DRIVER_API),
-            "runtime": int(dom.RUNTIME_API),
-            "resource": int(dom.RESOURCE),
-        }
-        enums = {"runtime": cupti.runtime_api_trace_cbid, "driver": cupti.driver_api_trace_cbid}
-        table: dict[tuple[int, int], tuple[str, str]] = {}
-        launch_ids: list[tuple[int, int]] = []
-        for d, name, kind in _cbids.LAUNCH_CALLBACKS:
-            member = getattr(enums[d], name, None)
-            if member is None:  # not in this CUPTI release
-                self.missing_callbacks.append(name)
-                continue
-            key = (domains[d], int(member))
-            table[key] = (_cbids.display_name(name), kind)
-            launch_ids.append(key)
-        resource_ids: dict[str, int] = {}
-        for name in _cbids.RESOURCE_CALLBACKS:
-            member = getattr(cupti.CallbackIdResource, name, None)
-            if member is None:
-                self.missing_callbacks.append(name)
-                continue
-            resource_ids[name] = int(member)
-        return domains, table, launch_ids, resource_ids
-
-    def _subscribe(self, cupti: Any) -> None:
-        callback = self._make_callback(cupti)
-        self._callback = callback  # CUPTI keeps a raw pointer; we keep the object alive
-        try:
-            try:
-                params = cupti.SubscriberParams()
-                params.struct_size = cupti.SUBSCRIBER_PARAMS_SIZE
-                params.subscriber_name = SUBSCRIBER_NAME
-                self._params = params
-                self.subscriber = cupti.subscribe_v2(callback, 0, params.ptr)
-            except (AttributeError, NotImplementedError):  # no cuptiSubscribe_v2 in this release
-                self._params = None
-                self.subscriber = cupti.subscribe(callback, 0)
-            except Exception as e:
-                if _status(e) is not None or "FunctionNotFound" not in type(e).__name__:
-                    raise
-                self._params = None
-                self.subscriber = cupti.subscribe(callback, 0)
-        except Exception as e:
-            status = _status(e)
-            if status == _MULTIPLE_SUBSCRIBERS:
-                old = ""
-                if self._params is not None:
-                    try:
-                        raw = self._params.old_subscriber_name
-                        old = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
-                    except Exception:
-                        old = ""
-                raise ProfilerBusyError(_busy_message(old.strip("\x00 "))) from e
-            if status is not None:
-                try:
-                    name = cupti.Result(status).name
-                except Exception:
-                    name = str(status)
-                raise ProfilerUnavailableError(f"CUPTI refused the subscription ({name}): {e}") from e
-            raise ProfilerUnavailableError(f"CUPTI cannot be used here: {e}") from e
-
     def _watch_graphtree(self) -> None:
         try:
             from graphtree import _events
@@ -393,55 +264,6 @@ class Session:
                             sink.node_created(exec_id, (exec_id << 32) | index, 0, thread, lambda sid=sid: sid)
                 sink.set_label(thread, None)
 
-    # ----------------------------------------------------------------------------- callbacks
-    def _now(self) -> int:
-        try:
-            return int(self.cupti.get_timestamp())
-        except Exception:
-            return 0
-
-    def _make_callback(self, cupti: Any) -> Callable[..., None]:
-        sink = self.sink
-        data = self.data
-        capture = self._capture
-        timestamp = cupti.get_timestamp
-        get_ident = threading.get_ident
-        resource = int(cupti.CallbackDomain.RESOURCE)
-        enter = int(cupti.ApiCallbackSite.API_ENTER)
-        on_resource = self._on_resource
-
-        def callback(userdata: Any, domain: int, cbid: int, cbdata: Any) -> None:
-            try:
-                if domain == resource:
-                    on_resource(cbid, cbdata)
-                elif cbdata.callback_site == enter:
-                    sink.api_enter(domain, cbid, cbdata.correlation_id, get_ident(), timestamp(), capture)
-                else:
-                    sink.api_exit(domain, cbid, cbdata.correlation_id, get_ident(), timestamp())
-            except BaseException:  # never raise into CUPTI
-                data.callback_errors += 1
-
-        return callback
-
-    def _on_resource(self, cbid: int, cbdata: Any) -> None:
-        cupti = self.cupti
-        ids = self._resource_ids
-        gd = _graph_data(cupti, cbdata)
-        if gd is None:
-            return
-        if cbid == ids.get("GRAPHNODE_CREATED"):
-            self.sink.node_created(
-                _graph_id(cupti, gd.graph),
-                _node_id(cupti, gd.node),
-                int(gd.node_type),
-                threading.get_ident(),
-                self._capture,
-            )
-        elif cbid == ids.get("GRAPHNODE_CLONED"):
-            self.sink.node_cloned(_node_id(cupti, gd.node), _node_id(cupti, gd.original_node))
-        elif cbid == ids.get("GRAPH_CLONED"):
-            self.sink.graph_cloned(_graph_id(cupti, gd.graph), _graph_id(cupti, gd.original_graph))
-
     # ----------------------------------------------------------------------------- stop
     def stop(self) -> None:
         """Synchronize, flush, disable, unsubscribe (each step runs even if an earlier one failed)."""
@@ -470,22 +292,10 @@ class Session:
         timings.clear()
         if self.buffers is not None:  # the activity side first, while CUPTI is still attached
             self.buffers.close(errors, timings)
-        ts = self._now()
-        if self.subscriber is not None:
-            sub = self.subscriber
-
-            def disable_callbacks() -> None:
-                for domain, cbid in self.enabled_callbacks:
-                    step(
-                        errors,
-                        f"disable callback {domain}/{cbid}",
-                        lambda: cupti.enable_callback(0, sub, domain, cbid),  # noqa: B023 - step calls it at once
-                    )
-
-            step(errors, "disable callbacks", disable_callbacks, timings)
-            step(errors, "unsubscribe", lambda: cupti.unsubscribe(sub), timings)
-            self.subscriber = None
-        self.enabled_callbacks = []
+        subscription = self.subscription
+        ts = subscription.now() if subscription is not None else 0
+        if subscription is not None:
+            subscription.close(errors, timings)
         step(errors, "dropped records", self._read_dropped, timings)
         if self.options.finalize:
             step(errors, "finalize", cupti.finalize)
@@ -529,22 +339,3 @@ def _current_context() -> int:
         return int(ctx) if int(err) == 0 else 0
     except Exception:
         return 0
-
-
-def _graph_data(cupti: Any, cbdata: Any) -> Any:
-    if hasattr(cbdata, "node") and hasattr(cbdata, "original_node"):
-        return cbdata
-    ptr = getattr(cbdata, "resource_descriptor", 0)
-    if not ptr:
-        return None
-    return cupti.GraphData.from_ptr(int(ptr), True)
-
-
-def _graph_id(cupti: Any, handle: Any) -> int:
-    h = int(handle or 0)
-    return int(cupti.get_graph_id(h)) if h else 0
-
-
-def _node_id(cupti: Any, handle: Any) -> int:
-    h = int(handle or 0)
-    return int(cupti.get_graph_node_id(h)) if h else 0
