@@ -98,10 +98,10 @@ def test_records_are_aggregated_at_stop_and_on_queries(fake_cupti):
         sim.graph_launch(exe)
     data = prof.data
     assert data.buffers_completed > 0 and data.records_total == 0  # only stashed so far
-    assert prof._session.buffers._pending_records > 0
+    assert prof._session.buffers.stash.records > 0
     fake_cupti.activity_flush_all(1)  # what CUPTI still holds is not the query's business
     assert prof.summary()["kernels"] == 1000  # a query aggregates what is pending
-    assert prof._session.buffers._pending_records == 0
+    assert prof._session.buffers.stash.records == 0
     for _ in range(20):
         sim.graph_launch(exe)
     prof.stop()
@@ -119,7 +119,7 @@ def test_pending_records_stay_bounded(fake_cupti):
         exe = sim.capture(lambda: [sim.launch_kernel("k") for _ in range(50)])
         for _ in range(40):
             sim.graph_launch(exe)
-            seen.append(prof._session.buffers._pending_records)
+            seen.append(prof._session.buffers.stash.records)
     assert max(seen) < 100 + 4096 // 216
     assert prof.summary()["kernels"] == 2000
 

@@ -5,7 +5,8 @@ records, and what becomes of them.
 ctypes when its record layouts check out, see ``_rawbuf``; else cupti-python's), switches the
 activity kinds on and off (for the whole session, or the sampler's windows), flushes, copies each
 completed buffer's records into compact numpy columns (the fast paths) or reads them one by one
-(the fallbacks), and aggregates what is stashed into the session's sink on :meth:`drain`. The
+(the fallbacks), and aggregates what is stashed (``_stash.py``) into the session's sink on
+:meth:`drain`. The
 subscription and the API callbacks are the session's (``_session.py``).
 
 Example::
@@ -23,8 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from graphtree.profile import _rawbuf
-from graphtree.profile._model import KERNEL, MEMCPY, MEMSET, ProfileData, ProfileOptions
-from graphtree.profile._parse import _FastParser, _memcpy_names, _pin, _RawParser, _record_classes
+from graphtree.profile._model import ProfileData, ProfileOptions
+from graphtree.profile._parse import _FastParser, _memcpy_names, _pin, _RawParser, _record_classes, batches_of_objects
+from graphtree.profile._stash import Stash
 
 __all__ = ["ActivityBuffers", "step"]
 
@@ -54,10 +56,7 @@ class ActivityBuffers:
         self._in_flight = 0
         self._flush_period_set = False
         self._fast: _FastParser | None = None
-        self._drainer: _FastParser | None = None  # parses what was stashed (kept after a mismatch)
-        self._pending: list[tuple[int, Any]] = []  # stashed (code, compact columns), not yet aggregated
-        self._pending_records = 0
-        self._pending_since = 0  # data.launch_puts when the oldest pending buffer arrived
+        self.stash = Stash(data, options, sink)  # compact columns not yet aggregated (_stash.py)
         # activity control: libcupti through ctypes (raw buffers) or cupti-python
         self._act: Any = None
         self._raw: _RawParser | None = None  # raw-buffer parser while its layout checks pass
@@ -111,7 +110,7 @@ class ActivityBuffers:
                     self._pool = None
                     backend.release()
                 else:
-                    self._raw = self._drainer = parser
+                    self._raw = self.stash.parser = parser
                     self._raw_backend = self._act = backend
                     data.buffer_path = f"libcupti ({getattr(backend, 'path', '?')})"
                     return
@@ -119,7 +118,7 @@ class ActivityBuffers:
         self._act = _CuptiPythonActivity(cupti)
         self._set_flush_period(self._act)
         self._fast = _FastParser.create(cupti, self.options) if self.options.vectorized else None
-        self._drainer = self._fast
+        self.stash.parser = self._fast
         data.buffer_path = "cupti-python"
 
     def _set_flush_period(self, act: Any) -> None:
@@ -156,7 +155,7 @@ class ActivityBuffers:
                 self._fast = None
                 self._vectorized_failed(e)
             else:
-                self._add_pending(items)
+                self.stash.add(items)
                 return
         self._completed_slow(activities)
 
@@ -164,20 +163,6 @@ class ActivityBuffers:
         """Note why bulk parsing stopped, and aggregate what it stashed (records keep their order)."""
         self.data.notes.append(f"vectorized record parsing disabled ({type(e).__name__}: {e})")
         self.drain()
-
-    def _add_pending(self, items: list[tuple[int, Any]]) -> None:
-        data = self.data
-        with data.lock:
-            data.buffers_completed += 1
-            if not self._pending:
-                self._pending_since = data.launch_puts
-            self._pending.extend(items)
-            self._pending_records += sum(int(a.shape[0]) for _, a in items)
-            if (
-                self._pending_records >= self.options.defer_records
-                or data.launch_puts - self._pending_since >= data.launch_generation // 2
-            ):
-                self.drain()
 
     # -- raw buffers (libcupti through ctypes)
     def _raw_requested(self) -> tuple[int, int]:
@@ -211,7 +196,7 @@ class ActivityBuffers:
                     self._raw = None
                     self._vectorized_failed(e)
                 else:
-                    self._add_pending(items)
+                    self.stash.add(items)
                     return
             self._raw_completed_slow(addr, valid)
         except Exception:
@@ -226,7 +211,7 @@ class ActivityBuffers:
         """Per-record fallback: CUPTI's own iterator finds the records, cupti-python's classes
         (``from_ptr``) read them."""
         backend = self._raw_backend
-        parser = self._drainer
+        parser = self.stash.parser
         classes = getattr(parser, "objects", {}) or {}
         offsets = backend.record_offsets(addr, valid)
         objs = []
@@ -246,66 +231,22 @@ class ActivityBuffers:
     @property
     def pending(self) -> bool:
         """Whether records are stashed and not aggregated yet."""
-        return bool(self._pending)
-
-    def resolve_names(self) -> None:
-        """Read the kernel names (pointers into CUPTI's memory) while CUPTI is still attached."""
-        drainer = self._drainer
-        if drainer is not None:
-            with self.data.lock:
-                drainer.resolve_names(self._pending)
+        return self.stash.pending
 
     def drain(self) -> None:
         """Aggregate every stashed record now (records keep their arrival order)."""
-        data = self.data
-        with data.lock:
-            if not self._pending:
-                return
-            items, self._pending = self._pending, []
-            self._pending_records = 0
-            drainer = self._drainer
-            if drainer is None:  # pragma: no cover - nothing is stashed without a parser
-                return
-            try:
-                for batch in drainer.batches(items):
-                    self.sink.record_batch(*batch)
-            except Exception as e:
-                data.record_errors += sum(int(a.shape[0]) for _, a in items)
-                data.notes.append(f"records lost while aggregating ({type(e).__name__}: {e})")
+        self.stash.drain()
 
     def _completed_slow(self, activities: Any) -> None:
         """Per-record reading (cupti-python objects), aggregated per kind in one batch each."""
         data = self.data
         try:
-            cupti = self.cupti
-            code_of = {int(cupti.ActivityKind.CONCURRENT_KERNEL): KERNEL, int(cupti.ActivityKind.KERNEL): KERNEL}
-            code_of[int(cupti.ActivityKind.MEMCPY)] = MEMCPY
-            code_of[int(cupti.ActivityKind.MEMSET)] = MEMSET
-            memcpy_names = self._memcpy_names
-            rows: dict[int, list[tuple[Any, ...]]] = {KERNEL: [], MEMCPY: [], MEMSET: []}
-            for a in activities or ():
-                try:
-                    code = code_of.get(a.kind)
-                    if code is None:
-                        continue
-                    if code == KERNEL:
-                        name, nbytes = a.name, 0
-                    elif code == MEMCPY:
-                        name, nbytes = memcpy_names.get(a.copy_kind, "Memcpy"), a.bytes
-                    else:
-                        name, nbytes = "Memset", a.bytes
-                    row = (name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id)
-                    rows[code].append((*row, a.graph_id, a.graph_node_id, nbytes))
-                except Exception:
-                    data.record_errors += 1
+            batches, unread = batches_of_objects(self.cupti, activities, self._memcpy_names)
+            data.record_errors += unread
             with data.lock:
                 data.buffers_completed += 1
-                for code, batch in rows.items():
-                    if batch:
-                        names = sorted({r[0] for r in batch})
-                        index = {n: i for i, n in enumerate(names)}
-                        columns = list(zip(*batch))
-                        self.sink.record_batch(code, names, [index[n] for n in columns[0]], *columns[1:])
+                for batch in batches:
+                    self.sink.record_batch(*batch)
         except Exception:
             data.record_errors += 1
 
@@ -335,7 +276,7 @@ class ActivityBuffers:
         if self.enabled_kinds:
             step(errors, "flush", self.flush_forced, timings, "flush again")
         self.enabled_kinds = []
-        step(errors, "read kernel names", self.resolve_names, timings)
+        step(errors, "read kernel names", self.stash.resolve_names, timings)
         if self._flush_period_set:
             step(errors, "flush period", lambda: act.flush_period(0), timings)
             self._flush_period_set = False

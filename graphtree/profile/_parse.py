@@ -418,3 +418,37 @@ class _RawParser(_FastParser):
             checked[k] = (arr, offsets)
         self._verify(addr, valid, found, checked)
         return [(code, arrs[0] if len(arrs) == 1 else np.concatenate(arrs)) for code, arrs in sorted(columns.items())]
+
+
+def batches_of_objects(cupti: Any, activities: Any, memcpy_names: dict[int, str]) -> tuple[list[tuple[Any, ...]], int]:
+    """The per-record path: cupti-python's activity objects read one by one, as the arguments of
+    ``ProfileData.record_batch`` for each kind present (kernel, memcpy, memset), and how many
+    records could not be read. Other kinds are skipped."""
+    code_of = {int(cupti.ActivityKind.CONCURRENT_KERNEL): KERNEL, int(cupti.ActivityKind.KERNEL): KERNEL}
+    code_of[int(cupti.ActivityKind.MEMCPY)] = MEMCPY
+    code_of[int(cupti.ActivityKind.MEMSET)] = MEMSET
+    rows: dict[int, list[tuple[Any, ...]]] = {KERNEL: [], MEMCPY: [], MEMSET: []}
+    unread = 0
+    for a in activities or ():
+        try:
+            code = code_of.get(a.kind)
+            if code is None:
+                continue
+            if code == KERNEL:
+                name, nbytes = a.name, 0
+            elif code == MEMCPY:
+                name, nbytes = memcpy_names.get(a.copy_kind, "Memcpy"), a.bytes
+            else:
+                name, nbytes = "Memset", a.bytes
+            row = (name, a.start, a.end, a.device_id, a.stream_id, a.correlation_id)
+            rows[code].append((*row, a.graph_id, a.graph_node_id, nbytes))
+        except Exception:  # noqa: BLE001 - a record that cannot be read is counted, the others go on
+            unread += 1
+    batches = []
+    for code, batch in rows.items():
+        if batch:
+            names = sorted({r[0] for r in batch})
+            index = {n: i for i, n in enumerate(names)}
+            columns = list(zip(*batch))
+            batches.append((code, names, [index[n] for n in columns[0]], *columns[1:]))
+    return batches, unread
