@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import time
 from collections.abc import Callable
@@ -25,7 +24,14 @@ from typing import Any
 
 from graphtree.profile import _rawbuf
 from graphtree.profile._model import ProfileData, ProfileOptions
-from graphtree.profile._parse import _FastParser, _memcpy_names, _pin, _RawParser, _record_classes, batches_of_objects
+from graphtree.profile._parse import (
+    _FastParser,
+    _memcpy_names,
+    _RawParser,
+    _record_classes,
+    batches_of_objects,
+    objects_in_raw_buffer,
+)
 from graphtree.profile._stash import Stash
 
 __all__ = ["ActivityBuffers", "step"]
@@ -210,22 +216,9 @@ class ActivityBuffers:
     def _raw_completed_slow(self, addr: int, valid: int) -> None:
         """Per-record fallback: CUPTI's own iterator finds the records, cupti-python's classes
         (``from_ptr``) read them."""
-        backend = self._raw_backend
-        parser = self.stash.parser
-        classes = getattr(parser, "objects", {}) or {}
-        offsets = backend.record_offsets(addr, valid)
-        objs = []
-        lost = 0
-        for off in offsets:
-            kind = ctypes.c_uint32.from_address(addr + off).value
-            cls = classes.get(int(kind))
-            if cls is None:
-                lost += 1
-                continue
-            objs.append(cls.from_ptr(addr + off, True))
-        _pin(objs)
-        if lost:
-            self.data.record_errors += lost
+        classes = getattr(self.stash.parser, "objects", {}) or {}
+        objs, lost = objects_in_raw_buffer(self._raw_backend, classes, addr, valid)
+        self.data.record_errors += lost
         self._completed_slow(objs)
 
     @property

@@ -452,3 +452,19 @@ def batches_of_objects(cupti: Any, activities: Any, memcpy_names: dict[int, str]
             columns = list(zip(*batch))
             batches.append((code, names, [index[n] for n in columns[0]], *columns[1:]))
     return batches, unread
+
+
+def objects_in_raw_buffer(backend: Any, classes: dict[int, Any], addr: int, valid: int) -> tuple[list[Any], int]:
+    """The records of raw buffer ``addr`` (``valid`` bytes) as cupti-python objects, found by
+    CUPTI's own iterator (``backend.record_offsets``) and read by ``classes`` (kind -> class with
+    ``from_ptr``), pinned while the buffer lives; and how many were of a kind without a class."""
+    objs = []
+    lost = 0
+    for off in backend.record_offsets(addr, valid):
+        cls = classes.get(int(ctypes.c_uint32.from_address(addr + off).value))
+        if cls is None:
+            lost += 1
+            continue
+        objs.append(cls.from_ptr(addr + off, True))
+    _pin(objs)
+    return objs, lost
