@@ -115,6 +115,11 @@ for stage in $stages; do
         benchmarks/ddp_step.py --model gpt --wrap fsdp2 --steps ${DDP_STEPS:-100} --json "$OUT/fsdp2_gpt_${NGPU}gpu.json" 2>&1 \
         | tee "$OUT/fsdp2_gpt.log" | grep -v '^W1' | tail -40
       ;;
+    bench_ranks)  # issue 48: graphtree bench's ddp and tp scenarios on every GPU, under torchrun (JSON + plot)
+      NGPU=$(nvidia-smi -L | wc -l)
+      timeout -s INT -k 20 ${RANKS_TIMEOUT:-540} python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+        -m graphtree bench --scenarios ddp,tp ${RANKS_ARGS:-} --out "$OUT/bench-ranks" 2>&1 | tee "$OUT/bench-ranks.log" | grep -v '^W1' | tail -40
+      ;;
     tp_dtensor)  # issue 48, item 2: a decoder parallelised with torch.distributed.tensor.parallel, on every GPU
       NGPU=$(nvidia-smi -L | wc -l)
       timeout -s INT -k 20 ${TP_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \

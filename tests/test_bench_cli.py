@@ -76,9 +76,9 @@ def test_module_entry_point_exists():
 def test_scenario_and_contender_names_agree():
     from graphtree.bench.contenders import ALL_CONTENDERS
 
-    assert bench._SCENARIOS == scenarios.SCENARIOS
-    assert set(scenarios.SCENARIOS) == set(scenarios.RUNNERS)
-    assert set(scenarios.SCENARIOS) == set(scenarios.BUDGET_WEIGHTS)
+    assert bench._SCENARIOS == scenarios.SCENARIOS and bench._RANK_SCENARIOS == scenarios.RANK_SCENARIOS
+    every = set(scenarios.SCENARIOS + scenarios.RANK_SCENARIOS)
+    assert every == set(scenarios.RUNNERS) == set(scenarios.BUDGET_WEIGHTS)
     assert bench._CONTENDERS == ALL_CONTENDERS
 
 
@@ -153,3 +153,16 @@ def test_plot_writes_png_even_with_missing_scenarios(tmp_path):
     doc["results"] = [r for r in doc["results"] if r["scenario"] == "overhead"]
     out = plot.plot_results(doc, tmp_path / "sub" / "p.png")
     assert out is not None and out.exists() and out.stat().st_size > 1000
+
+
+def test_ddp_and_tp_run_alone_under_torchrun_and_say_how_otherwise(monkeypatch, capsys):
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert bench.main(["--scenarios", "ddp,tp"]) == 2
+    assert "torchrun --nproc-per-node N -m graphtree bench --scenarios ddp,tp" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    assert bench.main(["--scenarios", "ddp,overhead"]) == 2
+    assert "run the other scenarios without torchrun" in capsys.readouterr().err
+    assert bench.main(["--scenarios", "overhead"]) == 2
+    assert "runs the ddp and tp scenarios only" in capsys.readouterr().err

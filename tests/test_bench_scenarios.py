@@ -377,3 +377,42 @@ def test_generate_runs_its_four_cases_for_each_contender_with_eagers_tokens(monk
             row = got[(case, name)]
             assert row.ok, (case, name, row.error)
             assert row.equal_to_eager is True, (case, name)
+
+
+def test_the_ddp_and_tp_scenarios_make_valid_rows_and_a_plot_in_a_world_of_one(tmp_path, monkeypatch):
+    """The scenarios of several ranks on the CPU, over gloo, in a world of one (graphtree runs CPU
+    calls eagerly): every contender's row, eager's reproducibility in its extra, a valid document and
+    the two panels of a ranked run."""
+    import types
+
+    import torch.distributed as dist
+
+    from graphtree.bench import ddp, tp
+    from graphtree.bench.harness import validate_json
+    from graphtree.bench.plot import RANK_PANELS, panel_data
+
+    monkeypatch.setattr(ddp, "cases", lambda quick: [ddp.StepArgs("mlp", "ddp", batch=4, steps=6, round=2)])
+    monkeypatch.setattr(tp, "decode_args", lambda quick: tp.DecodeArgs(layers=1, d_model=32, vocab=64, tokens=5))
+    names = ("eager", "compile-reduce-overhead", "graphtree")
+    ctx = types.SimpleNamespace(cfg=types.SimpleNamespace(quick=True, contenders=names), log=lambda m: None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        with torch.no_grad():  # (as run_scenarios runs them: the training step turns grad on itself)
+            rows = ddp.run_ddp(ctx) + tp.run_tp(ctx)
+    finally:
+        dist.destroy_process_group()
+    by = {(r.scenario, r.contender): r for r in rows}
+    for scenario in ("ddp", "tp"):
+        assert by[(scenario, "compile-reduce-overhead")].note == f"not applicable to {scenario}"
+        for name in ("eager", "graphtree"):
+            row = by[(scenario, name)]
+            assert row.ok and row.value > 0 and row.equal_to_eager is True, row
+    assert by[("ddp", "eager")].extra["eager_reproduces_itself"] is True
+    assert by[("ddp", "graphtree")].extra["eager_reasons"] == {"no CUDA": 6}
+    meta = {"device": "cpu", "torch": torch.__version__, "cuda": None, "python": "3", "date": "2026-11-27"}
+    meta.update(graphtree="0", command="test", duration_s=1.0, scenarios=["ddp", "tp"], contenders=list(names))
+    doc = to_json(rows, meta)
+    validate_json(doc)
+    for scenario, metric, *_ in RANK_PANELS:
+        cases, contenders, _values = panel_data(doc, scenario, metric)
+        assert cases and {"eager", "graphtree"} <= set(contenders), (scenario, cases, contenders)

@@ -11,6 +11,9 @@ Options:
 - ``--out DIR`` -- results folder (default ``results/bench-<date>-<gpu>``; printed).
 - ``--quick`` -- small sizes and few repeats: a smoke run of about a minute or two.
 - ``--scenarios overhead,decode,memory,capture,branching,generate,share,breaks`` -- run only these.
+  ``ddp`` and ``tp`` (a data-parallel training step, a tensor-parallel decode) run on every GPU,
+  alone and under torchrun: ``torchrun --nproc-per-node 4 -m graphtree bench --scenarios ddp,tp``;
+  rank 0 writes the results.
 - ``--contenders eager,handwritten,...`` -- run only these contenders.
 - ``--budget SECONDS`` -- the time budget the scenarios share (default 420, quick 240).
 - ``--from-json FILE`` -- no GPU needed: validate a results file, print its table, re-plot it.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shlex
@@ -40,7 +44,10 @@ from typing import Any
 __all__ = ["main"]
 
 _SCENARIOS = ("overhead", "decode", "memory", "capture", "branching", "generate", "share", "breaks", "train")
+_RANK_SCENARIOS = ("ddp", "tp")  # every GPU of the machine, one rank each, under torchrun (not by default)
 _CONTENDERS = ("eager", "handwritten", "compile-reduce-overhead", "compile-cudagraphs", "graphtree")
+
+TORCHRUN_HINT = "ddp and tp run alone under torchrun: torchrun --nproc-per-node N -m graphtree bench --scenarios ddp,tp"
 
 NO_GPU_MESSAGE = (
     "graphtree bench: the benchmarks need a CUDA GPU, and none is available here "
@@ -59,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default=None, help="results folder (default: results/bench-<date>-<gpu>)")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats, for a fast smoke run")
     p.add_argument(
-        "--scenarios", default=",".join(_SCENARIOS), help="comma-separated subset of: " + ",".join(_SCENARIOS)
+        "--scenarios",
+        default=",".join(_SCENARIOS),
+        help="comma-separated subset of: " + ",".join(_SCENARIOS + _RANK_SCENARIOS) + f" ({TORCHRUN_HINT})",
     )
     p.add_argument(
         "--contenders", default=",".join(_CONTENDERS), help="comma-separated subset of: " + ",".join(_CONTENDERS)
@@ -86,6 +95,21 @@ def _split(value: str, allowed: Sequence[str], what: str) -> list[str]:
     if unknown or not items:
         raise ValueError(f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from {', '.join(allowed)}")
     return [a for a in allowed if a in items]  # canonical order
+
+
+def _rank_scenarios(scenarios: Sequence[str]) -> bool:
+    """Whether the run is one of several ranks (``ddp``, ``tp``): those scenarios run alone and
+    under torchrun; raises ValueError naming the fix otherwise."""
+    from graphtree.bench.ranks import under_torchrun
+
+    ranked = [s for s in scenarios if s in _RANK_SCENARIOS]
+    if ranked and len(ranked) != len(scenarios):
+        raise ValueError(f"{TORCHRUN_HINT}; run the other scenarios without torchrun")
+    if ranked and not under_torchrun():
+        raise ValueError(f"{', '.join(ranked)}: {TORCHRUN_HINT}")
+    if not ranked and under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("under torchrun, graphtree bench runs the ddp and tp scenarios only: " + TORCHRUN_HINT)
+    return bool(ranked)
 
 
 def _slug(text: str) -> str:
@@ -156,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        scenarios = _split(args.scenarios, _SCENARIOS, "scenario")
+        scenarios = _split(args.scenarios, _SCENARIOS + _RANK_SCENARIOS, "scenario")
         contenders = _split(args.contenders, _CONTENDERS, "contender")
+        ranks = _rank_scenarios(scenarios)
     except ValueError as exc:
         print(f"graphtree bench: {exc}", file=sys.stderr)
         return 2
@@ -186,12 +211,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     now = datetime.now(timezone.utc)
     device = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else Path("results") / f"bench-{now.strftime('%Y%m%d-%H%M%S')}-{_slug(device)}"
-    print(f"graphtree bench: {device}, torch {torch.__version__}; results folder: {out}", flush=True)
+    if not ranks or os.environ.get("RANK", "0") == "0":
+        print(f"graphtree bench: {device}, torch {torch.__version__}; results folder: {out}", flush=True)
     _native.wait(600)  # time graphtree as it runs once its helpers are built, not while they build
-    print(f"graphtree bench: native helpers {_native.status()}", flush=True)
+    if not ranks or os.environ.get("RANK", "0") == "0":
+        print(f"graphtree bench: native helpers {_native.status()}", flush=True)
     cfg = BenchConfig.make(quick=args.quick, contenders=contenders, budget_s=args.budget)
-    log = Progress()
+    rank = int(os.environ.get("RANK", "0")) if ranks else 0
+    log = Progress(quiet=rank != 0)  # (one rank speaks for the job)
     results = run_scenarios(scenarios, cfg, log)
+    if ranks:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if rank != 0:  # rank 0 writes the job's results
+            return 0
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     meta = {
         "device": device,
@@ -208,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "contenders": contenders,
         "gpu_memory_bytes": int(props.total_memory),
         "gpu_count": torch.cuda.device_count(),
+        **({"ranks": world} if ranks else {}),
         "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
         "config": cfg.describe(),
     }

@@ -45,6 +45,9 @@ SCENARIOS: tuple[str, ...] = (
 )
 """Scenario names, in the order they run."""
 
+RANK_SCENARIOS: tuple[str, ...] = ("ddp", "tp")
+"""Scenarios of every GPU of the machine, one rank each, under torchrun: they run alone, when asked."""
+
 BUDGET_WEIGHTS: dict[str, float] = {
     "overhead": 2.0,
     "decode": 4.0,
@@ -55,6 +58,8 @@ BUDGET_WEIGHTS: dict[str, float] = {
     "share": 1.0,
     "breaks": 1.5,
     "train": 2.0,
+    "ddp": 3.0,
+    "tp": 1.0,
 }
 """Relative share of the time budget per scenario (unused time rolls over to later ones)."""
 

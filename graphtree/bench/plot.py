@@ -2,8 +2,9 @@
 
 Four panels of grouped bars on log scales: CPU time per call, wall time per call and GPU-only
 time per call (overhead scenario; groups are the 1/16/64-kernel functions), and time per token
-(decode scenario; groups are batch sizes). A contender that failed in a group is marked
-"failed" where its bar would be. The title names the GPU and the torch version.
+(decode scenario; groups are batch sizes). A run of the ``ddp`` and ``tp`` scenarios (under
+torchrun) has their panels instead: time per training step and per decoded token. A contender
+that failed in a group is marked "failed" where its bar would be. The title names the GPU and the torch version.
 
 matplotlib is imported only here and only when plotting; without it the benchmark says so
 and writes no PNG (``pip install 'graphtree[bench]'``).
@@ -30,6 +31,12 @@ PANELS: tuple[tuple[str, str, str, float, str], ...] = (
     ("decode", "time_per_token", "decode: time per token", 1e3, "ms"),
 )
 """(scenario, metric, panel title, scale from seconds, unit) of each panel."""
+
+RANK_PANELS: tuple[tuple[str, str, str, float, str], ...] = (
+    ("ddp", "time_per_step", "ddp: time per training step (every rank)", 1e3, "ms"),
+    ("tp", "time_per_token", "tp: time per decoded token (every rank)", 1e3, "ms"),
+)
+"""The panels of a run of the ``ddp`` and ``tp`` scenarios (under torchrun: they run alone)."""
 
 _COLORS = {
     "eager": "#7f7f7f",
@@ -122,8 +129,13 @@ def plot_results(doc: Mapping[str, Any], path: str | Path) -> Path | None:
         return None
 
     path = Path(path)
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
-    for ax, (scenario, metric, title, scale, unit) in zip(axes.flat, PANELS):
+    ranked = [p for p in RANK_PANELS if panel_data(doc, p[0], p[1])[0]]
+    panels = PANELS if not ranked else tuple(ranked)
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(15, 4.75 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (scenario, metric, title, scale, unit) in zip(axes.flat, panels):
         cases, names, values = panel_data(doc, scenario, metric)
         ax.set_title(title)
         if not cases or not names:

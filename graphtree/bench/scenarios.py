@@ -24,6 +24,8 @@ reported as medians over repeats.
 - ``share`` -- handing a graphed step's output to consumer processes (:mod:`graphtree.bench.share`).
 - ``breaks`` -- models that read values on the host (:mod:`graphtree.bench.breaks`).
 - ``train`` -- a whole training step per call (:mod:`graphtree.bench.train`).
+- ``ddp``, ``tp`` -- on every GPU under torchrun: a data-parallel training step
+  (:mod:`graphtree.bench.ddp`) and a tensor-parallel decode (:mod:`graphtree.bench.tp`).
 
 Example::
 
@@ -43,11 +45,20 @@ from graphtree.bench.capture import run_capture
 from graphtree.bench.contenders import configure_dynamo, reset_all
 from graphtree.bench.decode import run_decode
 from graphtree.bench.harness import Budget, Progress, Result, failed
-from graphtree.bench.kit import BUDGET_WEIGHTS, MIN_REPEATS, SCENARIOS, BenchConfig, Ctx
+from graphtree.bench.kit import BUDGET_WEIGHTS, MIN_REPEATS, RANK_SCENARIOS, SCENARIOS, BenchConfig, Ctx
 from graphtree.bench.memory import run_memory
 from graphtree.bench.overhead import run_overhead
 
-__all__ = ["BUDGET_WEIGHTS", "INTERRUPTED", "MIN_REPEATS", "RUNNERS", "SCENARIOS", "BenchConfig", "run_scenarios"]
+__all__ = [
+    "BUDGET_WEIGHTS",
+    "INTERRUPTED",
+    "MIN_REPEATS",
+    "RANK_SCENARIOS",
+    "RUNNERS",
+    "SCENARIOS",
+    "BenchConfig",
+    "run_scenarios",
+]
 
 
 def _run_share(ctx: Ctx) -> list[Result]:
@@ -74,6 +85,18 @@ def _run_train(ctx: Ctx) -> list[Result]:
     return run_train(ctx)
 
 
+def _run_ddp(ctx: Ctx) -> list[Result]:
+    from graphtree.bench.ddp import run_ddp  # torch.distributed's and timm's imports only when it runs
+
+    return run_ddp(ctx)
+
+
+def _run_tp(ctx: Ctx) -> list[Result]:
+    from graphtree.bench.tp import run_tp  # DTensor's imports only when it runs
+
+    return run_tp(ctx)
+
+
 # --------------------------------------------------------------------------------------------
 # the run
 
@@ -88,6 +111,8 @@ RUNNERS: dict[str, Callable[[Ctx], list[Result]]] = {
     "share": _run_share,
     "breaks": _run_breaks,
     "train": _run_train,
+    "ddp": _run_ddp,  # (on every rank, under torchrun: see graphtree.bench.ddp)
+    "tp": _run_tp,
 }
 
 

@@ -1,6 +1,7 @@
-"""What the torchrun benchmarks share (``ddp_step.py``, ``tp_dtensor.py``): a process group per rank
-(NCCL on GPUs, gloo for a CPU dry run), the contenders run in turn (one that fails is a row saying
-why), each compared with eager's results, and rank 0's JSON rows.
+"""What the benchmarks of several ranks share (the ``ddp`` and ``tp`` scenarios, ``benchmarks/ddp_step.py``,
+``benchmarks/tp_dtensor.py``), each rank one process under torchrun: a process group per rank (NCCL
+on GPUs, gloo for a CPU dry run), the contenders run in turn (one that fails is a row saying why),
+each compared with eager's results, and rank 0's JSON rows.
 
 Example::
 
@@ -21,16 +22,24 @@ import torch
 import torch.distributed as dist
 
 import graphtree
+from graphtree.bench.harness import Result
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (its environment names the world)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
 def start(device: str) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun set up: (rank, world size, this rank's device)."""
+    """Join the process group torchrun set up (once: a second call finds it joined): (rank, world
+    size, this rank's device)."""
     cuda = device == "cuda"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     here = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=here if cuda else None)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=here if cuda else None)
     return dist.get_rank(), dist.get_world_size(), here
 
 
@@ -88,3 +97,35 @@ def report(
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def not_applicable(scenario: str, name: str, metric: str) -> Result:
+    """A contender the scenario has no way to run (torch.compile's, in the ``ddp`` scenario)."""
+    return Result(scenario, "all", name, metric, None, "s", note=f"not applicable to {scenario}")
+
+
+def results_of(
+    rows: list[dict[str, Any]], scenario: str, case: str, metric: str, time_key: str, values: str
+) -> list[Result]:
+    """The bench's rows from :func:`compare_to_eager`'s: per contender its time (``time_key``, ms,
+    reported in seconds), whether its ``values`` equal eager's, and the rest as ``extra``; the row
+    of ``eager_again`` goes into eager's (``eager_reproduces_itself``), and ``hand`` is
+    ``handwritten``, as the bench names the capture by hand."""
+    from graphtree.bench.contenders import HANDWRITTEN
+
+    again = next((r for r in rows if r["contender"] == "eager_again"), None)
+    out = []
+    for r in rows:
+        name = HANDWRITTEN if r["contender"] == "hand" else r["contender"]
+        if name == "eager_again":
+            continue
+        if "error" in r:
+            out.append(Result(scenario, case, name, metric, None, "s", ok=False, error=r["error"]))
+            continue
+        extra = {k: v for k, v in r.items() if k not in ("contender", time_key)}
+        if name == "eager" and again is not None:
+            extra["eager_reproduces_itself"] = again.get(f"{values}_equal_to_eager")
+        value = r[time_key] / 1e3 if r[time_key] is not None else None
+        equal = r.get(f"{values}_equal_to_eager")
+        out.append(Result(scenario, case, name, metric, value, "s", equal_to_eager=equal, extra=extra))
+    return out
