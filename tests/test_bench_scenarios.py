@@ -401,6 +401,7 @@ def test_the_ddp_and_tp_scenarios_make_valid_rows_and_a_plot_in_a_world_of_one(t
             rows = ddp.run_ddp(ctx) + tp.run_tp(ctx)
     finally:
         dist.destroy_process_group()
+    assert not torch.are_deterministic_algorithms_enabled()  # (the step's setting does not outlive it)
     by = {(r.scenario, r.contender): r for r in rows}
     for scenario in ("ddp", "tp"):
         assert by[(scenario, "compile-reduce-overhead")].note == f"not applicable to {scenario}"

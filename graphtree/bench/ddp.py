@@ -156,8 +156,12 @@ def run(name: str, args: StepArgs, device: torch.device, rank: int) -> dict[str,
 def step_rows(names: list[str], args: StepArgs, device: torch.device, rank: int) -> list[dict[str, Any]]:
     """Every rank's rows of one case: each contender in turn (``hand`` or ``handwritten`` for the
     capture by hand), then eager again as ``eager_again``; losses compared with eager's."""
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
-    rows = run_contenders(names, lambda name: run(name, args, device, rank), device)
+    try:
+        rows = run_contenders(names, lambda name: run(name, args, device, rank), device)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])  # (the caller's setting back)
     compare_to_eager(rows, "losses", "ms_per_step")  # bit for bit (floats from the same kernels)
     return rows
 
