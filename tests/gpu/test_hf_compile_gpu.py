@@ -1,5 +1,5 @@
-"""Hugging Face's compile kept with graphtree on (issue 46, item 1; written after the device time was
-spent, not yet run): ``generate()`` with ``disable_compile=False`` compiles the decode step as HF
+"""Hugging Face's compile kept with graphtree on (issue 46, item 1; passed on the H100 in the fifteenth
+and sixteenth sessions): ``generate()`` with ``disable_compile=False`` compiles the decode step as HF
 decides, without inductor's CUDA graphs, and graphtree graphs the compiled forward; the tokens are
 eager's, and the decode steps replay."""
 
