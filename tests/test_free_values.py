@@ -195,6 +195,22 @@ def test_containers_the_code_reads_are_watched_for_changes_a_replay_would_not_ma
     LOSSES.clear()
 
 
+def test_a_containers_bound_method_read_by_name_is_watched_as_the_container():
+    """``log = LOSSES.append`` then ``log(loss)`` grows the list as ``LOSSES.append(loss)`` does: a
+    replay would not (found reading the code: the list was not watched through its method)."""
+    grown: list[float] = []
+    log = grown.append
+
+    def step(x):
+        log(float(x.sum()))
+        return x + 1
+
+    watched = FreeValues(step).containers()
+    assert watched is not None and watched.changed() == ""
+    step(torch.ones(2))
+    assert "the list `log`" in watched.changed(), watched.changed()
+
+
 def test_what_a_part_marked_eager_reads_is_not_watched_it_runs_on_every_replay():
     """A logging part marked ``graphtree.eager`` appends on every replay as eager does: the list it
     grows is not a change a replay would miss (on the H100 the step ran eagerly for good)."""

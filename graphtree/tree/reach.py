@@ -195,6 +195,8 @@ class FreeValues:
                     reads.append((space, n, n))
                 elif isinstance(v, _CONTAINERS):
                     containers.append((n, v))
+                elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, _CONTAINERS):
+                    containers.append((n, v.__self__))  # (`log = LOSSES.append`: the list it grows)
                 elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
                     anchors.append(len(reads))
                     reads.append((space, n, n))
