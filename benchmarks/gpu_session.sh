@@ -142,6 +142,13 @@ for stage in $stages; do
         tests/gpu/test_host_scalars_gpu.py::test_an_int_operand_is_a_device_scalar_too \
         tests/gpu/test_ported_cudagraph_trees_gpu.py::test_dynamic_warmup 2>&1 | tee "$OUT/new15.log" | tail -30
       ;;
+    new16)  # the sixteenth session's GPU work written after its device time: the DDP/FSDP2 test (torchrun,
+            # one rank and up to four), then graphtree bench's generate scenario, quick (HF's compile kept, four cases)
+      timeout -s INT -k 20 ${NEW_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_ddp_gpu.py 2>&1 \
+        | tee "$OUT/new16.log" | grep -v '^W1' | tail -20
+      timeout 300 python3 -m graphtree bench --quick --scenarios generate --budget 280 --out "$OUT/bench-generate-quick" 2>&1 \
+        | tee "$OUT/bench-generate-quick.log" | grep -v '^W1' | tail -25
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
