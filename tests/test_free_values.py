@@ -326,6 +326,51 @@ def test_a_step_over_an_fsdp2_model_names_fsdp2_when_it_runs_eagerly(tmp_path):
         dist.destroy_process_group()
 
 
+class _Config:
+    def __init__(self):
+        self.scale = 2.0
+        self.unused = 1  # (not read by the code below: not keyed)
+        self.name = "relu"
+
+
+CFG = _Config()
+
+
+def _configured(x):
+    return x * CFG.scale if CFG.name == "relu" else x
+
+
+def test_an_object_of_settings_read_by_name_keys_the_attributes_the_code_reads():
+    """``x * CFG.scale`` recorded with ``CFG.scale = 2.0`` must not replay after ``CFG.scale = 3.0``
+    (found reading the code: a global config object's attributes were not followed)."""
+    from dataclasses import dataclass
+
+    free = FreeValues(_configured)
+    values = _values(free.part())
+    assert values["CFG.scale"] == 2.0 and values["CFG.name"] == "relu" and "CFG.unused" not in values
+    first = free.part()
+    CFG.scale = 3.0
+    try:
+        assert free.part() != first and _values(free.part())["CFG.scale"] == 3.0
+    finally:
+        CFG.scale = 2.0
+    assert free.part() == first
+
+    @dataclass
+    class Sampling:
+        temperature: float = 0.7
+
+    settings = Sampling()
+
+    def sample(logits):
+        return logits / settings.temperature
+
+    closure = FreeValues(sample)
+    assert _values(closure.part())["settings.temperature"] == 0.7
+    settings.temperature = 0.9
+    assert _values(closure.part())["settings.temperature"] == 0.9
+
+
 class _Scaler:
     def __init__(self):
         self.factor = 2.0

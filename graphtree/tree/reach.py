@@ -103,7 +103,10 @@ class FreeValues:
       bound to an object of the user's class that is no module, or such an object with a
       ``__call__`` graphed itself, that object's (``self.temperature``);
     - for a model the code calls by a global or closure name: its identity (rebound, it is
-      followed anew), its ``training`` (``model.eval()`` between calls) and the same attributes.
+      followed anew), its ``training`` (``model.eval()`` between calls) and the same attributes;
+    - for an object of the user's class read by a global or closure name (a config, a dataclass of
+      settings): its identity and those of its plain attributes whose names the code reads
+      (``x * CFG.scale``).
 
     Only names whose value is plain when first read are followed (tensors are externals, read in
     place; modules and functions are code). A module attribute the call itself changes is the
@@ -201,6 +204,14 @@ class FreeValues:
                     anchors.append(len(reads))
                     reads.append((space, n, n))
                     reads.extend(_owner_reads(v, n, training=True))
+                elif _settings_object(v):  # an object of the user's class whose attributes the code reads
+                    attrs = [
+                        (vars(v), a, f"{n}.{a}") for a, x in vars(v).items() if a in names and type(x) in _PLAIN_SET
+                    ]
+                    if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
+                        anchors.append(len(reads))
+                        reads.append((space, n, n))
+                        reads.extend(attrs)
         models = [owner] + [space.get(n, None) for space, n, _ in (reads[i] for i in anchors)]
         # DistributedDataParallel collects runtime stats with CUDA events in its first 10 iterations
         # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
@@ -219,6 +230,16 @@ class FreeValues:
 DDP_WARMUPS = 11
 """Eager iterations a DistributedDataParallel step runs before its capture (torch's CUDA semantics
 notes, "Usage with DistributedDataParallel")."""
+
+
+def _settings_object(v: Any) -> bool:
+    """An instance of a user's class that is no function, class, module or model (a config object,
+    a dataclass of settings): its plain attributes the code reads are keyed."""
+    return (
+        hasattr(v, "__dict__")
+        and not isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
+        and _user_class(type(v))
+    )
 
 
 def _is_ddp(m: Any) -> bool:
