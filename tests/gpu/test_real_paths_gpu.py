@@ -464,6 +464,35 @@ def test_a_global_or_closure_value_the_code_reads_is_never_replayed_stale():
         assert torch.equal(h(x), x + value), value
 
 
+class _Settings:
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+
+SETTINGS = _Settings()  # a config object the graphed code reads (the test below changes it)
+
+
+def _configured(x):
+    return torch.relu(x) * SETTINGS.scale
+
+
+def test_a_config_objects_attribute_the_code_reads_is_never_replayed_stale():
+    # `x * SETTINGS.scale`: the key held neither the object nor its attributes, so a recording made
+    # at 2.0 replayed x * 2.0 after SETTINGS.scale = 3.0 (found reading the code after the
+    # sixteenth session's device time; CPU test in tests/test_free_values.py)
+    g = graphtree.graphed(_configured)
+    x = torch.randn(64, device=DEV)
+    try:
+        for value in (2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 2.0):
+            SETTINGS.scale = value
+            graphtree.mark_step()
+            assert torch.equal(g(x), _configured(x)), value
+    finally:
+        SETTINGS.scale = 2.0
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 class _Sampler(torch.nn.Module):
     def __init__(self):
         super().__init__()
