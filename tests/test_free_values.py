@@ -370,6 +370,15 @@ def test_an_object_of_settings_read_by_name_keys_the_attributes_the_code_reads()
     settings.temperature = 0.9
     assert _values(closure.part())["settings.temperature"] == 0.9
 
+    import threading
+
+    class Flags(threading.local):  # (each thread's own: not keyed)
+        def __init__(self):
+            self.armed = False
+
+    flags = Flags()
+    assert FreeValues(lambda x: x + 1 if flags.armed else x).part() is None
+
 
 class _Scaler:
     def __init__(self):

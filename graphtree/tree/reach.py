@@ -234,12 +234,10 @@ notes, "Usage with DistributedDataParallel")."""
 
 def _settings_object(v: Any) -> bool:
     """An instance of a user's class that is no function, class, module or model (a config object,
-    a dataclass of settings): its plain attributes the code reads are keyed."""
-    return (
-        hasattr(v, "__dict__")
-        and not isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
-        and _user_class(type(v))
-    )
+    a dataclass of settings): its plain attributes the code reads are keyed. Not a
+    ``threading.local``: its attributes are each thread's own, no setting of the call."""
+    skip = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, threading.local)
+    return hasattr(v, "__dict__") and not isinstance(v, skip) and _user_class(type(v))
 
 
 def _is_ddp(m: Any) -> bool:
