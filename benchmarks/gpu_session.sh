@@ -145,7 +145,8 @@ for stage in $stages; do
     new16)  # the sixteenth session's GPU work written after its device time: the DDP/FSDP2 test (torchrun,
             # one rank and up to four), then graphtree bench's generate scenario, quick (HF's compile kept, four cases)
       timeout -s INT -k 20 ${NEW_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_ddp_gpu.py \
-        "tests/gpu/test_real_paths_gpu.py::test_a_config_objects_attribute_the_code_reads_is_never_replayed_stale" 2>&1 \
+        "tests/gpu/test_real_paths_gpu.py::test_a_config_objects_attribute_the_code_reads_is_never_replayed_stale" \
+        "tests/gpu/test_real_paths_gpu.py::test_a_helper_defined_anew_is_called_not_the_recorded_one" 2>&1 \
         | tee "$OUT/new16.log" | grep -v '^W1' | tail -20
       timeout 300 python3 -m graphtree bench --quick --scenarios generate --budget 280 --out "$OUT/bench-generate-quick" 2>&1 \
         | tee "$OUT/bench-generate-quick.log" | grep -v '^W1' | tail -25

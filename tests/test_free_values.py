@@ -31,7 +31,16 @@ OFFSET = 1
 
 
 def _values(part):
-    return {n: v for n, _, v in part[1]}
+    """The plain values of a part (what is keyed by identity, a function or a model, left out)."""
+    return {n: v for n, t, v in part[1] if t not in _BY_IDENTITY}
+
+
+def _identities(part):
+    """The names keyed by identity (functions and models the code calls by name)."""
+    return {n for n, t, _ in part[1] if t in _BY_IDENTITY}
+
+
+_BY_IDENTITY = (type(scaled), type(torch.sin), functools.partial)
 
 
 def test_a_global_read_by_the_code_or_a_helper_it_calls_is_keyed_by_type_and_value(monkeypatch):
@@ -89,6 +98,26 @@ def test_a_compiled_helper_is_read_through_to_its_own_code():
 
 def _helper_scaled(x):
     return x * SCALE
+
+
+def _tanh_scaled(x):
+    return torch.tanh(x) * OTHER
+
+
+OTHER = 5.0
+
+
+def test_a_function_the_code_calls_by_name_is_keyed_by_identity_and_followed_anew_when_rebound(monkeypatch):
+    """A notebook cell run again defines the helper anew: eager calls the new one, and a replay of
+    the old recording would compute the old one (found reading the code)."""
+    free = FreeValues(scaled)
+    first = free.part()
+    assert "_helper" in _identities(first)
+    monkeypatch.setitem(globals(), "_helper", _tanh_scaled)  # (rebound: its reads are followed too)
+    now = free.part()
+    assert now != first and _values(now)["OTHER"] == 5.0 and "OFFSET" not in _values(now)
+    monkeypatch.setitem(globals(), "OTHER", 6.0)
+    assert _values(free.part())["OTHER"] == 6.0
 
 
 def test_a_recordings_signature_shows_the_values_it_was_recorded_with():

@@ -408,7 +408,8 @@ def signature(node: Node) -> str:
         if len(p) == 3 and isinstance(p[0], int):  # the ambient state (tree/ambient.py): not shown
             continue
         if p[0] == "reads":  # plain values its code reads from globals and closures (tree/reach.py)
-            reads = " [" + ", ".join(f"{n}={v!r}" for n, _, v in p[1]) + "]"
+            shown = [f"{n}={v!r}" for n, t, v in p[1] if t in PLAIN_TYPES]  # (not what is keyed by identity)
+            reads = " [" + ", ".join(shown) + "]" if shown else ""
             continue
         if len(p) == 3 and p[2] is NUMBER:  # a Python number read as a device scalar (tree/host_scalars.py)
             parts.append(f"{'float' if p[1] is torch.float64 else 'int'} (device scalar)")

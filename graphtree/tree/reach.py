@@ -106,7 +106,9 @@ class FreeValues:
       followed anew), its ``training`` (``model.eval()`` between calls) and the same attributes;
     - for an object of the user's class read by a global or closure name (a config, a dataclass of
       settings): its identity and those of its plain attributes whose names the code reads
-      (``x * CFG.scale``).
+      (``x * CFG.scale``);
+    - for a function the code calls by a global or closure name: its identity (``ACT = torch.tanh``
+      after a recording made with ``torch.relu``: the new one is followed).
 
     Only names whose value is plain when first read are followed (tensors are externals, read in
     place; modules and functions are code). A module attribute the call itself changes is the
@@ -117,6 +119,7 @@ class FreeValues:
     Costs nothing for a callable that reads none (a library's module: an HF model's forward)."""
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
+        self._fn = fn
         self._sources = _sources(fn)  # (globals, names, cells) of each function walked
         # what the callable belongs to besides a module: a bound method's object, a callable object itself
         self._owner = fn.__self__ if inspect.ismethod(fn) else fn if _callable_object(fn) else None
@@ -145,7 +148,8 @@ class FreeValues:
         if len(now) == len(last):
             if all(map(operator.is_, now, last)):
                 return cached
-            if any(now[i] is not last[i] for i in self._anchors):  # a model rebound: follow the new one
+            if any(now[i] is not last[i] for i in self._anchors):  # a model or function rebound: follow the new one
+                self._sources = _sources(self._fn)
                 reads = self._resolve()
                 now = [d.get(n, _MISSING) for d, n, _ in reads]
         part = ("reads", tuple(_value_part(label, v) for (_, _, label), v in zip(reads, now)))
@@ -204,6 +208,9 @@ class FreeValues:
                     anchors.append(len(reads))
                     reads.append((space, n, n))
                     reads.extend(_owner_reads(v, n, training=True))
+                elif isinstance(v, _FUNCTIONS):  # a function the code calls by name: rebound, another is called
+                    anchors.append(len(reads))
+                    reads.append((space, n, n))
                 elif _settings_object(v):  # an object of the user's class whose attributes the code reads
                     attrs = [
                         (vars(v), a, f"{n}.{a}") for a, x in vars(v).items() if a in names and type(x) in _PLAIN_SET
@@ -273,6 +280,7 @@ class _Cell:
 
 
 _CONTAINERS = (list, dict, set, collections.deque)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 
 
 class Containers:

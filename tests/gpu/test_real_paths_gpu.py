@@ -493,6 +493,34 @@ def test_a_config_objects_attribute_the_code_reads_is_never_replayed_stale():
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+def _activation(x):
+    return torch.relu(x)
+
+
+def _through_activation(x):
+    return _activation(x) * 2
+
+
+def test_a_helper_defined_anew_is_called_not_the_recorded_one():
+    # A notebook cell run again defines `_activation` anew: eager calls the new one; the key held
+    # neither the helper nor its identity, so the old recording replayed (found reading the code
+    # after the sixteenth session's device time; CPU test in tests/test_free_values.py)
+    global _activation
+    g = graphtree.graphed(_through_activation)
+    x = torch.randn(64, device=DEV)
+    old = _activation
+    try:
+        for i in range(6):
+            if i == 3:
+                _activation = torch.tanh  # (redefined)
+            graphtree.mark_step()
+            assert torch.equal(g(x), _through_activation(x)), i
+    finally:
+        _activation = old
+    s = graphtree.stats()
+    assert s.recordings == 2 and not s.eager, s
+
+
 class _Sampler(torch.nn.Module):
     def __init__(self):
         super().__init__()
