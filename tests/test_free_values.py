@@ -120,6 +120,28 @@ def test_a_function_the_code_calls_by_name_is_keyed_by_identity_and_followed_ane
     assert _values(free.part())["OTHER"] == 6.0
 
 
+def test_a_function_made_again_from_the_same_code_keeps_the_key_and_its_closure_is_read_anew():
+    """A lambda made in a loop is a new object each time, with the same code: the same recording
+    fits it, and what its new closure holds is read (not the old closure's)."""
+
+    def make(s):
+        return lambda x: x * s
+
+    def step(x):
+        return current(x)
+
+    current = make(2.0)
+    free = FreeValues(step)
+    first = free.part()
+    current = make(2.0)  # made again: same code, the same value in its cell
+    assert free.part() == first
+    current = make(3.0)  # same code, another value in its cell: read anew
+    third = free.part()
+    assert third != first and ("s", float, 3.0) in third[1], third
+    current = lambda x: x - 1  # noqa: E731 - defined anew: other code
+    assert free.part() not in (first, third)
+
+
 def test_a_recordings_signature_shows_the_values_it_was_recorded_with():
     class _Node:
         name = "scaled"

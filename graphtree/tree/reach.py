@@ -107,8 +107,9 @@ class FreeValues:
     - for an object of the user's class read by a global or closure name (a config, a dataclass of
       settings): its identity and those of its plain attributes whose names the code reads
       (``x * CFG.scale``);
-    - for a function the code calls by a global or closure name: its identity (``ACT = torch.tanh``
-      after a recording made with ``torch.relu``: the new one is followed).
+    - for a function the code calls by a global or closure name: its code and plain defaults, a
+      builtin's identity (``ACT = torch.tanh`` after a recording made with ``torch.relu``, a helper
+      defined anew: the new one is followed; a lambda made again from the same code keeps the key).
 
     Only names whose value is plain when first read are followed (tensors are externals, read in
     place; modules and functions are code). A module attribute the call itself changes is the
@@ -347,8 +348,17 @@ def _user_class(cls: type) -> bool:
 
 def _value_part(name: str, v: Any) -> tuple[Any, ...]:
     """A value's key part: by type and value where plain (``1``, ``1.0`` and ``True`` differ), by
-    type and identity otherwise (a name rebound to an object: hashable whatever it is)."""
-    return (name, type(v), v) if type(v) in _PLAIN_SET else (name, type(v), id(v))
+    type and identity otherwise (a name rebound to an object: hashable whatever it is). A Python
+    function by its code and plain defaults: one made again from the same code (a lambda made in a
+    loop) computes the same (what its closure holds is read apart), a function defined anew does not."""
+    t = type(v)
+    if t in _PLAIN_SET:
+        return (name, t, v)
+    if t is types.FunctionType:
+        defaults = v.__defaults__ or ()
+        plain = all(type(d) in _PLAIN_SET for d in defaults)
+        return (name, t, (id(v.__code__), defaults if plain else id(defaults)))
+    return (name, t, id(v))
 
 
 def _content(cell: Any) -> Any:
