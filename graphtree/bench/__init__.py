@@ -99,15 +99,14 @@ def _split(value: str, allowed: Sequence[str], what: str) -> list[str]:
 
 def _rank_scenarios(scenarios: Sequence[str]) -> bool:
     """Whether the run is one of several ranks (``ddp``, ``tp``): those scenarios run alone and
-    under torchrun; raises ValueError naming the fix otherwise."""
-    from graphtree.bench.ranks import under_torchrun
-
+    under torchrun (whose environment names the world); raises ValueError naming the fix otherwise."""
+    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     ranked = [s for s in scenarios if s in _RANK_SCENARIOS]
     if ranked and len(ranked) != len(scenarios):
         raise ValueError(f"{TORCHRUN_HINT}; run the other scenarios without torchrun")
-    if ranked and not under_torchrun():
+    if ranked and not under_torchrun:
         raise ValueError(f"{', '.join(ranked)}: {TORCHRUN_HINT}")
-    if not ranked and under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if not ranked and under_torchrun and int(os.environ["WORLD_SIZE"]) > 1:
         raise ValueError("under torchrun, graphtree bench runs the ddp and tp scenarios only: " + TORCHRUN_HINT)
     return bool(ranked)
 
@@ -211,14 +210,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     now = datetime.now(timezone.utc)
     device = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else Path("results") / f"bench-{now.strftime('%Y%m%d-%H%M%S')}-{_slug(device)}"
-    if not ranks or os.environ.get("RANK", "0") == "0":
+    rank = int(os.environ["RANK"]) if ranks else 0  # (one rank speaks for the job, and writes it)
+    if rank == 0:
         print(f"graphtree bench: {device}, torch {torch.__version__}; results folder: {out}", flush=True)
     _native.wait(600)  # time graphtree as it runs once its helpers are built, not while they build
-    if not ranks or os.environ.get("RANK", "0") == "0":
+    if rank == 0:
         print(f"graphtree bench: native helpers {_native.status()}", flush=True)
     cfg = BenchConfig.make(quick=args.quick, contenders=contenders, budget_s=args.budget)
-    rank = int(os.environ.get("RANK", "0")) if ranks else 0
-    log = Progress(quiet=rank != 0)  # (one rank speaks for the job)
+    log = Progress(quiet=rank != 0)
     results = run_scenarios(scenarios, cfg, log)
     if ranks:
         import torch.distributed as dist

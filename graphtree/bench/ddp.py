@@ -129,20 +129,18 @@ def run(name: str, args: StepArgs, device: torch.device, rank: int) -> dict[str,
         step = graphtree.graphed(step, name="ddp_step")
     elif name == "hand":  # PyTorch's whole-network capture of a DDP step: DDP rebuilds its buckets
         step = HandGraph(step, *data[0], warmup=11)  # after its first iterations, so 11 warm-ups first
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     losses = [step(*data[i % len(data)]).clone() for i in range(3)]
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t0
     times: list[float] = []
     for i in range(3, args.steps, args.round):
         n = min(args.round, args.steps - i)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for k in range(i, i + n):
             losses.append(step(*data[k % len(data)]).clone())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t) / n)
     row: dict[str, Any] = {
         "contender": name,

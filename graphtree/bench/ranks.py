@@ -25,11 +25,6 @@ import graphtree
 from graphtree.bench.harness import Result
 
 
-def under_torchrun() -> bool:
-    """Whether this process is a rank that torchrun started (its environment names the world)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
 def start(device: str) -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up (once: a second call finds it joined): (rank, world
     size, this rank's device)."""
