@@ -111,8 +111,8 @@ class FreeValues:
       builtin's identity (``ACT = torch.tanh`` after a recording made with ``torch.relu``, a helper
       defined anew: the new one is followed; a lambda made again from the same code keeps the key).
 
-    Only names whose value is plain when first read are followed (tensors are externals, read in
-    place; modules and functions are code). A module attribute the call itself changes is the
+    Other values are not keyed: tensors are externals, read in place; containers are watched in
+    warm-ups (:meth:`containers`). A module attribute the call itself changes is the
     call's state, not a setting: it is no longer followed (:meth:`after_call`), and a recording of
     such a call fails with the reason (``writes.module_changes``). A bound object's attribute the
     call changes stays followed: each value is a signature of its own, and a call that changes it
@@ -181,8 +181,9 @@ class FreeValues:
             self.follows_modules = self._own > 0
 
     def _resolve(self) -> list[tuple[Any, str, str]]:
-        """Follow the names whose value is plain now (at the first call: globals defined after the
-        function are there by then), and the models the code calls by name."""
+        """Follow the names the code reads as they are now (at the first call: globals defined after
+        the function are there by then): plain values, and the models, functions and objects of
+        settings it reaches by name (by identity, with what of them is keyed; see the class)."""
         owner = self._module if self._module is not None else self._owner
         reads: list[tuple[Any, str, str]] = list(_owner_reads(owner))
         # A module attribute the call changes is dropped after it (a capture that changes one fails,
@@ -213,14 +214,13 @@ class FreeValues:
                     anchors.append(len(reads))
                     reads.append((space, n, n))
                 elif _settings_object(v):  # an object of the user's class whose attributes the code reads
-                    attrs = [
-                        (vars(v), a, f"{n}.{a}") for a, x in vars(v).items() if a in names and type(x) in _PLAIN_SET
-                    ]
+                    attrs = [r for r in _owner_reads(v, n) if r[1] in names]
                     if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
                         anchors.append(len(reads))
                         reads.append((space, n, n))
                         reads.extend(attrs)
-        models = [owner] + [space.get(n, None) for space, n, _ in (reads[i] for i in anchors)]
+        anchored = [space.get(n, None) for space, n, _ in (reads[i] for i in anchors)]
+        models = [owner] + [m for m in anchored if isinstance(m, torch.nn.Module)]
         # DistributedDataParallel collects runtime stats with CUDA events in its first 10 iterations
         # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
         ddp = any(_is_ddp(m) for m in models)
