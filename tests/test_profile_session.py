@@ -238,7 +238,7 @@ def test_other_subscriber_is_a_clear_busy_error_and_nothing_is_touched(fake_cupt
     with pytest.raises(ProfilerBusyError) as e:
         graphtree.profile().start()
     msg = str(e.value)
-    assert "nsys-collector" in msg and "MULTIPLE_SUBSCRIBERS" in msg
+    assert "nsys-collector" in msg and "CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED" in msg
     assert sim.enabled_kinds == set() and sim.buffer_requested is None
     assert _session.active_session() is None
 

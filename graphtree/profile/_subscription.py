@@ -5,7 +5,7 @@ to the session's sink (``ProfileData`` or a sampling tap) with the caller's thre
 timestamp. Never the capture callbacks.
 
 The subscription is made first (:meth:`Subscription.subscribe`): if another tool holds CUPTI it
-fails with ``CUPTI_ERRORMULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`` before anything global was touched,
+fails with ``CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`` before anything global was touched,
 and becomes :class:`ProfilerBusyError` naming the likely holder (:func:`guess_other_cupti_users`).
 
 Example::
@@ -30,7 +30,7 @@ from graphtree.profile._errors import ProfilerBusyError, ProfilerUnavailableErro
 from graphtree.profile._model import ProfileData
 
 SUBSCRIBER_NAME = "graphtree.profile"
-MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERRORMULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
+MULTIPLE_SUBSCRIBERS = 39  # cupti.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
 
 
 class Subscription:
@@ -252,7 +252,7 @@ def busy_message(old_subscriber_name: str = "") -> str:
     )
     return (
         "graphtree.profile cannot start: CUPTI already has a subscriber in this process "
-        f"(CUPTI_ERRORMULTIPLE_SUBSCRIBERS_NOT_SUPPORTED); likely {likely}. CUPTI allows one "
+        f"(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED); likely {likely}. CUPTI allows one "
         "profiler at a time: stop the other one first (leave the torch.profiler.profile() block, or "
         "run without nsys/ncu/compute-sanitizer), or profile in a separate process."
     )
