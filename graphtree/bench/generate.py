@@ -112,17 +112,9 @@ def _compiled_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
-CASE_NOTES = {
-    "fresh cache": "greedy, batch 1",
-    "one cache": "greedy, batch 1",
-    "padded batch of 4": "greedy, 4 prompts left-padded",
-    "sampling": "sampled (top-k 50, top-p 0.9, temperature 0.8), batch 1",
-}
-
-
-def generate_cases(ids: torch.Tensor, cache: Any) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
-    """Each case's prompt and ``generate()`` arguments: ``ids`` a prompt of one row, ``cache`` the
-    ``StaticCache`` the ``one cache`` case keeps. The padded batch repeats the prompt four times,
+def generate_cases(ids: torch.Tensor, cache: Any) -> dict[str, tuple[torch.Tensor, dict[str, Any], str]]:
+    """Each case's prompt, ``generate()`` arguments and note: ``ids`` a prompt of one row, ``cache``
+    the ``StaticCache`` the ``one cache`` case keeps. The padded batch repeats the prompt four times,
     row r left-padded with r pad tokens (id 0) and masked so."""
     rows = 4
     padded = ids.repeat(rows, 1)
@@ -130,13 +122,19 @@ def generate_cases(ids: torch.Tensor, cache: Any) -> dict[str, tuple[torch.Tenso
     for r in range(rows):
         padded[r, :r] = 0
         mask[r, :r] = 0
+    sampling = {"do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8}
     return {
-        "fresh cache": (ids, {"cache_implementation": "static"}),
-        "one cache": (ids, {"past_key_values": cache}),
-        "padded batch of 4": (padded, {"cache_implementation": "static", "attention_mask": mask}),
+        "fresh cache": (ids, {"cache_implementation": "static"}, "greedy, batch 1"),
+        "one cache": (ids, {"past_key_values": cache}, "greedy, batch 1"),
+        "padded batch of 4": (
+            padded,
+            {"cache_implementation": "static", "attention_mask": mask},
+            "greedy, 4 prompts left-padded",
+        ),
         "sampling": (
             ids,
-            {"cache_implementation": "static", "do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8},
+            {"cache_implementation": "static", **sampling},
+            "sampled (top-k 50, top-p 0.9, temperature 0.8), batch 1",
         ),
     }
 
@@ -171,18 +169,18 @@ class HFCompiledCalls:
     def of(self, name: str) -> Iterator[None]:
         """Inside: ``model`` holds ``name``'s compiled call (none at first); after: kept for ``name``."""
         m = self._model
-        for a in self._ATTRS:
-            if a in m.__dict__:
-                delattr(m, a)
+        self._take()
         for a, v in self._kept.get(name, {}).items():
             setattr(m, a, v)
         try:
             yield
         finally:
-            self._kept[name] = {a: m.__dict__[a] for a in self._ATTRS if a in m.__dict__}
-            for a in self._ATTRS:
-                if a in m.__dict__:
-                    delattr(m, a)
+            self._kept[name] = self._take()
+
+    def _take(self) -> dict[str, Any]:
+        """Remove the compiled call stored on the model, and return it."""
+        stored = self._model.__dict__
+        return {a: stored.pop(a) for a in self._ATTRS if a in stored}
 
 
 def run_generate(ctx: Ctx) -> list[Result]:
@@ -238,15 +236,10 @@ def run_generate(ctx: Ctx) -> list[Result]:
             forwards[name] = _new_step_each_call(torch.compile(original, mode="reduce-overhead"))
     cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + tokens)
     hf_calls = HFCompiledCalls(model)
-    for case, (case_ids, extra) in generate_cases(ids, cache).items():
+    for case, (case_ids, extra, case_note) in generate_cases(ids, cache).items():
         kw = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "disable_compile": True, **extra}
 
-        n_calls = dict.fromkeys(names, 0)
-
-        def generate(
-            name: str, kw: dict[str, Any] = kw, n_calls: dict[str, int] = n_calls, case_ids: Any = case_ids
-        ) -> torch.Tensor:
-            n_calls[name] = n_calls.get(name, 0) + 1
+        def generate(name: str, kw: dict[str, Any] = kw, case_ids: Any = case_ids) -> torch.Tensor:
             model.forward = forwards[name]
             if "past_key_values" in kw:
                 kw["past_key_values"].reset()
@@ -265,7 +258,6 @@ def run_generate(ctx: Ctx) -> list[Result]:
         first: dict[str, float] = {}
         equal: dict[str, bool] = {}
         compiled: dict[str, int] = {}
-        before = graphtree.stats()
         for name in names:
             try:
                 if name in (*COMPILED, HF_DEFAULT, GRAPHTREE_HF_COMPILE):  # slow: a spent budget fails this row only
@@ -290,7 +282,14 @@ def run_generate(ctx: Ctx) -> list[Result]:
             stop=ctx.budget.expired,
             min_repeats=2,
         )
-        after = graphtree.stats()
+        # One more call of each graphtree contender, untimed: its own counts (graphtree's counters are
+        # the process's, and both graphtree contenders' calls were interleaved above)
+        steady: dict[str, tuple[Any, Any]] = {}
+        for name in ok:
+            if name in (GRAPHTREE, GRAPHTREE_HF_COMPILE):
+                before = graphtree.stats()
+                generate(name)
+                steady[name] = (before, graphtree.stats())
         medians = {}
         for name in ok:
             s = t.summary(name)
@@ -301,14 +300,15 @@ def run_generate(ctx: Ctx) -> list[Result]:
             extra_info: dict[str, Any] = {"first_call_s": first[name]}
             if name == HF_DEFAULT:
                 extra_info["dynamo_graphs_so_far"] = compiled.get(case, 0)
-            note = f"{tokens} tokens per generate(), " + CASE_NOTES[case]
-            if name in (GRAPHTREE, GRAPHTREE_HF_COMPILE):
-                decode = n_calls[name] * (tokens - 1)  # every call: one prefill, then decode steps
-                extra_info["replayed_decode_share"] = (after.replays - before.replays) / decode
+            note = f"{tokens} tokens per generate(), {case_note}"
+            if name in steady:  # (in a call after the timed ones: one prefill, then tokens - 1 decode steps)
+                before, after = steady[name]
+                extra_info["replayed_decode_share"] = (after.replays - before.replays) / (tokens - 1)
                 extra_info["recordings"] = after.recordings - before.recordings
                 extra_info["adopted"] = after.adopted - before.adopted  # fresh caches moved in, not recorded
                 extra_info["eager"] = dict(after.eager)
-                note += f"; {extra_info['replayed_decode_share']:.0%} of decode steps replayed"
+                share = extra_info["replayed_decode_share"]
+                note += f"; {share:.0%} of decode steps replayed in a call after the timed ones"
             results.append(
                 Result(
                     SCENARIO,
