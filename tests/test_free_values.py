@@ -187,6 +187,19 @@ def test_a_user_modules_plain_attributes_are_keyed_but_those_the_call_changes():
     assert FreeValues(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).part() is None
 
 
+def test_a_library_modules_settings_its_code_reads_are_keyed():
+    # `model.drop.p = 0.0` between calls: torch's classes were not followed at all, so a recording
+    # made with p=0.1 replayed p=0.1. What their code reads is keyed; nn.Linear reads none.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1), torch.nn.Conv1d(2, 2, 1))
+    free = FreeValues(model, model)
+    values = _values(free.part())
+    assert values == {"self.1.p": 0.1, "self.1.inplace": False, "self.2.groups": 1, "self.2.padding_mode": "zeros"}
+    model[1].p = 0.0
+    assert _values(free.part())["self.1.p"] == 0.0
+    free.after_call()  # (nothing the call changed: all still followed)
+    assert len(_values(free.part())) == 4
+
+
 class _Sampler:
     def __init__(self):
         self.temperature = 1.0

@@ -99,7 +99,8 @@ class FreeValues:
       function it wraps;
     - the plain attributes of ``module`` and of its submodules whose classes are the user's
       (``self.scale``, ``self.head.temperature``; not their ``training``: ``model.eval()`` turns
-      the module's own off too, keyed already) and DDP's gradient-sync flags; or, for a method
+      the module's own off too, keyed already), those of a library's submodules that their code
+      reads (``model.drop.p = 0.0`` between calls) and DDP's gradient-sync flags; or, for a method
       bound to an object of the user's class that is no module, or such an object with a
       ``__call__`` graphed itself, that object's (``self.temperature``);
     - for a model the code calls by a global or closure name: its identity (rebound, it is
@@ -117,7 +118,9 @@ class FreeValues:
     such a call fails with the reason (``writes.module_changes``). A bound object's attribute the
     call changes stays followed: each value is a signature of its own, and a call that changes it
     every time runs eagerly as signatures that keep changing do (tree/churn.py, which names it).
-    Costs nothing for a callable that reads none (a library's module: an HF model's forward)."""
+    A library's submodule is read for the plain attributes its own code reads (``nn.Dropout``'s
+    ``p``, an HF attention's ``scaling``: a few per layer, one identity check each per call); a
+    callable that reads none (``nn.Linear``, a function of tensors alone) costs nothing."""
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._fn = fn
@@ -312,7 +315,8 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> lis
     """The plain attributes of an object the callable reads, labelled ``label``: the object a graphed
     method is bound to (``sampler.sample`` reading ``self.temperature``), where its class is the
     user's; or a module, with those of its submodules of the user's classes (but their ``training``:
-    ``model.eval()`` turns the module's own off too), DDP's gradient-sync flags (``no_sync()``)
+    ``model.eval()`` turns the module's own off too), those a library's submodule's code reads
+    (``nn.Dropout``'s ``p``: :func:`_class_reads`), DDP's gradient-sync flags (``no_sync()``)
     and, with ``training``, the module's own mode (a graphed module's is keyed apart)."""
     if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
         return []
@@ -325,12 +329,36 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> lis
         at = f"{label}.{path + '.' if path else ''}"
         attrs = vars(sub)
         out.extend((attrs, flag, at + flag) for flag in _SYNC_FLAGS if type(attrs.get(flag)) is bool)
-        if not _user_class(type(sub)):
-            continue
+        read = None if _user_class(type(sub)) else _class_reads(type(sub))  # (a library's: what its code reads)
         for name, v in attrs.items():
-            if type(v) in _PLAIN_SET and name not in _module_internals() and name not in _SYNC_FLAGS:
+            if (
+                type(v) in _PLAIN_SET
+                and (read is None or name in read)
+                and name not in _module_internals()
+                and name not in _SYNC_FLAGS
+            ):
                 out.append((attrs, name, at + name))
     return out
+
+
+@functools.cache
+def _class_reads(cls: type) -> frozenset[str]:
+    """The attribute names a library module's ``forward`` may read, and those of the methods of its
+    class it calls (``Conv2d._conv_forward`` reading ``self.stride``): its plain attributes among
+    them are its settings (``nn.Dropout``'s ``p``, ``nn.LayerNorm``'s ``eps``), which its graphs
+    hold as constants; ``nn.Linear`` reads none."""
+    names: set[str] = set()
+    todo = [getattr(cls, "forward", None)]
+    seen: set[int] = set()
+    while todo and len(seen) < _MAX_FUNCTIONS:
+        f = _function(todo.pop())
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        read = _code_names(f.__code__)
+        names |= read
+        todo.extend(getattr(cls, n) for n in read if isinstance(inspect.getattr_static(cls, n, None), types.FunctionType))
+    return frozenset(names)
 
 
 @functools.cache

@@ -521,6 +521,26 @@ def test_a_helper_defined_anew_is_called_not_the_recorded_one():
     assert s.recordings == 2 and not s.eager, s
 
 
+def test_a_library_modules_setting_changed_between_calls_is_never_replayed_stale():
+    # `model[1].negative_slope = 0.2` (a torch class's plain attribute, read by its forward): only
+    # the user's classes' attributes were keyed, so the recording made at 0.01 replayed 0.01 (found
+    # reading the code after the sixteenth session's device time; CPU test in test_free_values.py)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LeakyReLU(0.01), torch.nn.Dropout(0.0)).to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+    with torch.no_grad():
+        for slope in (0.01, 0.01, 0.01, 0.2, 0.2, 0.2, 0.01):
+            model[1].negative_slope = slope
+            graphtree.mark_step()
+            assert torch.equal(g(x), model(x)), slope
+        model[2].p = 1.0  # (in train mode) dropout of everything: eager gives zeros whatever the draw
+        for _ in range(3):
+            graphtree.mark_step()
+            assert not g(x).any()
+    s = graphtree.stats()
+    assert s.recordings == 3 and s.replays >= 4 and not s.eager, s
+
+
 class _Sampler(torch.nn.Module):
     def __init__(self):
         super().__init__()
