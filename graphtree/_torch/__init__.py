@@ -400,6 +400,18 @@ def resolve_process_group(name: str) -> Any:
     return resolve(name)
 
 
+def ddp_timed_iterations(ddp: Any) -> int | None:
+    """How many of its first iterations a ``DistributedDataParallel`` model has timed with CUDA
+    events (its logger's ``iteration``, from ``_get_ddp_logging_data``: it counts up to 10, then
+    stays), or None where this torch does not say."""
+    get = getattr(ddp, "_get_ddp_logging_data", None)
+    try:
+        n = get().get("iteration") if get is not None else None
+    except RuntimeError:  # (a model whose reducer is gone)
+        return None
+    return n if isinstance(n, int) else None
+
+
 def grad_off_inside(fn: Any) -> bool:
     """Whether ``fn`` (a function, bound method or module) runs with autograd off whatever the
     caller's mode: wrapped by ``@torch.no_grad()`` or ``@torch.inference_mode()`` (the wrapper

@@ -229,8 +229,8 @@ class GraphedCallable:
     @property
     def warmup(self) -> int:
         """Eager runs before a new signature is recorded: ``warmup=``, or more where what the call
-        reads needs them (a DistributedDataParallel model: 11, see ``reach.DDP_WARMUPS``)."""
-        return max(self._warmup, self.free.min_warmups)
+        reaches needs them (a DistributedDataParallel model: up to 11, ``FreeValues.warms_up``)."""
+        return self._warmup
 
     def copy_options(self) -> dict[str, Any]:
         """The options it was made with, for a copy (``buckets``, ``warmup``, ``name``...)."""

@@ -234,7 +234,8 @@ class TreeManager:
             reason = gc.given_up.get(call.key)
             if reason is not None:
                 return gc.run_eager(call, reason)
-            warm = self.warming or self.warmed.get((gc.id, call.key), 0) < gc.warmup
+            warmed = self.warmed.get((gc.id, call.key), 0)
+            warm = self.warming or warmed < gc.warmup or gc.free.warms_up(warmed)
             if gc.lockstep() is not None:  # it calls collectives: its ranks start alike (tree/lockstep.py)
                 return self._start_together(gc, call, warm)
             if warm:

@@ -33,11 +33,13 @@ import sys
 import sysconfig
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from graphtree import _torch
 from graphtree.tree.inputs import PLAIN_TYPES, statics_replaced
 
 
@@ -134,7 +136,7 @@ class FreeValues:
         self._containers: list[tuple[str, Any]] = []  # lists, dicts, sets its code reads (watched in warm-ups)
         self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
         self._lock = threading.Lock()
-        self.min_warmups = 0  # warm-ups a capture needs at least (DistributedDataParallel's: see _resolve)
+        self._ddps: list[weakref.ref[torch.nn.Module]] = []  # DistributedDataParallel models it reaches
         self.kept_hint = ""  # why the models it reaches keep memory on every call, where known (FSDP2's)
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
@@ -159,6 +161,22 @@ class FreeValues:
         part = ("reads", tuple(_value_part(label, v) for (_, _, label), v in zip(reads, now)))
         self._cache = (now, part)
         return part
+
+    def warms_up(self, warmups: int) -> bool:
+        """Whether a signature that warmed up ``warmups`` times must warm up again for what the call
+        reaches: a DistributedDataParallel model that has not timed its first iterations yet (its
+        reducer times 10 with CUDA events, and rebuilds its buckets at the second: PyTorch's
+        CUDA-graph notes ask for 11 eager iterations). Its own count is read: iterations run before
+        the model was graphed, or under another signature, count too; at most
+        :data:`DDP_WARMUPS` per signature where it does not count (under ``no_grad``)."""
+        if not self._ddps or warmups >= DDP_WARMUPS:
+            return False
+        for ref in self._ddps:
+            ddp = ref()
+            timed = _torch.ddp_timed_iterations(ddp) if ddp is not None else DDP_TIMED
+            if timed is None or timed < DDP_TIMED:
+                return True
+        return False
 
     def containers(self) -> Containers | None:
         """The containers its code reads, as they are now (for a warm-up to compare), or None."""
@@ -226,10 +244,10 @@ class FreeValues:
         models = [owner] + [m for m in anchored if isinstance(m, torch.nn.Module)]
         # DistributedDataParallel collects runtime stats with CUDA events in its first 10 iterations
         # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
-        ddp = any(_is_ddp(m) for m in models)
+        ddps = [weakref.ref(m) for m in models if isinstance(m, torch.nn.Module) and _is_ddp(m)]
         fsdp2 = any(_is_fsdp2(m) for m in models)
         with self._lock:
-            self.min_warmups = DDP_WARMUPS if ddp else 0
+            self._ddps = ddps
             self.kept_hint = FSDP2_KEPT if fsdp2 else ""
             self._reads, self._own, self._anchors, self._containers = reads, own, anchors, containers
             self._cache = ([], None)
@@ -240,7 +258,10 @@ class FreeValues:
 
 DDP_WARMUPS = 11
 """Eager iterations a DistributedDataParallel step runs before its capture (torch's CUDA semantics
-notes, "Usage with DistributedDataParallel")."""
+notes, "Usage with DistributedDataParallel"), at most: fewer where DDP says it has timed its first
+:data:`DDP_TIMED` already."""
+DDP_TIMED = 10
+"""The iterations DDP's reducer times with CUDA events before it samples one in a hundred."""
 
 
 def _settings_object(v: Any) -> bool:
@@ -329,7 +350,8 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> lis
         at = f"{label}.{path + '.' if path else ''}"
         attrs = vars(sub)
         out.extend((attrs, flag, at + flag) for flag in _SYNC_FLAGS if type(attrs.get(flag)) is bool)
-        read = None if _user_class(type(sub)) else _class_reads(type(sub))  # (a library's: what its code reads)
+        cls: type = type(sub)
+        read = None if _user_class(cls) else _class_reads(cls)  # (a library's: what its code reads)
         for name, v in attrs.items():
             if (
                 type(v) in _PLAIN_SET
@@ -357,7 +379,8 @@ def _class_reads(cls: type) -> frozenset[str]:
         seen.add(id(f))
         read = _code_names(f.__code__)
         names |= read
-        todo.extend(getattr(cls, n) for n in read if isinstance(inspect.getattr_static(cls, n, None), types.FunctionType))
+        methods = [n for n in read if isinstance(inspect.getattr_static(cls, n, None), types.FunctionType)]
+        todo.extend(getattr(cls, n) for n in methods)
     return frozenset(names)
 
 
