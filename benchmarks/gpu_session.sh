@@ -151,6 +151,16 @@ for stage in $stages; do
       timeout 300 python3 -m graphtree bench --quick --scenarios generate --budget 280 --out "$OUT/bench-generate-quick" 2>&1 \
         | tee "$OUT/bench-generate-quick.log" | grep -v '^W1' | tail -25
       ;;
+    new17)  # the seventeenth session's fix of a library module's setting (nn.LeakyReLU's slope, nn.Dropout's p) on
+            # the code before it (.before/: git archive 8baa6f8 graphtree; the test must fail there), then the
+            # generate scenario whole (issue 46's table: HF's compile kept, four cases)
+      (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 150 \
+        python3 -m pytest -q -p no:cacheprovider --tb=line -rf \
+        "../tests/gpu/test_real_paths_gpu.py::test_a_library_modules_setting_changed_between_calls_is_never_replayed_stale" \
+        2>&1 | tee "$OUT/new17_before.log" | grep -v '^W1' | tail -6)
+      timeout 330 python3 -m graphtree bench --scenarios generate --budget 300 --out "$OUT/bench-generate" 2>&1 \
+        | tee "$OUT/bench-generate.log" | grep -v '^W1' | tail -40
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
