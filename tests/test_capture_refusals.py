@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from graphtree import _torch
-from graphtree.tree import recorder
+from graphtree.tree import refusals
 
 
 def test_a_watch_notes_the_cuda_generator_state_read_or_set_and_puts_torch_cuda_back():
@@ -18,13 +18,13 @@ def test_a_watch_notes_the_cuda_generator_state_read_or_set_and_puts_torch_cuda_
         torch.manual_seed(3)  # (torch.manual_seed seeds the CUDA generators through torch.cuda)
     assert watch.generator_state == "torch.cuda.manual_seed_all"
     assert all(getattr(torch.cuda, name) is fn for name, fn in own.items())
-    reason = recorder._unsafe_reason("f", watch)
+    reason = refusals.unsafe_reason("f", watch)
     assert reason is not None and "torch.cuda.manual_seed_all" in reason and "`f`" in reason
 
     quiet = _torch.StateWatch({})
     with quiet:
         torch.randn(3) + 1
-    assert quiet.generator_state == "" and recorder._unsafe_reason("f", quiet) is None
+    assert quiet.generator_state == "" and refusals.unsafe_reason("f", quiet) is None
 
 
 def test_a_generator_state_read_while_dynamo_compiled_is_the_compilers_not_the_functions():
@@ -35,8 +35,8 @@ def test_a_generator_state_read_while_dynamo_compiled_is_the_compilers_not_the_f
     with watch:
         torch.cuda.seed_all()
     assert watch.generator_state == "torch.cuda.seed_all"
-    assert recorder._unsafe_reason("f", watch, compiled=True) is None
-    assert "torch.cuda.seed_all" in (recorder._unsafe_reason("f", watch, compiled=False) or "")
+    assert refusals.unsafe_reason("f", watch, compiled=True) is None
+    assert "torch.cuda.seed_all" in (refusals.unsafe_reason("f", watch, compiled=False) or "")
 
 
 def test_checkpoint_of_cpu_tensors_is_not_noted_and_a_seeding_is():
@@ -56,8 +56,8 @@ def test_an_error_torch_raises_only_during_a_capture_is_told_apart():
     refused = RuntimeError(
         "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned."
     )
-    assert recorder._refused_in_capture(refused)
-    assert recorder._refused_in_capture(RuntimeError("operation not permitted when stream is capturing"))
-    assert not recorder._refused_in_capture(RuntimeError("shape mismatch"))
-    assert not recorder._refused_in_capture(ValueError("during CUDA graph capture"))
-    assert not recorder._refused_in_capture(None)
+    assert refusals.refused_in_capture(refused)
+    assert refusals.refused_in_capture(RuntimeError("operation not permitted when stream is capturing"))
+    assert not refusals.refused_in_capture(RuntimeError("shape mismatch"))
+    assert not refusals.refused_in_capture(ValueError("during CUDA graph capture"))
+    assert not refusals.refused_in_capture(None)

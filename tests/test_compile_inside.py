@@ -36,3 +36,26 @@ def test_code_compiled_under_graphtrees_watch_is_compiled_and_stays_compilable()
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert Breaks.ignore_compile_internals() and WarmUpReads.ignore_compile_internals()
     torch._dynamo.reset()
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x  # (no operator: dynamo traces the frame and makes no graph of it)
+
+
+def test_a_trace_that_makes_no_graph_is_seen_too() -> None:
+    # A warm-up or a capture asks whether dynamo traced during it: each trace reads and sets the
+    # generators' states. Counting compiled graphs missed traces that made none, and a graphed HF
+    # model whose compiled forward traced so in its recording ran eagerly for good, "calls
+    # torch.cuda.get_rng_state" (the generate scenario's one-cache case, H100, torch 2.11).
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(_same, backend="eager")
+    before = _torch.dynamo_traces()
+    graphs = counters["stats"]["unique_graphs"]
+    f(torch.ones(3))
+    assert counters["stats"]["unique_graphs"] == graphs  # (no graph made)
+    assert _torch.dynamo_traces() > before
+    now = _torch.dynamo_traces()
+    f(torch.ones(3))  # (its cache hit: nothing traced)
+    assert _torch.dynamo_traces() == now
+    torch._dynamo.reset()

@@ -5,7 +5,7 @@ import torch
 
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import state_watch
-from graphtree.tree.recorder import _unsafe_reason
+from graphtree.tree.refusals import unsafe_reason
 from graphtree.tree.training import TrainingRecording, _structure
 
 
@@ -39,7 +39,7 @@ def test_a_host_read_of_a_cpu_scalar_input_is_a_reason_to_run_eagerly():  # 3
         with watch:
             fn(x, i)
         assert (watch.host_read == 1) is read
-        assert ("0-dim CPU tensor input 1" in (_unsafe_reason("f", watch) or "")) is read
+        assert ("0-dim CPU tensor input 1" in (unsafe_reason("f", watch) or "")) is read
         watch.close()
 
 
@@ -77,5 +77,5 @@ def test_views_of_a_partial_view_input_keep_its_offset_and_as_strided_with_an_of
         watch = state_watch([x], [0])
         with watch:
             fn(x)
-        assert bool(watch.strided) is eager and bool(_unsafe_reason("f", watch)) is eager
+        assert bool(watch.strided) is eager and bool(unsafe_reason("f", watch)) is eager
         watch.close()

@@ -337,15 +337,17 @@ def inductor_cudagraph_skips() -> int:
         return 0
 
 
-def dynamo_graphs() -> int:
-    """How many graphs dynamo has compiled in this process so far (``counters["stats"]["unique_graphs"]``);
-    0 while ``torch._dynamo`` is not imported (not imported here: a program that never compiles
-    must not pay for it)."""
+def dynamo_traces() -> int:
+    """How many frames dynamo has traced in this process so far (``counters["frames"]["total"]``),
+    plus the graphs it compiled (``counters["stats"]["unique_graphs"]``, should either counter
+    move): each trace reads and sets the generators' states and may sync, whether or not a graph
+    comes of it (a frame skipped, a recompile that hit its limit). 0 while ``torch._dynamo`` is not
+    imported (not imported here: a program that never compiles must not pay for it)."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return 0
     try:
-        return int(utils.counters["stats"]["unique_graphs"])
+        return int(utils.counters["frames"]["total"]) + int(utils.counters["stats"]["unique_graphs"])
     except Exception:  # noqa: BLE001 - a moved counter: no compile seen
         return 0
 

@@ -31,13 +31,15 @@ class CaptureFailed(RuntimeError):
 
     ``pool_tainted``: the stream capture itself failed, and torch will not capture into that
     memory pool again. ``result``: the call's outputs, when the capture ran it whole and running
-    it again eagerly would repeat its side effects (``has_result``).
+    it again eagerly would repeat its side effects (``has_result``). ``again``: what failed was
+    the moment, not the call (torch.compile traced in the capture): it warms up and records again.
     """
 
-    def __init__(self, message: str, pool_tainted: bool = False, result: Any = _NO_RESULT) -> None:
+    def __init__(self, message: str, pool_tainted: bool = False, result: Any = _NO_RESULT, again: bool = False) -> None:
         super().__init__(message)
         self.pool_tainted = pool_tainted
         self.result = result
+        self.again = again
 
     @property
     def has_result(self) -> bool:

@@ -168,6 +168,7 @@ class GraphedCallable:
         # Python numbers among the arguments: device scalars where they can be (tree/host_scalars.py)
         self.numbers = Numbers(self.id)
         self._kept_state: dict[Any, int] = {}
+        self._compiled_in_capture: dict[Any, int] = {}  # recordings dropped because torch.compile traced in them
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
         self._module = self._reach.module
         self.free = FreeValues(fn, self._module)  # plain values it reads besides its arguments (keyed per call)
@@ -390,6 +391,12 @@ class GraphedCallable:
         like every call (three times), not a cache filled on first use."""
         n = self._kept_state[key] = self._kept_state.get(key, 0) + 1
         return n >= 3
+
+    def may_record_again(self, key: Any) -> bool:
+        """Count a recording of ``key`` dropped because torch.compile traced during it; True while
+        that happened fewer than three times (a compile on first use, a guard that failed once)."""
+        n = self._compiled_in_capture[key] = self._compiled_in_capture.get(key, 0) + 1
+        return n < 3
 
     def training_step(self) -> TrainingStep | None:
         """The modules and optimizers the function reaches outside its arguments (None: none, or a forward)."""

@@ -500,6 +500,9 @@ class TreeManager:
                 if not captured.cast:  # the other ranks learn that this one failed
                     captured(str(e))
                 self.counters.agreements += 1
+            elif e.again and gc.may_record_again(call.key):  # (compiled in the capture: warm it up again)
+                self.warmed.pop(key, None)
+                return gc.run_eager(call, str(e))
             gc.give_up(call.key, str(e))
             if e.pool_tainted:
                 self._retire_pool()

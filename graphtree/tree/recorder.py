@@ -22,6 +22,7 @@ import torch
 
 from graphtree import _events, _torch
 from graphtree.tree import draws as _draws
+from graphtree.tree import refusals as _refusals
 from graphtree.tree import training_step as _training_step
 from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
@@ -30,7 +31,7 @@ from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.host_random import HostRandom
 from graphtree.tree.host_scalars import HostScalars, ScalarEscapes, placeholders_of
-from graphtree.tree.inputs import Call, param_epoch, tensor_kind
+from graphtree.tree.inputs import Call, param_epoch
 from graphtree.tree.lockstep import UnagreedCollective, Vote, watch_collectives
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.numbers import Numbers
@@ -170,7 +171,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     versions = step.before(call.leaves) if step is not None and not step.trains else None
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
-    graphs = _torch.dynamo_graphs()
+    traces = _torch.dynamo_traces()
     host_random = HostRandom.now()
     containers = gc.free.containers()
     try:
@@ -192,15 +193,15 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
             gc.numbers.warmed(call, numbers, noted)
         # dynamo compiled during it: its syncs and generator-state reads may be the compiler's (dynamo
         # saves and restores the CUDA generator's state around a trace), and it is warmed up again
-        compiled = _torch.dynamo_graphs() != graphs
+        compiled = _torch.dynamo_traces() != traces
         syncs = sync.found if not compiled else ""
         reason = (
-            _mutation_reason(watch.written)
+            _refusals.mutation_reason(watch.written)
             if watch.written
             else (
-                _output_reason(out)
+                _refusals.output_reason(out)
                 or syncs
-                or _unsafe_reason(gc.name, watch, compiled)
+                or _refusals.unsafe_reason(gc.name, watch, compiled)
                 or (host_random.drawn(gc.name) if not compiled else None)
             )
         )
@@ -218,64 +219,6 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
         watch.close()
     mutated = containers.changed() if containers is not None else ""
     return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops, compiled, mutated)
-
-
-_CAPTURE_ONLY = ("during cuda graph capture", "during stream capture", "when stream is capturing")
-
-
-def _refused_in_capture(error: BaseException | None) -> bool:
-    """Whether ``error`` is torch refusing an operation because a capture is under way (a copy from
-    unpinned host memory, say), which the same call run eagerly does not meet."""
-    if not isinstance(error, RuntimeError):
-        return False
-    first = (str(error).strip().splitlines() or [""])[0].lower()
-    return any(s in first for s in _CAPTURE_ONLY)
-
-
-def _unsafe_reason(name: str, watch: _torch.StateWatch, compiled: bool = False) -> str | None:
-    """Why what the call did under ``watch`` cannot be recorded, or None (a generator's state read or
-    set while dynamo ``compiled`` is the compiler's, not the function's)."""
-    if watch.generator_state and not compiled:
-        return (
-            f"`{name}` calls {watch.generator_state} (torch.utils.checkpoint's preserve_rng_state, "
-            f"fork_rng and manual_seed do): a recording draws from a generator of its own, and cannot "
-            f"read or set the CUDA generator's state where eager does"
-        )
-    if watch.unsafe:
-        return (
-            f"`{name}` calls {watch.unsafe}, tagged torch.Tag.cudagraph_unsafe (it reads state on the host "
-            f"that a recording would freeze)"
-        )
-    if watch.unlike_eager:
-        return f"`{name}` calls {watch.unlike_eager}"
-    if watch.strided:
-        return (
-            f"`{name}` calls {watch.strided} with a storage offset of its own or reaching past the input's "
-            f"elements: a recording copies the input into a tensor that holds those elements only"
-        )
-    if watch.host_read >= 0:
-        return (
-            f"`{name}` reads its 0-dim CPU tensor input {watch.host_read} on the host (.item(), or an operator "
-            f"that takes it as a host value, such as torch.tensor_split's indices): a recording gives it a "
-            f"CUDA tensor filled with the value on each call"
-        )
-    return None
-
-
-def _output_reason(out: Any) -> str | None:
-    """Why the outputs cannot come out of a graph (a sparse, nested, meta or subclass tensor), or None."""
-    outs, _ = _torch.tree_flatten(out)
-    for i, t in enumerate(outs):
-        if isinstance(t, torch.Tensor):
-            kind = tensor_kind(t)
-            if kind is not None:
-                return f"output {i} is {kind}: graphtree graphs dense CUDA tensors"
-            if t.grad_fn is not None:  # a replay would hand it back without its autograd history
-                return (
-                    f"autograd: output {i} requires grad (the function builds an autograd graph, which a "
-                    f"replay cannot hand back; a training step returns loss.detach())"
-                )
-    return None
 
 
 def _storages(leaves: Sequence[Any], out: Any, statics: Sequence[torch.Tensor]) -> set[int]:
@@ -353,6 +296,7 @@ def record(
         node_id = next_node_id()
         _events.publish("record_begin", name=gc.name, node=node_id)
         t0 = time.perf_counter()
+        traces = _torch.dynamo_traces()
         user_error: BaseException | None = None  # the function's (or the capture's) error
         end_error: BaseException | None = None  # what broke the stream capture itself
         began = ended = False
@@ -414,12 +358,20 @@ def record(
             clear_traceback(scalars.escaped if scalars else None)  # freed now, not by a later collection)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
             raise CaptureFailed(escaped)
+        if _torch.dynamo_traces() != traces and not prefix:
+            # torch.compile traced in the capture (a compiled part's guards failed, or its first call):
+            # the trace read and set the generators' states and may have run the compiler's kernels
+            # into the graph. The recording is dropped; the call runs eagerly and warms up again.
+            _writes.restore(call.leaves, before)
+            clear_traceback(user_error)
+            del args, kwargs, graph_leaves, owning, graph, breaks, user_error
+            raise CaptureFailed(_refusals.COMPILED_IN_CAPTURE.format(name=gc.name), again=True)
         if isinstance(user_error, (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective)):
             msg = f"`{gc.name}` cannot be recorded: {user_error}"
             clear_traceback(user_error)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
             raise CaptureFailed(msg)
-        if user_error is not None and _refused_in_capture(user_error):  # (eager runs it: so does this call)
+        if user_error is not None and _refusals.refused_in_capture(user_error):  # (eager runs it: so does this call)
             msg = explain_capture_error(user_error, tracker, gc.name)
             clear_traceback(user_error)
             del args, kwargs, graph_leaves, owning, graph, breaks, user_error
@@ -437,8 +389,8 @@ def record(
         del breaks
         if watch.written:  # the graph would write into a placeholder, not the caller's tensor
             del out, owning, graph
-            raise CaptureFailed(_mutation_reason(watch.written))
-        problem = _unsafe_reason(gc.name, watch) or _output_reason(out)
+            raise CaptureFailed(_refusals.mutation_reason(watch.written))
+        problem = _refusals.unsafe_reason(gc.name, watch) or _refusals.output_reason(out)
         returned = scalars.in_outputs(out) if scalars is not None and numbers and not problem else None
         if returned is not None:
             gc.numbers.keep_by_value(returned.positions, str(returned))
@@ -466,7 +418,7 @@ def record(
         kept = watch.kept(_storages(graph_leaves, out, statics))
         if kept:  # state allocated inside the pool would be overwritten by later recordings
             del out, owning, graph
-            raise CaptureFailed(_KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
+            raise CaptureFailed(_refusals.KEPT_REASON.format(name=gc.name, n=len(kept)), pool_tainted=True)
         in_pool = pool.address_test()
         outputs, out_leaves = OutputPlan.from_recording(out, graph_leaves, in_pool, gc.name, call.bucket, _pad_dim(gc))
         # every rank captured, or none keeps it (after the last check that can fail the capture)
@@ -601,7 +553,7 @@ def capture_isolated(
         _torch.end_failed_capture(device, pool_id, began and not ended, isolated)
     if error is not None:
         raise error
-    refusal = _unsafe_reason(getattr(fn, "__name__", "the function"), watch)
+    refusal = _refusals.unsafe_reason(getattr(fn, "__name__", "the function"), watch)
     if refusal:  # (its replays would not compute what eager computes)
         raise RuntimeError(refusal)
     return out
@@ -618,7 +570,8 @@ def _escaped(gc: Callee, error: BaseException | None, numbers: list[int]) -> str
         gc.numbers.keep_by_value(error.positions, str(error))
         return str(error)
     others = (_torch.RandomOutsideCapture, BreakFailed, UnagreedCollective, torch.cuda.OutOfMemoryError)
-    if numbers and isinstance(error, Exception) and not isinstance(error, others) and not _refused_in_capture(error):
+    refused = _refusals.refused_in_capture(error)
+    if numbers and isinstance(error, Exception) and not isinstance(error, others) and not refused:
         first = (str(error).splitlines() or [""])[0]
         why = f"given a tensor in its place, the function raised {type(error).__name__}: {first}"
         gc.numbers.keep_by_value(numbers, why)
@@ -629,12 +582,6 @@ def _escaped(gc: Callee, error: BaseException | None, numbers: list[int]) -> str
 def _pad_dim(gc: Callee) -> int:
     """The dimension bucket padding pads (0 without buckets)."""
     return gc.bucketing.dim if gc.bucketing else 0
-
-
-_KEPT_REASON = (
-    "`{name}` keeps {n} tensor(s) it allocates beyond its outputs (a cache filled on first use?): "
-    "a graph's memory is reused by later recordings, so such state cannot be recorded"
-)
 
 
 def _externals(
@@ -680,8 +627,3 @@ def _origin(gc: Callee, ptr: int) -> str:
             if st is not None and st.data_ptr() == ptr:
                 return where
     return "a tensor the function reads from outside its arguments"
-
-
-def _mutation_reason(written: list[int]) -> str:
-    which = ", ".join(str(i) for i in sorted(written))
-    return f"mutates its input {which} in place (mark it with graphtree.mark_static to graph it)"

@@ -65,3 +65,32 @@ def test_a_recompile_for_a_new_shape_or_a_changed_global_is_never_replayed_stale
         torch._dynamo.reset()
     s = graphtree.stats()
     assert not s.eager and s.recordings == 3 and s.replays == 4, s  # (2.0, 8), (3.0, 8), (3.0, 16)
+
+
+def test_a_compiled_part_traced_again_during_the_recording_is_warmed_up_and_recorded_not_given_up():
+    # Dynamo traces inside the capture when a compiled part's guards fail there (HF's compiled
+    # forward with one StaticCache reused across generate() calls; here torch._dynamo.reset()
+    # between the warm-ups and the recording). The trace reads and sets the CUDA generator's state:
+    # graphtree gave that signature up for good, "calls torch.cuda.get_rng_state", and the generate
+    # scenario's one-cache case ran HF's compiled forward eagerly, 2.2x HF's default per token (H100).
+    from graphtree.tree.refusals import COMPILED_IN_CAPTURE
+
+    torch._dynamo.reset()
+    helper = torch.compile(_scaled, backend="eager")  # (dynamo's trace alone: no compiler in the capture)
+
+    def f(x):
+        return helper(x) + 1
+
+    g = graphtree.graphed(f, name="f")
+    x = torch.randn(8, 64, device=DEV)
+    try:
+        for i in range(8):
+            if i == 2:  # the warm-ups are done: the next call records, and dynamo traces in it again
+                torch._dynamo.reset()
+            graphtree.mark_step()
+            assert torch.equal(g(x), torch.relu(x) * SCALE + 1), i
+    finally:
+        torch._dynamo.reset()
+    s = graphtree.stats()
+    assert s.eager == {COMPILED_IN_CAPTURE.format(name="f"): 1}, s  # (that one call, with the reason)
+    assert s.recordings == 1 and s.replays >= 3, s
