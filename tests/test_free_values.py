@@ -196,7 +196,8 @@ def test_a_library_modules_settings_its_code_reads_are_keyed():
     assert values == {"self.1.p": 0.1, "self.1.inplace": False, "self.2.groups": 1, "self.2.padding_mode": "zeros"}
     model[1].p = 0.0
     assert _values(free.part())["self.1.p"] == 0.0
-    free.after_call()  # (nothing the call changed: all still followed)
+    assert not free.follows_modules  # (settings: not scanned after each call, a library's forward changes none)
+    free.after_call()
     assert len(_values(free.part())) == 4
 
 

@@ -210,6 +210,7 @@ class FreeValues:
         # A module attribute the call changes is dropped after it (a capture that changes one fails,
         # writes.module_changes); another object's stays keyed: each change is a new signature
         own = len(reads) if isinstance(owner, torch.nn.Module) else 0
+        reads.extend(_library_settings(owner))  # (after `own`: not scanned after each call)
         anchors: list[int] = []
         containers: list[tuple[str, Any]] = []
         seen: set[tuple[int, str]] = set()
@@ -231,6 +232,7 @@ class FreeValues:
                     anchors.append(len(reads))
                     reads.append((space, n, n))
                     reads.extend(_owner_reads(v, n, training=True))
+                    reads.extend(_library_settings(v, n))
                 elif isinstance(v, _FUNCTIONS):  # a function the code calls by name: rebound, another is called
                     anchors.append(len(reads))
                     reads.append((space, n, n))
@@ -336,9 +338,9 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> lis
     """The plain attributes of an object the callable reads, labelled ``label``: the object a graphed
     method is bound to (``sampler.sample`` reading ``self.temperature``), where its class is the
     user's; or a module, with those of its submodules of the user's classes (but their ``training``:
-    ``model.eval()`` turns the module's own off too), those a library's submodule's code reads
-    (``nn.Dropout``'s ``p``: :func:`_class_reads`), DDP's gradient-sync flags (``no_sync()``)
-    and, with ``training``, the module's own mode (a graphed module's is keyed apart)."""
+    ``model.eval()`` turns the module's own off too), DDP's gradient-sync flags (``no_sync()``)
+    and, with ``training``, the module's own mode (a graphed module's is keyed apart). A library's
+    submodules' settings are :func:`_library_settings`."""
     if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
         return []
     if not isinstance(owner, torch.nn.Module):
@@ -350,15 +352,30 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> lis
         at = f"{label}.{path + '.' if path else ''}"
         attrs = vars(sub)
         out.extend((attrs, flag, at + flag) for flag in _SYNC_FLAGS if type(attrs.get(flag)) is bool)
-        cls: type = type(sub)
-        read = None if _user_class(cls) else _class_reads(cls)  # (a library's: what its code reads)
+        if not _user_class(type(sub)):
+            continue
         for name, v in attrs.items():
-            if (
-                type(v) in _PLAIN_SET
-                and (read is None or name in read)
-                and name not in _module_internals()
-                and name not in _SYNC_FLAGS
-            ):
+            if type(v) in _PLAIN_SET and name not in _module_internals() and name not in _SYNC_FLAGS:
+                out.append((attrs, name, at + name))
+    return out
+
+
+def _library_settings(owner: Any, label: str = "self") -> list[tuple[dict[str, Any], str, str]]:
+    """The plain attributes of ``owner``'s submodules of library classes that their own code reads
+    (:func:`_class_reads`: ``nn.Dropout``'s ``p``, an HF attention's ``scaling``), labelled
+    ``label``. They are the caller's settings: a library's forward that changed one would fail its
+    recording (``writes.module_changes``), so a call is not scanned for changing them."""
+    if not isinstance(owner, torch.nn.Module):
+        return []
+    out = []
+    for path, sub in owner.named_modules():
+        cls: type = type(sub)
+        if _user_class(cls):
+            continue
+        read, attrs = _class_reads(cls), vars(sub)
+        at = f"{label}.{path + '.' if path else ''}"
+        for name, v in attrs.items():
+            if type(v) in _PLAIN_SET and name in read and name not in _module_internals() and name not in _SYNC_FLAGS:
                 out.append((attrs, name, at + name))
     return out
 
