@@ -161,6 +161,13 @@ for stage in $stages; do
       timeout 330 python3 -m graphtree bench --scenarios generate --budget 300 --out "$OUT/bench-generate" 2>&1 \
         | tee "$OUT/bench-generate.log" | grep -v '^W1' | tail -40
       ;;
+    new18)  # what the seventeenth session wrote after its device time (~3 min): torch.compile tracing in a
+            # capture warms up again (test_compile_inside_gpu.py), a library module's setting, the DDP test
+      timeout -s INT -k 20 ${NEW_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --durations=5 \
+        tests/gpu/test_compile_inside_gpu.py \
+        "tests/gpu/test_real_paths_gpu.py::test_a_library_modules_setting_changed_between_calls_is_never_replayed_stale" \
+        tests/gpu/test_ddp_gpu.py 2>&1 | tee "$OUT/new18.log" | grep -v '^W1' | tail -15
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
