@@ -6,6 +6,13 @@ import torch
 
 import graphtree
 
+# The tests' subprocesses (scripts in a temporary folder, torchrun's ranks) import the graphtree this
+# process imported, installed or not: a checkout run with `python -m pytest` (the device's, the
+# code before a change under `.before/`) put only its working directory on sys.path, and without
+# this every subprocess failed at `import graphtree` (seventeenth session, call 4)
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(graphtree.__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH")) if p)
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
