@@ -17,6 +17,7 @@ from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import manager as _manager
 from graphtree.tree.breaks import MAX_VALUES
+from graphtree.tree.bucket_warmup import record_buckets
 from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
 from graphtree.tree.graphed_module import GraphedModule
@@ -27,10 +28,7 @@ from graphtree.tree.inputs import (
     Bucketing,
     Call,
     Unsupported,
-    flatten,
-    param_epoch,
     read_call,
-    unflatten,
     watch_parameter_changes,
 )
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
@@ -181,39 +179,13 @@ class GraphedCallable:
         self._autograd = ModuleCalls(self._module, self.name, warmup) if train else None
         # @torch.no_grad() / @torch.inference_mode() on it: no autograd graph, whatever the caller's mode
         self._grad_off_inside = _torch.grad_off_inside(fn)
-        # A transformers model's forward: fresh static caches get their tensors before the call (hf_cache.py)
-        self._hf_caches: CacheLayouts | None = None
-        self.compiled_twins: CompiledTwins | None = None  # its decode step as HF compiles it (hf_compile.py)
-        # A module's signature that cannot be graphed runs with its submodules graphed (tree/parts.py);
-        # a part whose warm-ups dispatch fewer than min_ops operators is not worth a graph
-        self._parts: Parts | None = None
-        self.min_ops = min_ops
+        # A transformers model's forward: fresh static caches get their tensors before the call
+        # (hf_cache.py), and its decode step as HF compiles it (hf_compile.py); a module's signature
+        # that cannot be graphed runs with its submodules graphed (tree/parts.py)
+        self.min_ops = min_ops  # a part whose warm-ups dispatch fewer operators is not worth a graph
+        self._hf_caches, self.compiled_twins, self._parts = _module_helpers(self, fn, runs, parts)
         self._small = False  # a warm-up ran fewer than min_ops operators, and none ran more
         self._big_enough = False
-        if self._module is not None:
-            watch_parameter_changes()
-            own = fn is self._module or getattr(fn, "__self__", None) is self._module
-            if own and not min_ops and _no_auto_compile(self._module):  # (not for a part graphtree chose)
-                self._hf_caches = CacheLayouts(self._module)
-                if runs is None:  # generate()'s compiled decode step, graphed too (tree/hf_compile.py)
-                    twin = functools.partial(
-                        type(self), fn, name=f"{self.name} (compiled)", warmup=warmup, parts=False, debug=debug
-                    )
-                    self.compiled_twins = CompiledTwins(fn, lambda compiled: twin(runs=compiled))
-                    install_compiled_twins(self._module)
-            if own and parts:
-                # (the options, not a bound method: no cycle to keep a dropped callable alive)
-                make = functools.partial(
-                    GraphedPart,
-                    warmup=warmup,
-                    max_rerecords=max_rerecords,
-                    max_break_values=max_break_values,
-                    lockstep_timeout=self.lockstep_timeout,
-                    min_ops=MIN_PART_OPS,
-                )
-                self._parts = Parts(self._module, self.name, make)
-        self._statics: list[torch.Tensor] = []
-        self._statics_epoch = -1
         functools.update_wrapper(self, fn, updated=())
         # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
         weakref.finalize(self, _manager.forget, self.id)
@@ -286,7 +258,7 @@ class GraphedCallable:
         if (
             torch.is_grad_enabled()
             and not self._grad_off_inside
-            and (call.needs_grad or (self._forward and self._params_need_grad()))
+            and (call.needs_grad or (self._forward and any(t.requires_grad for t in self.static_tensors())))
         ):
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
@@ -308,7 +280,7 @@ class GraphedCallable:
             call.key = (*call.key, self._step.key(call.leaves))
         device = call.device
         if device < 0:
-            device = self._state_device()
+            device = self._reach.state_device()
             if device < 0:
                 return self._eager(args, kwargs, "no CUDA tensors in the call")
         out = _manager.run(self, call, device)
@@ -406,72 +378,56 @@ class GraphedCallable:
         """The module whose parameters and buffers the function reads in place, if any."""
         return self._module
 
-    # --- state the function reads in place ----------------------------------------------------
     def static_tensors(self) -> list[torch.Tensor]:
-        """Parameters and buffers of the module (and closure tensors) the graph reads in place.
+        """Parameters and buffers of the module (and closure tensors) the graph reads in place (``Reach``)."""
+        return self._reach.static_tensors()
 
-        Read again only after a module registered a parameter, buffer or submodule (see
-        :func:`~graphtree.tree.inputs.param_epoch`): walking a large module on every call
-        would cost more than the replay.
-        """
-        epoch = param_epoch()
-        if self._statics_epoch != epoch:
-            out: list[torch.Tensor] = []
-            if self._module is not None:
-                out.extend(self._module.parameters())
-                out.extend(self._module.buffers())
-            out.extend(self._reach.tensors)
-            self._statics, self._statics_epoch = out, epoch
-        return self._statics
-
-    def _params_need_grad(self) -> bool:
-        return any(t.requires_grad for t in self.static_tensors())
-
-    def _state_device(self) -> int:
-        for t in self.static_tensors():
-            if t.is_cuda:
-                return t.get_device()
-        return torch.cuda.current_device() if _has_cuda() else -1
-
-    # --- buckets ------------------------------------------------------------------------------
     def warm_up(self, *example_args: Any, sizes: Sequence[int] | None = None, **example_kwargs: Any) -> None:
-        """Warm up and record one graph per bucket size, largest first.
-
-        Recording the largest bucket first lets the smaller ones reuse its memory. Example
-        inputs are resized along the bucket dimension by repeating their rows. Each size is
-        recorded in a step of its own, so call this before your loop.
+        """Warm up and record one graph per bucket size, largest first (``sizes``: some of them), so
+        that the smaller ones reuse its memory; each in a step of its own: call it before your loop.
 
         Example::
 
             step = graphtree.graphed(model, buckets=[1, 2, 4, 8, 16])
             step.warm_up(example_batch)
         """
-        if self.bucketing is None:
-            raise ValueError("warm_up(sizes) needs graphed(..., buckets=[...])")
-        if sizes is not None:
-            bad = [s for s in sizes if s not in self.bucketing.sizes] if isinstance(sizes, (list, tuple)) else sizes
-            if bad or not sizes:
-                raise ValueError(
-                    f"warm_up(sizes=...) takes a non-empty list of bucket sizes {self.bucketing.sizes}, got {sizes!r}"
-                )
-        sizes = sorted(set(sizes or self.bucketing.sizes), reverse=True)
-        dim = self.bucketing.dim
-        leaves, spec = flatten(example_args, example_kwargs)
-        ref = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > dim), None)
-        if ref is None:
-            raise ValueError(f"warm_up needs a tensor argument with a dimension {dim} to resize")
-        n = ref.shape[dim]
-        for size in sizes:
-            idx = torch.arange(size, device=ref.device) % n
-            resized = [
-                x.index_select(dim, idx) if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == n else x
-                for x in leaves
-            ]
-            args, kwargs = unflatten(resized, spec)
-            for _ in range(self.warmup + 1):
-                _manager.begin_internal_step()
-                self(*args, **kwargs)
-        _manager.begin_internal_step()
+        record_buckets(self, example_args, example_kwargs, sizes)
+
+
+def _module_helpers(
+    gc: GraphedCallable, fn: Callable[..., Any], runs: Callable[..., Any] | None, parts: bool
+) -> tuple[CacheLayouts | None, CompiledTwins | None, Parts | None]:
+    """What ``gc``, graphing ``fn``, needs for the module it reaches, where ``fn`` is that module or
+    its method: a transformers model's cache layouts and compiled twins (not for a part graphtree
+    chose, nor for a twin itself, ``runs``), and its parts (``parts``)."""
+    module = gc.module()
+    if module is None:
+        return None, None, None
+    watch_parameter_changes()
+    if not (fn is module or getattr(fn, "__self__", None) is module):
+        return None, None, None
+    caches = twins = made = None
+    options = gc.copy_options()
+    if not gc.min_ops and _no_auto_compile(module):
+        caches = CacheLayouts(module)
+        if runs is None:  # generate()'s compiled decode step, graphed too (tree/hf_compile.py)
+            twin = functools.partial(
+                type(gc), fn, name=f"{gc.name} (compiled)", warmup=options["warmup"], parts=False, debug=gc.debug
+            )
+            twins = CompiledTwins(fn, lambda compiled: twin(runs=compiled))
+            install_compiled_twins(module)
+    if parts:
+        # (the options, not a bound method: no cycle to keep a dropped callable alive)
+        make = functools.partial(
+            GraphedPart,
+            warmup=options["warmup"],
+            max_rerecords=gc.max_rerecords,
+            max_break_values=gc.max_break_values,
+            lockstep_timeout=gc.lockstep_timeout,
+            min_ops=MIN_PART_OPS,
+        )
+        made = Parts(module, gc.name, make)
+    return caches, twins, made
 
 
 def _call_outside_compile(gc: GraphedCallable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

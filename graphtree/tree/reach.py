@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import PLAIN_TYPES, statics_replaced
+from graphtree.tree.inputs import PLAIN_TYPES, param_epoch, statics_replaced
 
 
 class Reach:
@@ -63,6 +63,8 @@ class Reach:
         """The closure's cells that held a tensor when ``fn`` was graphed."""
         self.tensors = _cell_tensors(self.cells)
         """The tensors they hold, as of the last :meth:`follow`."""
+        self._statics: list[torch.Tensor] = []
+        self._statics_epoch = -1
 
     def follow(self) -> None:
         """Read the cells again; if one holds another tensor (or none), the state graphs read in
@@ -71,6 +73,30 @@ class Reach:
         if len(now) != len(self.tensors) or any(a is not b for a, b in zip(now, self.tensors)):
             self.tensors = now
             statics_replaced()
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers and the closure's tensors: state graphs read in place.
+
+        Read again only after a module registered a parameter, buffer or submodule, or a cell was
+        rebound (:func:`~graphtree.tree.inputs.param_epoch`): walking a large module on every call
+        would cost more than the replay.
+        """
+        epoch = param_epoch()
+        if self._statics_epoch != epoch:
+            out: list[torch.Tensor] = []
+            if self.module is not None:
+                out.extend(self.module.parameters())
+                out.extend(self.module.buffers())
+            out.extend(self.tensors)
+            self._statics, self._statics_epoch = out, epoch
+        return self._statics
+
+    def state_device(self) -> int:
+        """The device of the first CUDA tensor of that state, else the current device (-1 without CUDA)."""
+        for t in self.static_tensors():
+            if t.is_cuda:
+                return t.get_device()
+        return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
 def _cell_tensors(cells: tuple[Any, ...]) -> list[torch.Tensor]:
