@@ -201,8 +201,8 @@ class GraphedCallable:
 
     @property
     def warmup(self) -> int:
-        """Eager runs before a new signature is recorded: ``warmup=``, or more where what the call
-        reaches needs them (a DistributedDataParallel model: up to 11, ``FreeValues.warms_up``)."""
+        """Eager runs before a new signature is recorded (``warmup=``); what the call reaches may
+        ask for more (a DistributedDataParallel model: ``FreeValues.warms_up``)."""
         return self._warmup
 
     def copy_options(self) -> dict[str, Any]:
