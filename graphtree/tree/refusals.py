@@ -20,7 +20,8 @@ from graphtree.tree.inputs import tensor_kind
 
 COMPILED_IN_CAPTURE = (
     "torch.compile traced code of `{name}` during its recording (a compiled part's guards failed, or it "
-    "ran for the first time): the recording is dropped and the signature warms up again"
+    "ran for the first time): the recording is dropped and the signature warms up again, or, the third "
+    "time, runs eagerly from then on"
 )
 
 CAPTURE_ONLY = ("during cuda graph capture", "during stream capture", "when stream is capturing")
