@@ -365,6 +365,9 @@ def test_a_ddp_model_the_code_calls_warms_up_until_ddp_has_timed_its_first_itera
             assert free.warms_up(1), i  # (a signature warmed up once: DDP has not timed its 10 yet)
             step(x)
         assert not free.warms_up(0)  # 11 iterations run: a new signature needs its own warm-up only
+        again = _values(FreeValues(step).part())  # (DDP's own settings its code reads are keyed...)
+        assert again["ddp.static_graph"] is False and type(ddp.require_forward_param_sync) is bool
+        assert "ddp.require_forward_param_sync" not in again  # (...not the flag each forward derives)
         assert "ddp.require_backward_grad_sync" in _values(free.part())
         with ddp.no_sync():  # (gradient accumulation: a recording of its own)
             assert _values(free.part())["ddp.require_backward_grad_sync"] is False

@@ -358,6 +358,7 @@ class Containers:
 # DDP's gradient all-reduce switch, which no_sync() turns off (its require_forward_param_sync is set
 # from it by each forward: derived, not keyed)
 _SYNC_FLAGS = ("require_backward_grad_sync",)
+_DERIVED = frozenset(("require_forward_param_sync", *_SYNC_FLAGS))  # (a library's settings not keyed apart)
 
 
 def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> list[tuple[dict[str, Any], str, str]]:
@@ -401,7 +402,7 @@ def _library_settings(owner: Any, label: str = "self") -> list[tuple[dict[str, A
         read, attrs = _class_reads(cls), vars(sub)
         at = f"{label}.{path + '.' if path else ''}"
         for name, v in attrs.items():
-            if type(v) in _PLAIN_SET and name in read and name not in _module_internals() and name not in _SYNC_FLAGS:
+            if type(v) in _PLAIN_SET and name in read and name not in _module_internals() and name not in _DERIVED:
                 out.append((attrs, name, at + name))
     return out
 
