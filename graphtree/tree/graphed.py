@@ -407,12 +407,11 @@ def _module_helpers(
     if not (fn is module or getattr(fn, "__self__", None) is module):
         return None, None, None
     caches = twins = made = None
-    options = gc.copy_options()
     if not gc.min_ops and _no_auto_compile(module):
         caches = CacheLayouts(module)
         if runs is None:  # generate()'s compiled decode step, graphed too (tree/hf_compile.py)
             twin = functools.partial(
-                type(gc), fn, name=f"{gc.name} (compiled)", warmup=options["warmup"], parts=False, debug=gc.debug
+                type(gc), fn, name=f"{gc.name} (compiled)", warmup=gc.warmup, parts=False, debug=gc.debug
             )
             twins = CompiledTwins(fn, lambda compiled: twin(runs=compiled))
             install_compiled_twins(module)
@@ -420,7 +419,7 @@ def _module_helpers(
         # (the options, not a bound method: no cycle to keep a dropped callable alive)
         make = functools.partial(
             GraphedPart,
-            warmup=options["warmup"],
+            warmup=gc.warmup,
             max_rerecords=gc.max_rerecords,
             max_break_values=gc.max_break_values,
             lockstep_timeout=gc.lockstep_timeout,

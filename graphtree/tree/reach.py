@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 import operator
 import os
 import sys
@@ -232,11 +233,12 @@ class FreeValues:
         the function are there by then): plain values, and the models, functions and objects of
         settings it reaches by name (by identity, with what of them is keyed; see the class)."""
         owner = self._module if self._module is not None else self._owner
-        reads: list[tuple[Any, str, str]] = list(_owner_reads(owner))
+        mine, settings = _owner_reads(owner)
+        reads: list[tuple[Any, str, str]] = list(mine)
         # A module attribute the call changes is dropped after it (a capture that changes one fails,
         # writes.module_changes); another object's stays keyed: each change is a new signature
         own = len(reads) if isinstance(owner, torch.nn.Module) else 0
-        reads.extend(_library_settings(owner))  # (after `own`: not scanned after each call)
+        reads.extend(settings)  # (after `own`: not scanned after each call)
         anchors: list[int] = []
         containers: list[tuple[str, Any]] = []
         seen: set[tuple[int, str]] = set()
@@ -257,13 +259,12 @@ class FreeValues:
                 elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
                     anchors.append(len(reads))
                     reads.append((space, n, n))
-                    reads.extend(_owner_reads(v, n, training=True))
-                    reads.extend(_library_settings(v, n))
+                    reads.extend(itertools.chain(*_owner_reads(v, n, training=True)))
                 elif isinstance(v, _FUNCTIONS):  # a function the code calls by name: rebound, another is called
                     anchors.append(len(reads))
                     reads.append((space, n, n))
                 elif _settings_object(v):  # an object of the user's class whose attributes the code reads
-                    attrs = [r for r in _owner_reads(v, n) if r[1] in names]
+                    attrs = [r for r in _owner_reads(v, n)[0] if r[1] in names]
                     if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
                         anchors.append(len(reads))
                         reads.append((space, n, n))
@@ -361,50 +362,44 @@ _SYNC_FLAGS = ("require_backward_grad_sync",)
 _DERIVED = frozenset(("require_forward_param_sync", *_SYNC_FLAGS))  # (a library's settings not keyed apart)
 
 
-def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> list[tuple[dict[str, Any], str, str]]:
-    """The plain attributes of an object the callable reads, labelled ``label``: the object a graphed
-    method is bound to (``sampler.sample`` reading ``self.temperature``), where its class is the
-    user's; or a module, with those of its submodules of the user's classes (but their ``training``:
-    ``model.eval()`` turns the module's own off too), DDP's gradient-sync flags (``no_sync()``)
-    and, with ``training``, the module's own mode (a graphed module's is keyed apart). A library's
-    submodules' settings are :func:`_library_settings`."""
+_Read = tuple[dict[str, Any], str, str]  # (namespace, name, label)
+
+
+def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tuple[list[_Read], list[_Read]]:
+    """The plain attributes of an object the callable reads, labelled ``label``, in two lists.
+
+    First, those a call may change as its own state: the object a graphed method is bound to
+    (``sampler.sample`` reading ``self.temperature``), where its class is the user's; or a module's,
+    with those of its submodules of the user's classes (but their ``training``: ``model.eval()``
+    turns the module's own off too), DDP's gradient-sync flags (``no_sync()``) and, with
+    ``training``, the module's own mode (a graphed module's is keyed apart).
+
+    Second, the settings of a module's submodules of library classes that their own code reads
+    (:func:`_class_reads`: ``nn.Dropout``'s ``p``, an HF attention's ``scaling``): the caller's,
+    as a library's forward that changed one would fail its recording (``writes.module_changes``),
+    so a call is not scanned for changing them."""
     if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
-        return []
+        return [], []
     if not isinstance(owner, torch.nn.Module):
         if not _user_class(type(owner)):
-            return []
-        return [(vars(owner), n, f"{label}.{n}") for n, v in vars(owner).items() if type(v) in _PLAIN_SET]
-    out = [(vars(owner), "training", f"{label}.training")] if training else []
+            return [], []
+        return [(vars(owner), n, f"{label}.{n}") for n, v in vars(owner).items() if type(v) in _PLAIN_SET], []
+    out: list[_Read] = [(vars(owner), "training", f"{label}.training")] if training else []
+    settings: list[_Read] = []
     for path, sub in owner.named_modules():
         at = f"{label}.{path + '.' if path else ''}"
         attrs = vars(sub)
         out.extend((attrs, flag, at + flag) for flag in _SYNC_FLAGS if type(attrs.get(flag)) is bool)
-        if not _user_class(type(sub)):
-            continue
-        for name, v in attrs.items():
-            if type(v) in _PLAIN_SET and name not in _module_internals() and name not in _SYNC_FLAGS:
-                out.append((attrs, name, at + name))
-    return out
-
-
-def _library_settings(owner: Any, label: str = "self") -> list[tuple[dict[str, Any], str, str]]:
-    """The plain attributes of ``owner``'s submodules of library classes that their own code reads
-    (:func:`_class_reads`: ``nn.Dropout``'s ``p``, an HF attention's ``scaling``), labelled
-    ``label``. They are the caller's settings: a library's forward that changed one would fail its
-    recording (``writes.module_changes``), so a call is not scanned for changing them."""
-    if not isinstance(owner, torch.nn.Module):
-        return []
-    out = []
-    for path, sub in owner.named_modules():
         cls: type = type(sub)
-        if _user_class(cls):
-            continue
-        read, attrs = _class_reads(cls), vars(sub)
-        at = f"{label}.{path + '.' if path else ''}"
+        user = _user_class(cls)
+        read = None if user else _class_reads(cls)  # (a library's: only what its code reads)
+        skip = _SYNC_FLAGS if user else _DERIVED
         for name, v in attrs.items():
-            if type(v) in _PLAIN_SET and name in read and name not in _module_internals() and name not in _DERIVED:
-                out.append((attrs, name, at + name))
-    return out
+            if type(v) not in _PLAIN_SET or name in _module_internals() or name in skip:
+                continue
+            if read is None or name in read:
+                (out if user else settings).append((attrs, name, at + name))
+    return out, settings
 
 
 @functools.cache
