@@ -4,8 +4,10 @@ with ``SCALE = 2.0`` must not be replayed after ``SCALE = 3.0``."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -474,3 +476,50 @@ def test_a_callable_object_is_read_through_its_call_and_its_attributes():
     assert _values(free.part()) == {"self.factor": 2.0, "OFFSET": 1}
     scaler.factor = 3.0
     assert _values(free.part())["self.factor"] == 3.0
+
+
+def test_an_object_of_settings_a_module_holds_is_keyed_once_for_all_its_holders():
+    # `model.config.output_hidden_states = True` between calls: an HF model's config (an object,
+    # not a plain value) was not keyed, so a recording made without hidden states replayed without
+    # them (found reading the code after the seventeenth session)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=32
+    )
+    model = transformers.LlamaForCausalLM(config)
+    free = FreeValues(model, model)
+    values = _values(free.part())
+    held = [k for k in values if ".config." in k]
+    assert "self.config.output_hidden_states" in held and "self.config.return_dict" in held
+    assert len(held) == len({k.rsplit(".", 1)[1] for k in held})  # (one config, read once)
+    assert not any(k.startswith("self.generation_config") for k in values)  # (its forward does not read it)
+    before = free.part()
+    model.config.output_hidden_states = True
+    assert free.part() != before and _values(free.part())["self.config.output_hidden_states"] is True
+
+
+@dataclasses.dataclass
+class _Settings:
+    scale: float = 2.0
+    name: str = "a"
+
+
+class _Configured(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Settings()
+        self.log = print  # (callable: not an object of settings)
+
+    def forward(self, x):
+        return x * self.cfg.scale
+
+
+def test_a_user_modules_dataclass_of_settings_is_keyed_and_dropped_once_the_call_changes_it():
+    model = _Configured()
+    free = FreeValues(model, model)
+    assert _values(free.part()) == {"self.cfg.scale": 2.0, "self.cfg.name": "a"}
+    model.cfg.scale = 3.0
+    assert _values(free.part())["self.cfg.scale"] == 3.0
+    model.cfg.name = "b"  # (as a call that changed it would: its state, no longer followed)
+    free.after_call()
+    assert _values(free.part()) == {"self.cfg.scale": 3.0}

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import inspect
 import itertools
@@ -148,8 +149,10 @@ class FreeValues:
     call changes stays followed: each value is a signature of its own, and a call that changes it
     every time runs eagerly as signatures that keep changing do (tree/churn.py, which names it).
     A library's submodule is read for the plain attributes its own code reads (``nn.Dropout``'s
-    ``p``, an HF attention's ``scaling``: a few per layer, one identity check each per call); a
-    callable that reads none (``nn.Linear``, a function of tensors alone) costs nothing."""
+    ``p``, an HF attention's ``scaling``: a few per layer, one identity check each per call), and
+    an object of settings a module holds (an HF model's ``config``: its plain attributes, once for
+    all the layers holding it); a callable that reads none (``nn.Linear``, a function of tensors
+    alone) costs nothing."""
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._fn = fn
@@ -358,8 +361,8 @@ class Containers:
 
 # DDP's gradient all-reduce switch, which no_sync() turns off (its require_forward_param_sync is set
 # from it by each forward: derived, not keyed)
-_SYNC_FLAGS = ("require_backward_grad_sync",)
-_DERIVED = frozenset(("require_forward_param_sync", *_SYNC_FLAGS))  # (a library's settings not keyed apart)
+_SYNC_FLAGS = frozenset(("require_backward_grad_sync",))
+_DERIVED = _SYNC_FLAGS | {"require_forward_param_sync"}  # (a library's settings not keyed apart)
 
 
 _Read = tuple[dict[str, Any], str, str]  # (namespace, name, label)
@@ -374,6 +377,10 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
     turns the module's own off too), DDP's gradient-sync flags (``no_sync()``) and, with
     ``training``, the module's own mode (a graphed module's is keyed apart).
 
+    In both, an object of settings held as an attribute (an HF model's ``config``, a dataclass of
+    settings: :func:`_held_settings`) is read for its plain attributes, once however many modules
+    hold it (``model.config.output_hidden_states = True`` between calls changes what HF returns).
+
     Second, the settings of a module's submodules of library classes that their own code reads
     (:func:`_class_reads`: ``nn.Dropout``'s ``p``, an HF attention's ``scaling``): the caller's,
     as a library's forward that changed one would fail its recording (``writes.module_changes``),
@@ -383,9 +390,10 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
     if not isinstance(owner, torch.nn.Module):
         if not _user_class(type(owner)):
             return [], []
-        return [(vars(owner), n, f"{label}.{n}") for n, v in vars(owner).items() if type(v) in _PLAIN_SET], []
+        return _plain_reads(vars(owner), f"{label}.", None, frozenset(), set()), []
     out: list[_Read] = [(vars(owner), "training", f"{label}.training")] if training else []
     settings: list[_Read] = []
+    held: set[int] = set()  # settings objects already read (one HF config is held by every layer)
     for path, sub in owner.named_modules():
         at = f"{label}.{path + '.' if path else ''}"
         attrs = vars(sub)
@@ -393,13 +401,42 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
         cls: type = type(sub)
         user = _user_class(cls)
         read = None if user else _class_reads(cls)  # (a library's: only what its code reads)
-        skip = _SYNC_FLAGS if user else _DERIVED
-        for name, v in attrs.items():
-            if type(v) not in _PLAIN_SET or name in _module_internals() or name in skip:
-                continue
-            if read is None or name in read:
-                (out if user else settings).append((attrs, name, at + name))
+        skip = _module_internals() | (_SYNC_FLAGS if user else _DERIVED)
+        (out if user else settings).extend(_plain_reads(attrs, at, read, skip, held))
     return out, settings
+
+
+def _plain_reads(
+    attrs: dict[str, Any], at: str, read: frozenset[str] | None, skip: frozenset[str], held: set[int]
+) -> list[_Read]:
+    """The plain attributes in ``attrs`` but ``skip`` (those named in ``read`` where given), and
+    those of the objects of settings among them (:func:`_held_settings`) not already in ``held``,
+    labelled after ``at``."""
+    out: list[_Read] = []
+    for name, v in attrs.items():
+        if name in skip or (read is not None and name not in read):
+            continue
+        if type(v) in _PLAIN_SET:
+            out.append((attrs, name, at + name))
+        elif _held_settings(v) and id(v) not in held:  # (`self.config.output_hidden_states`)
+            held.add(id(v))
+            inner = vars(v)
+            out.extend((inner, n, f"{at}{name}.{n}") for n, w in inner.items() if type(w) in _PLAIN_SET)
+    return out
+
+
+def _held_settings(v: Any) -> bool:
+    """An object of settings a module holds (an HF model's ``config``, a user's dataclass of
+    settings): not callable, no tensor, module, function or class. All its plain attributes are
+    keyed, not only the names the module's code reads: HF reads ``return_dict`` by a string in a
+    decorator, and ``_attn_implementation`` through a property."""
+    skip = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)
+    return (
+        hasattr(v, "__dict__")
+        and not isinstance(v, (*skip, threading.local, enum.Enum))
+        and not callable(v)
+        and type(v) not in _PLAIN_SET
+    )
 
 
 @functools.cache

@@ -83,3 +83,23 @@ def test_generate_with_the_default_dynamic_cache_runs_eagerly_without_warm_ups()
     s = graphtree.stats()
     assert s.warmups == 0 and s.recordings == 0, s
     assert any("DynamicCache" in r and 'cache_implementation="static"' in r for r in s.eager), s
+
+
+def test_a_config_setting_changed_between_calls_is_never_replayed_stale():
+    # `model.config.output_hidden_states = True` between forwards: the config (an object, not a
+    # plain attribute) was not keyed, so the recording made without hidden states replayed without
+    # them where eager returns them (found reading the code after the seventeenth session)
+    model = tiny_model("llama")
+    g = graphtree.graphed(model)
+    ids = _inputs("llama")["input_ids"]
+    with torch.no_grad():
+        for hidden in (False, False, False, True, True, True, False):
+            model.config.output_hidden_states = hidden
+            graphtree.mark_step()
+            out, want = g(ids, use_cache=False), model(ids, use_cache=False)
+            assert torch.equal(out.logits, want.logits), hidden
+            assert (out.hidden_states is None) == (want.hidden_states is None) == (not hidden)
+            for a, b in zip(out.hidden_states or (), want.hidden_states or ()):
+                assert torch.equal(a, b)
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
