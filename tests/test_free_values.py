@@ -483,9 +483,8 @@ def test_an_object_of_settings_a_module_holds_is_keyed_once_for_all_its_holders(
     # not a plain value) was not keyed, so a recording made without hidden states replayed without
     # them (found reading the code after the seventeenth session)
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=32
-    )
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "vocab_size": 32}
+    config = transformers.LlamaConfig(**sizes, num_attention_heads=2, num_key_value_heads=1)
     model = transformers.LlamaForCausalLM(config)
     free = FreeValues(model, model)
     values = _values(free.part())
