@@ -135,7 +135,7 @@ def main() -> None:
     # The replay path in layers, each including the ones above it: the differences are each
     # layer's own cost.
     tree = _manager.tree_for(0)
-    node = tree.current
+    node = tree.walk.current
     call = _inputs.read_call((x,), {}, None)
     rows.update(
         {

@@ -184,20 +184,20 @@ def test_a_collected_graphed_callable_is_pruned_at_the_next_step():
     dead = node(2, [below])
     live = node(1)
     for n in (dead, live):
-        tree.root.children.setdefault(n.key, []).append(n)
-    tree.warmed = {(2, "k"): 1, (1, "k"): 1}
-    tree._pool = object()
+        tree.walk.root.children.setdefault(n.key, []).append(n)
+    tree.warmed.update({(2, "k"): 1, (1, "k"): 1})
+    tree.memory._pool = object()  # (as a recording made it)
     g = graphtree.graphed(lambda x: x, name="doomed")
     g.id = 2  # the collected callable's recordings are those keyed by its id
     manager._collected.append(2)  # what its finalizer does
     tree._new_step(())
-    assert list(tree.root.children) == [(1, ())]
+    assert list(tree.walk.root.children) == [(1, ())]
     assert dead.children == {} and below.parent is None  # unlinked: freed without the collector
     assert tree.warmed == {(1, "k"): 1}
-    assert tree._pool is not None  # a recording is left: the pool stays
+    assert tree.memory.has_pool  # a recording is left: the pool stays
     manager._collected.append(1)
     tree._new_step(())
-    assert tree.root.children == {} and tree._pool is None  # empty: the pool goes
+    assert tree.walk.root.children == {} and not tree.memory.has_pool  # empty: the pool goes
 
 
 def test_dropping_a_graphed_callable_reports_its_id():

@@ -35,7 +35,7 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
         for i, m in enumerate(managers):
             root = f"t{i}_root"
             lines.append(f'  {root} [label="cuda:{m.device} ({m.thread})", shape=ellipse];')
-            stack: list[tuple[str, Node | Root]] = [(root, m.root)]
+            stack: list[tuple[str, Node | Root]] = [(root, m.walk.root)]
             while stack:
                 parent_id, node = stack.pop()
                 for k in below(node):
@@ -50,7 +50,7 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
     out = []
     for m in managers:
         pool = m.pool_bytes() / 2**20
-        out.append(f"tree cuda:{m.device} (thread {m.thread}): pool {pool:.1f} MiB, step {m.generation}")
+        out.append(f"tree cuda:{m.device} (thread {m.thread}): pool {pool:.1f} MiB, step {m.walk.generation}")
         where = m.pool_breakdown()
         if where:
             out.append(f"  pool: {where}")
@@ -62,8 +62,8 @@ def render(managers: Iterable[TreeManager], format: str) -> str:
                 out.append(prefix + ("└─ " if last else "├─ ") + _label(k))
                 walk(k, prefix + ("   " if last else "│  "))
 
-        walk(m.root, "")
-        for gc_id, name in _callables(m.root).items():  # their Python numbers: device scalars or values, why
+        walk(m.walk.root, "")
+        for gc_id, name in _callables(m.walk.root).items():  # their Python numbers: device scalars or values, why
             out.extend(f"  {name}: {line}" for line in describe_numbers(gc_id))
     return "\n".join(out)
 

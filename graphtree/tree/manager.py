@@ -29,19 +29,16 @@ from typing import Any, NoReturn
 
 import torch
 
-from graphtree import _native, _streams, _torch
-from graphtree.tree import recorder
-from graphtree.tree.adoption import adopt_orphans, release_oldest_orphans
-from graphtree.tree.breaks import Segment
+from graphtree import _native, _torch
 from graphtree.tree.callee import Callee
-from graphtree.tree.capture import CaptureFailed
+from graphtree.tree.grow import Grower
 from graphtree.tree.inputs import Call, param_epoch
 from graphtree.tree.launch_order import LaunchOrder
-from graphtree.tree.lockstep import Vote, environment_problem
-from graphtree.tree.node import Node, Root, below, drop_subtree, signature
-from graphtree.tree.pool import Pool
+from graphtree.tree.memory import TreeMemory
+from graphtree.tree.node import Node, signature
 from graphtree.tree.replay_error import explain, is_cuda_error
 from graphtree.tree.stats import Counters, Stats, log, log_fallback
+from graphtree.tree.walk import Walk
 
 MAX_PATH_DEPTH = 64
 """Calls in one step before graphtree starts a new step by itself (guards a missing mark_step)."""
@@ -114,7 +111,7 @@ def one_step() -> Iterator[dict[int, int] | None]:
     depth = _tls.__dict__.get("one_step", 0)
     _tls.one_step = depth + 1
     try:
-        yield None if depth else {d: len(m.path) for d, m in getattr(_tls, "managers", {}).items()}
+        yield None if depth else {d: len(m.walk.path) for d, m in getattr(_tls, "managers", {}).items()}
     finally:
         _tls.one_step = depth
 
@@ -122,11 +119,12 @@ def one_step() -> Iterator[dict[int, int] | None]:
 def begin_internal_step() -> None:
     """Start a new step in the calling thread's trees without turning off automatic steps."""
     for m in getattr(_tls, "managers", {}).values():
-        m.step_requested = True
+        m.walk.step_requested = True
 
 
 class TreeManager:
-    """A tree of recordings on one device for one thread, with its memory pool."""
+    """A tree of recordings on one device for one thread, with its memory pool: where a call replays
+    (:meth:`call`), and where it warms up or records instead (:class:`~graphtree.tree.grow.Grower`)."""
 
     def __init__(self, device: int, user_steps: bool = False) -> None:
         self.device = device
@@ -139,67 +137,40 @@ class TreeManager:
         # Warm-up runs per (graphed function, signature). Kept per tree, so per thread and device:
         # lazy initialisation (cuBLAS handles, workspaces) is per thread and per device.
         self.warmed: dict[tuple[int, Any], int] = {}
-        self._pool: Pool | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self.walk = Walk()
+        self.memory = TreeMemory(device)
+        self.grow = Grower(device, self.walk, self.memory, self.counters, self.warmed)
         self.order = LaunchOrder(device)  # a call on another stream waits for the last one's
         self._collected_seen = len(_collected)
-        self._clear()
-
-    def _clear(self) -> None:
-        self.root = Root()
-        self.current: Node | Root = self.root
-        self.path: list[Node] = []
-        self.last_replayed: Node | None = None  # the last node of an ended step (see replay_error)
-        self.generation = 0
-        self.step_requested = False
-        self.warming = False
-        self.bookkeeping_live = True  # the allocator's view of the pool is exact
-        self.called: set[int] = set()  # graphed functions called in this step
-        # Trees given up after a failed capture, kept until the step ends: their outputs may still
-        # be held. (torch leaves a pool it failed to capture into unable to take another capture.)
-        self.retired: list[tuple[Pool | None, list[Node]]] = []
-
-    @property
-    def pool(self) -> Pool:
-        if self._pool is None:
-            self._pool = Pool(self.device)
-            self._pool.root_state()
-        return self._pool
-
-    @property
-    def stream(self) -> torch.cuda.Stream:
-        if self._stream is None:  # (its own: torch's pooled streams repeat, graphtree/_streams.py)
-            self._stream = _streams.own_stream(self.device)
-            weakref.finalize(self, _streams.give_back, self._stream)
-        return self._stream
 
     def pool_bytes(self) -> int:
         """Bytes the tree's pool holds on the device (0 before the first recording)."""
-        return self._pool.reserved_bytes() if self._pool is not None else 0
+        return self.memory.reserved_bytes()
 
     def pool_breakdown(self) -> str:
         """Where the pool's bytes go (:meth:`Pool.breakdown`), or "" before the first recording."""
-        return self._pool.breakdown() if self._pool is not None else ""
+        return self.memory.breakdown()
 
     # --- the entry point -----------------------------------------------------------------
     def call(self, gc: Callee, call: Call) -> Any:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
         with self.lock:
-            if len(self.path) >= MAX_PATH_DEPTH and _tls.__dict__.get("one_step", 0) and gc.lockstep() is None:
+            walk = self.walk
+            if len(walk.path) >= MAX_PATH_DEPTH and _tls.__dict__.get("one_step", 0) and gc.lockstep() is None:
                 return gc.run_eager(call, _DEEP.format(n=MAX_PATH_DEPTH))  # (no step mid-call: one_step)
             leaves = call.leaves
             if (
-                self.step_requested
-                or (not self.user_steps and gc.id in self.called and not _tls.__dict__.get("one_step", 0))
-                or len(self.path) >= MAX_PATH_DEPTH
+                walk.step_requested
+                or (not self.user_steps and gc.id in walk.called and not _tls.__dict__.get("one_step", 0))
+                or len(walk.path) >= MAX_PATH_DEPTH
             ):
-                if len(self.path) >= MAX_PATH_DEPTH and not self.step_requested:
+                if len(walk.path) >= MAX_PATH_DEPTH and not walk.step_requested:
                     log.warning(_NO_STEP, MAX_PATH_DEPTH)
                 leaves = call.leaves = self._new_step(leaves)
-            self.called.add(gc.id)
+            walk.called.add(gc.id)
             self.order.follow()
-            if not self.warming:
-                kids = self.current.children.get((gc.id, call.key))
+            if not walk.warming:
+                kids = walk.current.children.get((gc.id, call.key))
                 if kids:
                     node: Node | None  # None: no recording at this place fits
                     node = kids[0]
@@ -222,47 +193,31 @@ class TreeManager:
                                 return gc.run_eager(call, reason)  # not after replaying what comes before it
                             return self._replay_segments(gc, call, node)
                         # Before the launch: a replay that raises after it has still written the pool.
-                        self.bookkeeping_live = False
+                        self.memory.live = False
                         try:  # costs nothing unless it raises (Python 3.11+)
                             out = node.replay(leaves, call.n)
                         except RuntimeError as e:
                             self._raise_replay_error(gc, node, e)
-                        self.path.append(node)
-                        self.current = node
+                        walk.enter(node)
                         self.counters.replays += 1
                         return out
             reason = gc.given_up.get(call.key)
             if reason is not None:
                 return gc.run_eager(call, reason)
             warmed = self.warmed.get((gc.id, call.key), 0)
-            warm = self.warming or warmed < gc.warmup or gc.free.warms_up(warmed)
+            warm = walk.warming or warmed < gc.warmup or gc.free.warms_up(warmed)
             if gc.lockstep() is not None:  # it calls collectives: its ranks start alike (tree/lockstep.py)
-                return self._start_together(gc, call, warm)
+                return self.grow.start_together(gc, call, warm)
             if warm:
                 if gc.churn.skip(call.key):  # signatures keep changing: eager, without the checks
                     return gc.run_eager(call, gc.churn.reason(gc.name))
-                return self._warm_up(gc, call)
-            return self._record(gc, call)
-
-    def _start_together(self, gc: Callee, call: Call, warm: bool) -> Any:
-        """A call of a function that calls collectives, which no recording replays: its ranks agree
-        to warm up (if any would: one that warmed up another function earlier in its step does),
-        to record, or to run it eagerly for good (one reached the re-record limit). The churn guard
-        is off for such functions: it counts what one rank saw."""
-        lockstep = gc.lockstep()
-        assert lockstep is not None
-        limit = None if warm else self._rerecord_limit(gc, len(self._alive_siblings((gc.id, call.key))))
-        reason, anyone_warms = lockstep.agree("start", limit, again=warm)
-        self.counters.agreements += 1
-        if reason is not None:
-            gc.give_up(call.key, reason)
-            return gc.run_eager(call, reason)
-        return self._warm_up(gc, call) if anyone_warms else self._record(gc, call)
+                return self.grow.warm_up(gc, call)
+            return self.grow.record(gc, call)
 
     def _replay_segments(self, gc: Callee, call: Call, node: Node) -> Any:
         """Replay a recording broken at host reads (:mod:`graphtree.tree.breaks`): its segments for
         the values read, or, at a value never read there before, record the rest of the call."""
-        self.bookkeeping_live = False
+        self.memory.live = False
         try:
             leaf, read = node.run_segments(call.leaves, call.n)
             if leaf is not None:
@@ -270,30 +225,10 @@ class TreeManager:
         except RuntimeError as e:
             self._raise_replay_error(gc, node, e)
         if leaf is None:
-            return self._record_value(gc, call, read)
-        self.path.append(leaf)
-        self.current = leaf
+            return self.grow.record_value(gc, call, read)
+        self.walk.enter(leaf)
         self.counters.replays += 1
         return out
-
-    def _record_value(self, gc: Callee, call: Call, read: list[tuple[Segment, Any]]) -> Any:
-        """The last value of ``read`` has no segment after it: record the call on from there, or,
-        past the limit of values at that read, run it eagerly for good."""
-        seg, _value = read[-1]
-        if len(seg.next) >= gc.max_break_values:
-            assert seg.read is not None
-            reason = (
-                f"`{gc.name}` read more than {gc.max_break_values} different values at {seg.read.where}: "
-                f"each needs recordings of its own (raise graphed(..., max_break_values=) if they are few)"
-            )
-            gc.give_up(call.key, reason)  # later calls run eagerly from the start
-            if not any(s.changes_state for s, _ in read):
-                return gc.run_eager(call, reason)
-            # The segments just replayed wrote state the call did not make (an input or a cache in
-            # place, an eager part): running the call again eagerly would do that twice. This one
-            # call is finished by recording its value, as below; it is the last.
-        self.counters.values += 1
-        return self._record(gc, call, prefix=read)
 
     def _raise_replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> NoReturn:
         """Raise ``e`` as it came, or, for a CUDA error, one (from ``e``) that names the recording,
@@ -305,49 +240,18 @@ class TreeManager:
 
     def last_signature(self) -> str | None:
         """The signature of the recording this tree ran last (in this step or the one before)."""
-        node = self.path[-1] if self.path else self.last_replayed
+        node = self.walk.path[-1] if self.walk.path else self.walk.last_replayed
         return signature(node) if node is not None else None
 
     # --- steps ----------------------------------------------------------------------------
     def request_step(self) -> None:
         self.user_steps = True
-        self.step_requested = True
-
-    def _held_outputs(self) -> list[tuple[int, str]]:
-        """(weak ref, message) of every output of this step the caller still holds."""
-        held = _held_in(self.path)
-        for _pool, path in self.retired:
-            held.extend(_held_in(path))
-        return held
+        self.walk.step_requested = True
 
     def _new_step(self, leaves: Sequence[Any]) -> Sequence[Any]:
-        """Go back to the root; invalidate outputs of the step that ends (cloning inputs among them)."""
-        held: list[tuple[int, str]] = []  # invalidated below; the weak refs of the path's are freed too
-        for node in self.path:
-            node.release_outputs(held)
-        release = [r for r, _ in held]
-        if self.retired:  # their nodes release their own refs when they are dropped
-            for _pool, path in self.retired:
-                held.extend(_held_in(path))
-            self.retired = []
-        if held:
-            doomed = {r for r, _ in held}
-            for i, x in enumerate(leaves):
-                if isinstance(x, torch.Tensor) and _torch.storage_id(x) in doomed:
-                    leaves = list(leaves)
-                    leaves[i] = x.clone()
-            for r, msg in held:
-                _torch.invalidate_storage(r, msg)
-            for r in release:
-                _torch.weak_free(r)
-        if self.path:
-            self.last_replayed = self.path[-1]
-        self.path = []
-        self.current = self.root
-        self.warming = False
-        self.called.clear()
-        self.step_requested = False
-        self.generation += 1
+        """Go back to the root (outputs of the step that ends invalidated, :meth:`Walk.end_step`);
+        drop the recordings of graphed callables collected since the last step."""
+        leaves = self.walk.end_step(leaves)
         if len(_collected) != self._collected_seen:
             self._prune_collected()
         return leaves
@@ -359,31 +263,11 @@ class TreeManager:
         n = len(_collected)
         dead = set(_collected[self._collected_seen : n])
         self._collected_seen = n
-        stack: list[Node | Root] = [self.root]
-        while stack:
-            parent = stack.pop()
-            for key in [k for k in parent.children if k[0] in dead]:
-                for node in parent.children.pop(key):
-                    drop_subtree(node)
-            stack.extend(below(parent))
-        self.warmed = {k: v for k, v in self.warmed.items() if k[0] not in dead}
-        if self.last_replayed is not None and self.last_replayed.key[0] in dead:
-            self.last_replayed = None
-        if not self.root.children and not self.retired and self._pool is not None:
-            self._pool = None
-            self.bookkeeping_live = True
-
-    def _retire_pool(self, quiet: bool = False) -> None:
-        """Move to a fresh pool and an empty tree; keep the old ones until this step ends."""
-        self.retired.append((self._pool, self.path))
-        self._pool = None
-        self.root = Root()
-        self.current = self.root
-        self.path = []
-        self.bookkeeping_live = True
-        (log.info if quiet else log.warning)(
-            "graphtree: a capture failed on cuda:%d; recordings start again in a new memory pool", self.device
-        )
+        self.walk.prune(dead)
+        for key in [k for k in self.warmed if k[0] in dead]:
+            del self.warmed[key]
+        if not self.walk.root.children and not self.walk.retired and self.memory.has_pool:
+            self.memory.release()
 
     # --- replay ---------------------------------------------------------------------------
     def _replayable(self, gc: Callee, kids: list[Node], leaves: Sequence[Any]) -> Node | None:
@@ -391,6 +275,7 @@ class TreeManager:
         epoch = param_epoch()
         native = _native.loaded
         check = native.ptrs_equal if native is not None else self.check
+        path = self.walk.path
         for node in kids:
             if node.epoch != epoch:
                 now = gc.static_tensors()
@@ -398,9 +283,9 @@ class TreeManager:
                     continue
                 node.epoch = epoch
             if node.first is not None:  # a broken recording: every value's recording must fit
-                if all(n.can_replay(leaves, self.path, check, native) for n in node.first.leaves):
+                if all(n.can_replay(leaves, path, check, native) for n in node.first.leaves):
                     return node
-            elif node.unconditional or node.can_replay(leaves, self.path, check, native):
+            elif node.unconditional or node.can_replay(leaves, path, check, native):
                 return node
         return self._adopting(kids, leaves, check, native)
 
@@ -410,153 +295,17 @@ class TreeManager:
         """The first recording among ``kids`` that fits once the object tensors that moved (a fresh
         cache) are adopted into the storages it keeps; adopts them (:mod:`graphtree.tree.adoption`)."""
         epoch = param_epoch()
+        path = self.walk.path
         for node in kids:
             if node.adoption is None or node.epoch != epoch:
                 continue
             values = node.first.leaves if node.first is not None else [node]
-            if all(n.can_adopt(leaves, self.path, check, native) for n in values):
+            if all(n.can_adopt(leaves, path, check, native) for n in values):
                 node.adoption.adopt(leaves)
-                if all(n.can_replay(leaves, self.path, check, native) for n in values):
+                if all(n.can_replay(leaves, path, check, native) for n in values):
                     self.counters.adopted += 1
                     return node
         return None
-
-    # --- keeping the allocator honest -------------------------------------------------------
-    def _sync_bookkeeping(self) -> None:
-        """Restore the pool's bookkeeping to the current node's checkpoint if replays moved on."""
-        if self.bookkeeping_live:
-            return
-        node = self.current
-        if isinstance(node, Root):
-            self.pool.restore(self.pool.root_state(), [], [])
-        else:
-            live: list[int] = []
-            dead: set[int] = set()
-            for d, g in node.alive_at_checkpoint:
-                owner = self.path[d]
-                if owner.is_held(g):
-                    live.append(owner.refs[g])
-                    owner.drop_base()  # the storage gets a deleter: only the caller may keep it
-                else:
-                    dead.add(owner.outputs.groups[g].ptr)
-            self.pool.restore(node.checkpoint, live, sorted(dead))
-        self.bookkeeping_live = True
-
-    # --- warm-up and record -------------------------------------------------------------------
-    def _warm_up(self, gc: Callee, call: Call) -> Any:
-        self.warming = True
-        self._sync_bookkeeping()  # (the warm-up's cuBLAS workspace comes from the pool)
-        done = recorder.warm_up(gc, call, self.stream, self.device, self.pool)
-        self.counters.warmups += 1
-        gc.churn.warmed_up()
-        key = (gc.id, call.key)
-        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept or done.mutated) or done.compiled
-        lockstep = gc.lockstep(done.groups)
-        if lockstep is not None:  # it calls collectives: its ranks decide together (tree/lockstep.py)
-            give_up, again = lockstep.agree("warm-up", give_up or environment_problem(), again)
-            self.counters.agreements += 1
-        if give_up:
-            gc.give_up(call.key, give_up)
-        elif again:  # it allocated state or filled a container (a cache, on first use), or compiled: again
-            if gc.note_kept_state(call.key):
-                gc.give_up(call.key, done.again_reason(gc.name, gc.free.kept_hint))
-        else:
-            self.warmed[key] = self.warmed.get(key, 0) + 1
-        return done.out
-
-    def _record(self, gc: Callee, call: Call, prefix: list[tuple[Segment, Any]] | None = None) -> Any:
-        self._sync_bookkeeping()
-        key = (gc.id, call.key)
-        siblings = [] if prefix else self._alive_siblings(key)  # a new value's recording is no re-recording
-        reason = None if prefix else self._rerecord_limit(gc, len(siblings))
-        if reason is not None:  # (for a function that calls collectives, agreed in _start_together)
-            gc.give_up(call.key, reason)
-            return gc.run_eager(call, reason)
-        lockstep = gc.lockstep()  # every rank keeps its capture, or none does (tree/lockstep.py)
-        captured = Vote(lockstep, "capture") if lockstep is not None else None
-        if not prefix:  # object tensors into memory the callable's other recordings keep (tree/adoption.py)
-            others = [
-                n.adoption
-                for n in sorted(self.nodes(), key=_age)
-                if n.key[0] == gc.id and n.key != key and n.adoption is not None
-            ]
-            if others:  # (released first: a storage adopted below is held by this call's object)
-                release_oldest_orphans(others)  # a cache's worth each: the newest few stay
-                adopt_orphans(call.leaves, call.n_args, others)
-        try:
-            node, out = recorder.record(
-                gc,
-                call,
-                parent=self.current,
-                path=self.path,
-                pool=self.pool,
-                stream=self.stream,
-                device=self.device,
-                prefix=prefix,
-                captured=captured,
-            )
-        except CaptureFailed as e:
-            if captured is not None:
-                if not captured.cast:  # the other ranks learn that this one failed
-                    captured(str(e))
-                self.counters.agreements += 1
-            elif e.again and gc.may_record_again(call.key):  # (compiled in the capture: warm it up again)
-                self.warmed.pop(key, None)
-                return gc.run_eager(call, str(e))
-            gc.give_up(call.key, str(e))
-            if e.pool_tainted:
-                self._retire_pool()
-            if e.has_result:  # the capture ran the call whole: running it again would repeat its side effects
-                count_eager(gc.name, str(e))
-                return e.result
-            if prefix and any(seg.changes_state for seg, _ in prefix):
-                log.warning(
-                    "graphtree: `%s`: recording a new value failed after the replay of the part before "
-                    "the read had written state in place; the eager run now writes it again (%s)",
-                    gc.name,
-                    e,
-                )
-            return gc.run_eager(call, str(e))
-        except BaseException:
-            # The function's own error (or an out-of-memory, Ctrl-C, an error of graphtree's): it
-            # reaches the caller unchanged. Its traceback may keep tensors the capture allocated in
-            # the pool alive, which no checkpoint knows: recordings go on in a fresh pool.
-            self._retire_pool(quiet=True)
-            raise
-        gc.churn.recorded()
-        if captured is not None:
-            self.counters.agreements += 1
-        if siblings:
-            self.counters.rerecordings += 1
-        if not prefix:  # (a new value's recording is found through the first segment it shares)
-            self.current.children.setdefault(key, []).append(node)
-        self.path.append(node)
-        self.current = node
-        self.counters.recordings += 1
-        return out
-
-    @staticmethod
-    def _rerecord_limit(gc: Callee, n: int) -> str | None:
-        """The reason not to record a call again where ``n`` live recordings of it are, or None."""
-        if n <= gc.max_rerecords:
-            return None
-        return (
-            f"re-record limit reached: recorded {n} times at the same place "
-            f"(in-place inputs or parameters keep moving, or held outputs keep changing)"
-        )
-
-    def _alive_siblings(self, key: Any) -> list[Node]:
-        """The recordings of ``key`` under the current node, dropping dead ones (see
-        :meth:`Node.dead_reason`): they are replaced without counting as re-recordings, and the
-        new recording reuses their memory (it starts from the same checkpoint)."""
-        kids = self.current.children.get(key)
-        if not kids:
-            return []
-        alive = [n for n in kids if n.dead_reason() is None]
-        if len(alive) < len(kids):
-            self.counters.replaced += len(kids) - len(alive)
-            self.current.children[key] = alive
-        return alive
 
     # --- reporting and reset ----------------------------------------------------------------
     def kept_storages(self) -> dict[int, int]:
@@ -565,27 +314,21 @@ class TreeManager:
         with self.lock:
             return {
                 _torch.storage_ref(k.storage): k.storage.nbytes()
-                for n in self.nodes()
+                for n in self.walk.nodes()
                 if n.adoption is not None
                 for k in n.adoption.kept
             }
 
     def nodes(self) -> list[Node]:
         """Every recording of the tree."""
-        out: list[Node] = []
-        stack: list[Node | Root] = [self.root]
-        while stack:
-            kids = below(stack.pop())
-            out.extend(kids)
-            stack.extend(kids)
-        return out
+        return self.walk.nodes()
 
     def reset(self) -> None:
         """Drop every recording (:meth:`drop`), start the counters again and give the pool's memory back."""
         with self.lock:
             self.drop("graphtree.reset() was called")
             self.user_steps = False
-            self.counters = Counters()
+            self.counters.clear()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
@@ -595,25 +338,15 @@ class TreeManager:
         if not self.lock.acquire(timeout=wait):
             return False
         try:
-            for r, msg in self._held_outputs():
+            for r, msg in self.walk.held_outputs():
                 _torch.invalidate_storage(r, msg.replace("a new step began", why))
-            self._clear()
-            self._pool = None
-            self.warmed = {}  # (a group torn down mid-program: its next calls warm up again, agreeing)
+            self.walk.clear()
+            self.memory.release()
+            self.warmed.clear()  # (a group torn down mid-program: its next calls warm up again, agreeing)
             _collector.collect()  # dropped recordings link to each other: only the collector frees them (and the pool)
         finally:
             self.lock.release()
         return True
-
-
-def _age(node: Node) -> int:
-    """The order in which recordings were made (their ids count up: "n1", "n2", ...)."""
-    return int(node.id[1:])
-
-
-def _held_in(path: list[Node]) -> list[tuple[int, str]]:
-    """(weak ref, message) of the outputs of ``path`` the caller still holds."""
-    return [pair for node in path for pair in node.held_outputs()]
 
 
 _NO_STEP = "graphtree: %d calls without a new step; starting one (call graphtree.mark_step() once per iteration)"
@@ -658,7 +391,7 @@ def reset() -> None:
     _tls.user_steps = False
     for m in managers():
         m.reset()
-    _untreed.__init__()  # type: ignore[misc]
+    _untreed.clear()
 
 
 def step_outputs(since: dict[int, int]) -> set[int]:
@@ -666,9 +399,7 @@ def step_outputs(since: dict[int, int]) -> set[int]:
     after ``since`` (path lengths by device, from :func:`one_step`) or retired (a failed capture)."""
     held: set[int] = set()
     for d, m in getattr(_tls, "managers", {}).items():
-        start = since.get(d, 0)
-        held.update(r for r, _ in _held_in(m.path[start:] if start <= len(m.path) else m.path))
-        held.update(r for _pool, path in m.retired for r, _ in _held_in(path))
+        held |= m.walk.held_since(since.get(d, 0))
     return held
 
 

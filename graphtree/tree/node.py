@@ -327,7 +327,7 @@ class Node:
 
     def drop_base(self) -> None:
         """Stop keeping a tensor on the single output's memory (its storage is about to own its
-        pool block: :meth:`TreeManager._sync_bookkeeping`); the weak reference stays."""
+        pool block: :meth:`TreeMemory.sync <graphtree.tree.memory.TreeMemory.sync>`); the weak reference stays."""
         self._base = self._base_storage = None
 
     def is_held(self, g: int) -> bool:

@@ -98,6 +98,10 @@ class Counters:
         self.adopted = 0  # replays that moved a new object's tensors into the recording's (tree/adoption.py)
         self.eager: Counter[str] = Counter()
 
+    def clear(self) -> None:
+        """Every counter back to zero."""
+        self.__init__()  # type: ignore[misc]
+
     def add_to(self, s: Stats) -> None:
         s.recordings += self.recordings
         s.replays += self.replays

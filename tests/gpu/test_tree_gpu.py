@@ -139,7 +139,7 @@ def test_held_output_of_earlier_recording_is_used_in_place():
         y = ga(x)
         z = gb(y)
         assert torch.equal(z, x * 2 + 1)
-    node_b = _mgr().current
+    node_b = _mgr().walk.current
     assert node_b.name == "b" and node_b.inputs.inplace_idx == [0] and node_b.inputs.copy_idx == []
 
 
