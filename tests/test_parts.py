@@ -42,6 +42,7 @@ class _Recorder:
 
     def __init__(self, fn: Any, name: str) -> None:
         self.fn, self.name, self.calls, self.small = fn, name, 0, False
+        self.verdicts = self  # (what the parts ask of its verdicts: too_small)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -144,7 +145,7 @@ def test_a_given_up_signature_of_a_module_runs_with_its_parts_and_others_do_not(
     before = len(gc.parts())
     gc.run_eager(call, "churn")  # not given up (the churn guard's eager run): no parts
     assert before == 0 and gc.parts() == []
-    gc.give_up(("k",), "uploads host values")
+    gc.verdicts.give_up(("k",), "uploads host values")
     assert torch.equal(gc.run_eager(call, "uploads host values"), net(x))
     assert gc.parts() == ["Net.body", "Net.blocks.0", "Net.blocks.1", "Net.head"]
     assert graphtree.stats().eager.get("uploads host values", 0) >= 1
@@ -152,20 +153,20 @@ def test_a_given_up_signature_of_a_module_runs_with_its_parts_and_others_do_not(
 
 def test_a_part_has_a_size_floor_and_a_function_the_user_graphed_has_none() -> None:
     part = GraphedCallable(nn.Linear(2, 2), name="Net.head", min_ops=MIN_PART_OPS)
-    assert part.is_part and not part.too_small()
-    reason = part.size_reason(2)
-    assert reason is not None and "`Net.head` runs 2 operator(s), fewer than 16" in reason and part.too_small()
+    assert part.is_part and not part.verdicts.too_small()
+    reason = part.verdicts.size_reason(2)
+    assert reason is not None and "`Net.head` runs 2 operator(s), fewer than 16" in reason and part.verdicts.too_small()
     # another signature (an early return was the small one) big enough: the part stays
-    assert part.size_reason(MIN_PART_OPS) is None and not part.too_small()
-    assert part.size_reason(1) is not None and not part.too_small()
+    assert part.verdicts.size_reason(MIN_PART_OPS) is None and not part.verdicts.too_small()
+    assert part.verdicts.size_reason(1) is not None and not part.verdicts.too_small()
     user = GraphedCallable(lambda x: x)
-    assert not user.is_part and user.size_reason(0) is None
+    assert not user.is_part and user.verdicts.size_reason(0) is None
 
 
 def test_parts_false_keeps_the_whole_module_eager_and_the_option_is_checked() -> None:
     net = _Net()
     gc = GraphedCallable(net, name="Net", parts=False)
-    gc.give_up(("k",), "r")
+    gc.verdicts.give_up(("k",), "r")
     gc.run_eager(SimpleNamespace(key=("k",), arguments=lambda: ((torch.randn(1, 4),), {})), "r")
     assert gc.parts() == [] and "forward" not in net.body.__dict__
     with pytest.raises(ValueError, match="parts must be True or False"):

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from graphtree.tree.numbers import Numbers
     from graphtree.tree.reach import FreeValues
     from graphtree.tree.training_step import TrainingStep
+    from graphtree.tree.verdicts import Verdicts
 
 
 class Callee(Protocol):
@@ -40,18 +41,14 @@ class Callee(Protocol):
     max_break_values: int  # distinct values a host read may give (tree/breaks.py); 0: no breaks
     debug: str | os.PathLike[str] | None
     bucketing: Bucketing | None
-    given_up: dict[Any, str]
+    verdicts: Verdicts  # its signatures given up (with the reasons), and the counts that decide it
     churn: Churn  # its run of warm-ups: new signatures run eagerly while they keep changing
     numbers: Numbers  # its Python number arguments: device scalars, or keyed by value and why
     free: FreeValues  # what it reads besides its arguments: plain values keyed, containers watched
 
     @property
     def warmup(self) -> int: ...  # eager runs before a new signature is recorded
-    def give_up(self, key: Any, reason: str) -> None: ...
     def run_eager(self, call: Call, reason: str) -> Any: ...
-    def note_kept_state(self, key: Any) -> bool: ...
-    def may_record_again(self, key: Any) -> bool: ...
-    def size_reason(self, ops: int) -> str | None: ...
     def lockstep(self, groups: dict[str, tuple[int, ...]] | None = None) -> Lockstep | None: ...
     def static_tensors(self) -> list[torch.Tensor]: ...
     def module(self) -> torch.nn.Module | None: ...

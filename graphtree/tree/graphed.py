@@ -34,10 +34,11 @@ from graphtree.tree.inputs import (
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
-from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies, small_part_reason
+from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies
 from graphtree.tree.reach import FreeValues, Reach
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
+from graphtree.tree.verdicts import Verdicts
 
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
@@ -161,12 +162,10 @@ class GraphedCallable:
         self.disabled_reason: str | None = None
         # Signatures never to graph, with the reason (a host sync, a mutated input, a failed
         # capture, the re-record limit, ...): other signatures of the function still are.
-        self.given_up: dict[Any, str] = {}
+        self.verdicts = Verdicts(self.name, min_ops)
         self.churn = Churn()  # signatures that keep changing run eagerly, without warm-ups (tree/churn.py)
         # Python numbers among the arguments: device scalars where they can be (tree/host_scalars.py)
         self.numbers = Numbers(self.id)
-        self._kept_state: dict[Any, int] = {}
-        self._compiled_in_capture: dict[Any, int] = {}  # recordings dropped because torch.compile traced in them
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
         self._module = self._reach.module
         self.free = FreeValues(fn, self._module)  # plain values it reads besides its arguments (keyed per call)
@@ -184,8 +183,6 @@ class GraphedCallable:
         # that cannot be graphed runs with its submodules graphed (tree/parts.py)
         self.min_ops = min_ops  # a part whose warm-ups dispatch fewer operators is not worth a graph
         self._hf_caches, self.compiled_twins, self._parts = _module_helpers(self, fn, runs, parts)
-        self._small = False  # a warm-up ran fewer than min_ops operators, and none ran more
-        self._big_enough = False
         functools.update_wrapper(self, fn, updated=())
         # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
         weakref.finalize(self, _manager.forget, self.id)
@@ -227,16 +224,8 @@ class GraphedCallable:
                 return self._eager(args, kwargs, self.disabled_reason)
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
-            if self._hf_caches is not None and kwargs:
-                grows = self._hf_caches.eager_reason(kwargs)
-                if grows is not None:
-                    return self._eager(args, kwargs, grows)
-                moved_lengths = self._hf_caches.before_call(kwargs)
-                if moved_lengths is not None:  # sliding-window lengths moved for the call (hf_cache.py)
-                    try:
-                        return self._run(args, kwargs)
-                    finally:
-                        moved_lengths.restore()
+            if self._hf_caches is not None and kwargs:  # a transformers cache: made ready first (hf_cache.py)
+                return self._hf_caches.run(self._run, self._eager, args, kwargs)
             return self._run(args, kwargs)
         except Exception as e:
             if self.debug is not None:
@@ -267,17 +256,7 @@ class GraphedCallable:
                 free.after_call()
             return out
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
-        # What the call computes under besides its arguments (autocast, grad mode, default dtype,
-        # TF32, cuDNN and SDPA switches: ambient.py) is part of the key; so are a module's train()
-        # or eval() (dropout, batch norm) and the plain values the code reads (reach.py).
-        if self._module is not None:
-            call.key = (*call.key, _state(), ("training", self._module.training))
-        else:
-            call.key = (*call.key, _state())
-        if reads is not None:
-            call.key = (*call.key, reads)
-        if self._step is not None and self._step.trains:  # gradients present, optimizers' settings
-            call.key = (*call.key, self._step.key(call.leaves))
+        _key_state(call, self._module, reads, self._step)
         device = call.device
         if device < 0:
             device = self._reach.state_device()
@@ -308,7 +287,7 @@ class GraphedCallable:
         """Run the function as plain PyTorch on a call's arguments, counting ``reason``; a module's
         signature given up runs with the module's parts graphed (tree/parts.py)."""
         args, kwargs = call.arguments()
-        if self._parts is None or call.key not in self.given_up:
+        if self._parts is None or call.key not in self.verdicts.given_up:
             return self._eager(args, kwargs, reason)
         _manager.count_eager(self.name, reason)
         with _manager.one_step() as since:  # a part called twice keeps its first output for the module's code
@@ -328,26 +307,9 @@ class GraphedCallable:
         """Made by graphtree as a part of a module graphed in parts (tree/parts.py)."""
         return self.min_ops > 0
 
-    def size_reason(self, ops: int) -> str | None:
-        """Why a warm-up that dispatched ``ops`` operators is not worth a graph, or None: only a
-        part graphtree chose itself has a floor (``min_ops``)."""
-        if ops >= self.min_ops:
-            self._big_enough = True
-            return None
-        self._small = True
-        return small_part_reason(self.name, ops)
-
-    def too_small(self) -> bool:
-        """Every warm-up so far ran too few operators for a graph to gain (see :meth:`size_reason`)."""
-        return self._small and not self._big_enough
-
     def disable(self, reason: str) -> None:
         """Run eagerly from now on, for the reason given (shown in ``stats()`` and logged once)."""
         self.disabled_reason = reason
-
-    def give_up(self, key: Any, reason: str) -> None:
-        """Run calls with signature ``key`` eagerly from now on, for the reason given."""
-        self.given_up[key] = reason
 
     def lockstep(self, groups: dict[str, tuple[int, ...]] | None = None) -> Lockstep | None:
         """The agreements among ranks this function's recordings need, or None when it calls no
@@ -357,18 +319,6 @@ class GraphedCallable:
             self._lockstep = for_groups(self.name, self._groups, self.lockstep_timeout)
             release_before_teardown(drop_all)  # its captures would hang destroy_process_group (teardown.py)
         return self._lockstep
-
-    def note_kept_state(self, key: Any) -> bool:
-        """Count a warm-up of ``key`` that kept tensors it allocated; True once that looks
-        like every call (three times), not a cache filled on first use."""
-        n = self._kept_state[key] = self._kept_state.get(key, 0) + 1
-        return n >= 3
-
-    def may_record_again(self, key: Any) -> bool:
-        """Count a recording of ``key`` dropped because torch.compile traced during it; True while
-        that happened fewer than three times (a compile on first use, a guard that failed once)."""
-        n = self._compiled_in_capture[key] = self._compiled_in_capture.get(key, 0) + 1
-        return n < 3
 
     def training_step(self) -> TrainingStep | None:
         """The modules and optimizers the function reaches outside its arguments (None: none, or a forward)."""
@@ -392,6 +342,23 @@ class GraphedCallable:
             step.warm_up(example_batch)
         """
         record_buckets(self, example_args, example_kwargs, sizes)
+
+
+def _key_state(
+    call: Call, module: torch.nn.Module | None, reads: tuple[Any, ...] | None, step: TrainingStep | None
+) -> None:
+    """Add to ``call``'s key what it computes under besides its arguments: the ambient state
+    (autocast, grad mode, default dtype, TF32, cuDNN and SDPA switches: ambient.py), a module's
+    train() or eval() (dropout, batch norm), the plain values the code reads (``reads``: reach.py)
+    and, for a training step, its gradients' presence and its optimizers' settings."""
+    if module is not None:
+        call.key = (*call.key, _state(), ("training", module.training))
+    else:
+        call.key = (*call.key, _state())
+    if reads is not None:
+        call.key = (*call.key, reads)
+    if step is not None and step.trains:
+        call.key = (*call.key, step.key(call.leaves))
 
 
 def _module_helpers(

@@ -59,7 +59,7 @@ class Grower:
         reason, anyone_warms = lockstep.agree("start", limit, again=warm)
         self.counters.agreements += 1
         if reason is not None:
-            gc.give_up(call.key, reason)
+            gc.verdicts.give_up(call.key, reason)
             return gc.run_eager(call, reason)
         return self.warm_up(gc, call) if anyone_warms else self.record(gc, call)
 
@@ -71,16 +71,18 @@ class Grower:
         self.counters.warmups += 1
         gc.churn.warmed_up()
         key = (gc.id, call.key)
-        give_up, again = done.give_up or gc.size_reason(done.ops), bool(done.kept or done.mutated) or done.compiled
+        verdicts = gc.verdicts
+        give_up = done.give_up or verdicts.size_reason(done.ops)
+        again = bool(done.kept or done.mutated) or done.compiled
         lockstep = gc.lockstep(done.groups)
         if lockstep is not None:  # it calls collectives: its ranks decide together (tree/lockstep.py)
             give_up, again = lockstep.agree("warm-up", give_up or environment_problem(), again)
             self.counters.agreements += 1
         if give_up:
-            gc.give_up(call.key, give_up)
+            verdicts.give_up(call.key, give_up)
         elif again:  # it allocated state or filled a container (a cache, on first use), or compiled: again
-            if gc.note_kept_state(call.key):
-                gc.give_up(call.key, done.again_reason(gc.name, gc.free.kept_hint))
+            if verdicts.note_kept_state(call.key):
+                verdicts.give_up(call.key, done.again_reason(gc.name, gc.free.kept_hint))
         else:
             self.warmed[key] = self.warmed.get(key, 0) + 1
         return done.out
@@ -95,7 +97,7 @@ class Grower:
                 f"`{gc.name}` read more than {gc.max_break_values} different values at {seg.read.where}: "
                 f"each needs recordings of its own (raise graphed(..., max_break_values=) if they are few)"
             )
-            gc.give_up(call.key, reason)  # later calls run eagerly from the start
+            gc.verdicts.give_up(call.key, reason)  # later calls run eagerly from the start
             if not any(s.changes_state for s, _ in read):
                 return gc.run_eager(call, reason)
             # The segments just replayed wrote state the call did not make (an input or a cache in
@@ -113,7 +115,7 @@ class Grower:
         siblings = [] if prefix else self._alive_siblings(key)  # a new value's recording is no re-recording
         reason = None if prefix else rerecord_limit(gc, len(siblings))
         if reason is not None:  # (for a function that calls collectives, agreed in start_together)
-            gc.give_up(call.key, reason)
+            gc.verdicts.give_up(call.key, reason)
             return gc.run_eager(call, reason)
         lockstep = gc.lockstep()  # every rank keeps its capture, or none does (tree/lockstep.py)
         captured = Vote(lockstep, "capture") if lockstep is not None else None
@@ -171,10 +173,10 @@ class Grower:
             if not captured.cast:  # the other ranks learn that this one failed
                 captured(str(e))
             self.counters.agreements += 1
-        elif e.again and gc.may_record_again(call.key):  # (compiled in the capture: warm it up again)
+        elif e.again and gc.verdicts.may_record_again(call.key):  # (compiled in the capture: warm it up again)
             self.warmed.pop((gc.id, call.key), None)
             return gc.run_eager(call, str(e))
-        gc.give_up(call.key, str(e))
+        gc.verdicts.give_up(call.key, str(e))
         if e.pool_tainted:
             self.memory.retire(self.walk)
         if e.has_result:  # the capture ran the call whole: running it again would repeat its side effects

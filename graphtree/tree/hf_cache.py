@@ -51,7 +51,7 @@ position, slower, never wrong).
 Example::
 
     layouts = CacheLayouts(model)
-    moved_lengths = layouts.before_call(kwargs)  # in graphed.__call__, for a transformers model's forward
+    moved_lengths = layouts.before_call(kwargs)  # in CacheLayouts.run, for a transformers model's forward
     try:
         out = run(kwargs)
     finally:
@@ -66,6 +66,7 @@ import logging
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -110,6 +111,27 @@ class CacheLayouts:
             name = type(self._model).__name__ if self._model is not None else "the model"
             log.warning("graphtree: %s is called with a DynamicCache (%s)", name, GROWS)
         return GROWS
+
+    def run(
+        self,
+        run: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+        eager: Callable[[tuple[Any, ...], dict[str, Any], str], Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A call of the graphed forward: ``eager(args, kwargs, reason)`` where its cache grows
+        (:meth:`eager_reason`), else ``run(args, kwargs)`` with the cache made ready and its
+        sliding-window lengths moved for the call (:meth:`before_call`), put back after it."""
+        grows = self.eager_reason(kwargs)
+        if grows is not None:
+            return eager(args, kwargs, grows)
+        moved_lengths = self.before_call(kwargs)
+        if moved_lengths is None:
+            return run(args, kwargs)
+        try:
+            return run(args, kwargs)
+        finally:
+            moved_lengths.restore()
 
     def before_call(self, kwargs: dict[str, Any]) -> MovedLengths | None:
         """Learn the layout of ``kwargs["past_key_values"]``, or initialize it early if it is a fresh

@@ -188,7 +188,7 @@ class TreeManager:
                             node = self._replayable(gc, kids, leaves)
                     if node is not None:  # the hot path: a recording that fits
                         if node.first is not None:  # it reads values on the host (tree/breaks.py)
-                            reason = gc.given_up.get(call.key)
+                            reason = gc.verdicts.given_up.get(call.key)
                             if reason is not None:  # a read met too many values: eager from the start,
                                 return gc.run_eager(call, reason)  # not after replaying what comes before it
                             return self._replay_segments(gc, call, node)
@@ -198,10 +198,11 @@ class TreeManager:
                             out = node.replay(leaves, call.n)
                         except RuntimeError as e:
                             self._raise_replay_error(gc, node, e)
-                        walk.enter(node)
+                        walk.path.append(node)  # (walk.enter, inline on the hot path)
+                        walk.current = node
                         self.counters.replays += 1
                         return out
-            reason = gc.given_up.get(call.key)
+            reason = gc.verdicts.given_up.get(call.key)
             if reason is not None:
                 return gc.run_eager(call, reason)
             warmed = self.warmed.get((gc.id, call.key), 0)

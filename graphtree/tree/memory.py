@@ -75,9 +75,9 @@ class TreeMemory:
             dead: set[int] = set()
             for d, g in node.alive_at_checkpoint:
                 owner = walk.path[d]
-                if owner.is_held(g):
-                    live.append(owner.refs[g])
-                    owner.drop_base()  # the storage gets a deleter: only the caller may keep it
+                if owner.live.is_held(g):
+                    live.append(owner.live.refs[g])
+                    owner.live.drop_base()  # the storage gets a deleter: only the caller may keep it
                 else:
                     dead.add(owner.outputs.groups[g].ptr)
             self.pool.restore(node.checkpoint, live, sorted(dead))

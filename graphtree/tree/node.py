@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import itertools
-import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -24,6 +23,7 @@ from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import Segment
 from graphtree.tree.inputs import PLAIN_TYPES
+from graphtree.tree.liveness import OutputLiveness
 from graphtree.tree.numbers import NUMBER
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import InputPlan
@@ -38,10 +38,7 @@ def next_node_id() -> str:
     return f"n{next(_ids)}"
 
 
-_storage_at, _tensor_on = _torch.storage_at, _torch.tensor_on
-_weak_ref, _weak_free, _weak_expired = _torch.weak_ref, _torch.weak_free, _torch.weak_expired
-_weak_data_ptr, _use_count = _torch.weak_data_ptr, _torch.storage_use_count
-_refcount = sys.getrefcount
+_weak_free, _weak_expired, _weak_data_ptr = _torch.weak_free, _torch.weak_expired, _torch.weak_data_ptr
 
 
 class OutputRef(NamedTuple):
@@ -81,7 +78,8 @@ class Node:
         depth: its index on the path from the root.
         graph: the captured graph.
         inputs, outputs: how inputs get in and outputs come out.
-        refs: weak references to the output storages of the call that recorded it.
+        refs: weak references to the output storages of the call that recorded it (``live``:
+            this step's outputs, :class:`~graphtree.tree.liveness.OutputLiveness`).
         checkpoint: the allocator's state of the pool right after the recording.
         alive_at_checkpoint: path outputs held when the checkpoint was taken (its own included).
         dead_before: ancestor outputs that were dead while recording: must be dead to replay.
@@ -143,7 +141,7 @@ class Node:
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
-        self.refs = refs  # weak refs (ints) to this step's output storages, per group; 0: none
+        self.live = OutputLiveness(outputs, inputs.device, refs)  # this step's outputs, held or not
         self.checkpoint = checkpoint
         self.alive_at_checkpoint = alive_at_checkpoint
         self.dead_before = dead_before
@@ -173,16 +171,7 @@ class Node:
         # A broken recording is replayable when every recording of its other values is too.
         self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals or first)
         self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals or first)
-        self._device = torch.device("cuda", inputs.device)
         self._launch = _draws.launcher(graph)
-        self._single = outputs.single  # a replay fast path (see OutputPlan.single)
-        # With a single output: a tensor on its memory, and that tensor's storage object, which
-        # the node keeps between replays while they own nothing (see Node.replay). None until the
-        # first replay, and whenever the caller may still hold the previous output.
-        self._base: torch.Tensor | None = None
-        self._base_storage: torch.UntypedStorage | None = None
-        self._base_holders = (0, 0)  # (storage use count, storage object refcount) with only the base
-        self._keep_base = False  # the caller dropped the last output before its step ended
 
     def can_replay(
         self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool], native: ModuleType | None
@@ -217,7 +206,7 @@ class Node:
             elif not check(self.statics, self.static_ptrs, self.static_idx):
                 return False
         for d, g in self.dead_before:
-            if path[d].is_held(g):
+            if path[d].live.is_held(g):
                 return False
         if not self.externals:
             return True
@@ -245,10 +234,9 @@ class Node:
         The hot path of graphtree: keep it free of anything that is not needed on every call.
         A single output the caller dropped last time is handed out as ``base.detach()``: a new
         tensor object on the storage of a base tensor the node keeps, which costs a third of
-        building a storage and a tensor. The caller holds the output while the storage has more
-        holders than the base (see :meth:`_base_shared`). A caller that keeps each output until
-        the next step (``y = f(x)`` in a loop) gets outputs built anew, as the held output is
-        invalidated when its step ends, and the base with it.
+        building a storage and a tensor (:mod:`graphtree.tree.liveness`). A caller that keeps
+        each output until the next step (``y = f(x)`` in a loop) gets outputs built anew, as the
+        held output is invalidated when its step ends, and the base with it.
         """
         self.inputs.copy_in(leaves, n)
         self._launch()
@@ -288,91 +276,11 @@ class Node:
             _writes.apply(leaves, self.writes)
         if self.grads:  # a training step's: each parameter's .grad as the step leaves it
             set_grads(self.grads)
-        base = self._base
-        if base is not None:
-            return base.detach()
-        one = self._single
-        if one is not None:
-            if self._keep_base:
-                return self._new_base().detach()
-            storage = _storage_at(one.ptr, self._device, one.nbytes)
-            result, refs = _tensor_on(one.meta, storage), [_weak_ref(storage)]
-        else:
-            result, refs = self.outputs.emit(leaves, n, self._device)
-        self._free_refs()
-        self.refs = refs
-        return result
-
-    def _new_base(self) -> torch.Tensor:
-        one = self._single
-        assert one is not None
-        self._base_storage = _storage_at(one.ptr, self._device, one.nbytes)
-        self._base = _tensor_on(one.meta, self._base_storage)
-        self._free_refs()
-        self.refs = [_weak_ref(self._base_storage)]
-        self._base_holders = (_use_count(self.refs[0]), _refcount(self._base_storage))
-        return self._base
-
-    def _base_shared(self) -> bool:
-        """Whether anything but the base holds the single output's storage: a tensor or view on it
-        (its use count grows) or its storage object (``t.untyped_storage()`` hands out the node's
-        own object: its Python refcount grows). Both counts are compared with those taken when
-        the base was built, in the same way, so the interpreter's own references cancel out."""
-        return (_use_count(self.refs[0]), _refcount(self._base_storage)) != self._base_holders
-
-    def _free_refs(self) -> None:
-        for r in self.refs:
-            if r:
-                _weak_free(r)
-
-    def drop_base(self) -> None:
-        """Stop keeping a tensor on the single output's memory (its storage is about to own its
-        pool block: :meth:`TreeMemory.sync <graphtree.tree.memory.TreeMemory.sync>`); the weak reference stays."""
-        self._base = self._base_storage = None
-
-    def is_held(self, g: int) -> bool:
-        """Whether the caller still holds output group ``g`` of this step."""
-        r = self.refs[g] if g < len(self.refs) else 0
-        if not r:
-            return False
-        if self._base is not None:
-            return self._base_shared()
-        return not _weak_expired(r)
-
-    def held_outputs(self) -> list[tuple[int, str]]:
-        """(weak ref, stale message) of each output group of this step the caller still holds."""
-        groups = self.outputs.groups
-        return [(r, groups[g].message) for g, r in enumerate(self.refs) if self.is_held(g)]
-
-    def release_outputs(self, held: list[tuple[int, str]]) -> None:
-        """Forget this step's outputs, adding (weak ref, message) of those still held to ``held``.
-
-        The weak references of dead outputs are freed here, except the base's, kept for the
-        next replay; the caller owns those it was given (and the base goes: the storage is
-        about to be invalidated).
-        """
-        refs = self.refs
-        if self._base is not None:
-            if self._base_shared():
-                held.append((refs[0], self.outputs.groups[0].message))
-                refs[0] = 0
-                self._base = self._base_storage = None
-                self._keep_base = False
-            return
-        dropped = True
-        for g, r in enumerate(refs):
-            if r:
-                if _weak_expired(r):
-                    _weak_free(r)
-                else:
-                    held.append((r, self.outputs.groups[g].message))
-                    dropped = False
-                refs[g] = 0
-        self._keep_base = dropped and self._single is not None
+        return self.live.hand_out(leaves, n)
 
     def __del__(self) -> None:
         try:
-            for r in (*self.refs, *self.input_refs, *(e.ref for e in self.externals)):
+            for r in (*self.live.refs, *self.input_refs, *(e.ref for e in self.externals)):
                 if r:
                     _weak_free(r)
         except Exception:  # noqa: BLE001 - interpreter shutdown: torch may be gone

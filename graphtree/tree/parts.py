@@ -56,14 +56,6 @@ def hooks_reason(name: str) -> str:
     return f"`{name}` has module hooks below it (or global ones) on this call: a replay would not run them"
 
 
-def small_part_reason(name: str, ops: int) -> str:
-    """Why a part that dispatched ``ops`` operators is not graphed."""
-    return (
-        f"`{name}` runs {ops} operator(s), fewer than {MIN_PART_OPS}: a graph of it would not gain "
-        f"(graphtree graphed it as a part of a module that cannot be graphed whole)"
-    )
-
-
 def graphable_children(
     module: torch.nn.Module, prefix: str = "", seen: set[int] | None = None
 ) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -212,7 +204,7 @@ class Parts:
         kept = []
         for child, g in reversed(self._parts or []):
             _take(child, g)
-            if not g.too_small():
+            if not g.verdicts.too_small():
                 kept.append((child, g))
         self._parts = kept[::-1]
 

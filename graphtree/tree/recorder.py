@@ -257,7 +257,7 @@ def record(
     dead_before: list[OutputRef] = []
     for d, owner in enumerate(path):
         for g, group in enumerate(owner.outputs.groups):
-            if owner.is_held(g):
+            if owner.live.is_held(g):
                 held[group.ptr] = OutputRef(d, g)
             else:
                 dead_before.append(OutputRef(d, g))

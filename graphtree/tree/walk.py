@@ -73,7 +73,7 @@ class Walk:
         them: the call that starts the next step still reads them)."""
         held: list[tuple[int, str]] = []  # invalidated below; the weak refs of the path's are freed too
         for node in self.path:
-            node.release_outputs(held)
+            node.live.release(held)
         release = [r for r, _ in held]
         if self.retired:  # their nodes release their own refs when they are dropped
             for _pool, path in self.retired:
@@ -145,4 +145,4 @@ class Walk:
 
 def held_in(path: list[Node]) -> list[tuple[int, str]]:
     """(weak ref, message) of the outputs of ``path`` the caller still holds."""
-    return [pair for node in path for pair in node.held_outputs()]
+    return [pair for node in path for pair in node.live.held()]
