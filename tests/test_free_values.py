@@ -4,6 +4,7 @@ with ``SCALE = 2.0`` must not be replayed after ``SCALE = 3.0``."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 
@@ -522,3 +523,21 @@ def test_a_user_modules_dataclass_of_settings_is_keyed_and_dropped_once_the_call
     model.cfg.name = "b"  # (as a call that changed it would: its state, no longer followed)
     free.after_call()
     assert _values(free.part()) == {"self.cfg.scale": 3.0}
+
+
+GEN = None  # a library's object of settings, read by name (set in the test)
+
+
+def _tempered(logits):
+    return logits / GEN.temperature
+
+
+def test_a_library_object_of_settings_read_by_name_is_keyed_by_what_the_code_reads():
+    # `GEN.temperature = 0.5` between calls, GEN an argparse Namespace (a library's class): only
+    # the user's classes' objects were keyed, so the recording made at 1.0 replayed 1.0
+    global GEN
+    GEN = argparse.Namespace(temperature=1.0, top_k=50)
+    free = FreeValues(_tempered)
+    assert _values(free.part()) == {"GEN": id(GEN), "GEN.temperature": 1.0}  # (top_k: not read by the code)
+    GEN.temperature = 0.5
+    assert _values(free.part())["GEN.temperature"] == 0.5

@@ -135,9 +135,9 @@ class FreeValues:
       ``__call__`` graphed itself, that object's (``self.temperature``);
     - for a model the code calls by a global or closure name: its identity (rebound, it is
       followed anew), its ``training`` (``model.eval()`` between calls) and the same attributes;
-    - for an object of the user's class read by a global or closure name (a config, a dataclass of
-      settings): its identity and those of its plain attributes whose names the code reads
-      (``x * CFG.scale``);
+    - for an object of settings read by a global or closure name (the user's config or dataclass,
+      a library's: an HF ``GenerationConfig``, an ``argparse.Namespace``): its identity and those
+      of its plain attributes whose names the code reads (``x * CFG.scale``);
     - for a function the code calls by a global or closure name: its code and plain defaults, a
       builtin's identity (``ACT = torch.tanh`` after a recording made with ``torch.relu``, a helper
       defined anew: the new one is followed; a lambda made again from the same code keeps the key).
@@ -266,8 +266,10 @@ class FreeValues:
                 elif isinstance(v, _FUNCTIONS):  # a function the code calls by name: rebound, another is called
                     anchors.append(len(reads))
                     reads.append((space, n, n))
-                elif _settings_object(v):  # an object of the user's class whose attributes the code reads
-                    attrs = [r for r in _owner_reads(v, n)[0] if r[1] in names]
+                elif _settings_object(v) or _held_settings(v):  # an object whose attributes the code reads
+                    # (a config or a dataclass of the user's, a library's: an HF GenerationConfig, an
+                    # argparse Namespace): the plain attributes its code names
+                    attrs = _plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set())
                     if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
                         anchors.append(len(reads))
                         reads.append((space, n, n))
