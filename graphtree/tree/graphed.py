@@ -36,6 +36,7 @@ from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies
 from graphtree.tree.reach import FreeValues, Reach
+from graphtree.tree.stats import count_eager
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
 from graphtree.tree.verdicts import Verdicts
@@ -280,7 +281,7 @@ class GraphedCallable:
 
     # --- eager paths ------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
-        _manager.count_eager(self.name, reason)
+        count_eager(self.name, reason)
         return self.fn(*args, **kwargs)
 
     def run_eager(self, call: Call, reason: str) -> Any:
@@ -289,7 +290,7 @@ class GraphedCallable:
         args, kwargs = call.arguments()
         if self._parts is None or call.key not in self.verdicts.given_up:
             return self._eager(args, kwargs, reason)
-        _manager.count_eager(self.name, reason)
+        count_eager(self.name, reason)
         with _manager.one_step() as since:  # a part called twice keeps its first output for the module's code
             out = self._parts.run(self.fn, args, kwargs)
             # what the module returns is the caller's, as from an eager run: never a part's output,

@@ -31,7 +31,7 @@ from graphtree.tree.inputs import Call
 from graphtree.tree.lockstep import Vote, environment_problem
 from graphtree.tree.memory import TreeMemory
 from graphtree.tree.node import Node
-from graphtree.tree.stats import Counters, log, log_fallback
+from graphtree.tree.stats import Counters, count_eager, log
 from graphtree.tree.walk import Walk
 
 
@@ -180,8 +180,7 @@ class Grower:
         if e.pool_tainted:
             self.memory.retire(self.walk)
         if e.has_result:  # the capture ran the call whole: running it again would repeat its side effects
-            self.counters.eager[str(e)] += 1  # (an eager run, as stats() counts it)
-            log_fallback(gc.name, str(e))
+            count_eager(gc.name, str(e))
             return e.result
         if prefix and any(seg.changes_state for seg, _ in prefix):
             log.warning(

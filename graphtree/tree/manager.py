@@ -37,7 +37,7 @@ from graphtree.tree.launch_order import LaunchOrder
 from graphtree.tree.memory import TreeMemory
 from graphtree.tree.node import Node, signature
 from graphtree.tree.replay_error import explain, is_cuda_error
-from graphtree.tree.stats import Counters, Stats, log, log_fallback
+from graphtree.tree.stats import Counters, Stats, log, untreed
 from graphtree.tree.walk import Walk
 
 MAX_PATH_DEPTH = 64
@@ -46,7 +46,6 @@ MAX_PATH_DEPTH = 64
 _tls = threading.local()
 _all_managers: weakref.WeakSet[TreeManager] = weakref.WeakSet()
 _registry_lock = threading.Lock()
-_untreed = Counters()  # calls that never reached a tree (eager ones; a module's under autograd)
 # Ids of graphed callables collected (appended by their finalizers, from any thread: a list append
 # needs no lock); each tree prunes their recordings at its next step.
 _collected: list[int] = []
@@ -81,15 +80,9 @@ def run(gc: Callee, call: Call, device: int) -> Any:
     return tree.call(gc, call)
 
 
-def count_eager(name: str, reason: str) -> None:
-    """Count (and log once) a call that ran eagerly before reaching any tree."""
-    _untreed.eager[reason] += 1
-    log_fallback(name, reason)
-
-
 def count_untreed(what: str) -> None:
     """Count a warm-up, recording or replay (``what``) made outside the trees (tree/module_training.py)."""
-    setattr(_untreed, what, getattr(_untreed, what) + 1)
+    setattr(untreed, what, getattr(untreed, what) + 1)
 
 
 def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -> RuntimeError:
@@ -329,7 +322,7 @@ class TreeManager:
         with self.lock:
             self.drop("graphtree.reset() was called")
             self.user_steps = False
-            self.counters.clear()
+            self.counters = self.grow.counters = Counters()  # (whole: stats() reads it without the lock)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
@@ -392,7 +385,7 @@ def reset() -> None:
     _tls.user_steps = False
     for m in managers():
         m.reset()
-    _untreed.clear()
+    untreed.clear()
 
 
 def step_outputs(since: dict[int, int]) -> set[int]:
@@ -414,7 +407,7 @@ def stats() -> Stats:
     s = Stats(cuda=torch.cuda.is_available())
     if not s.cuda:
         s.note = "no CUDA: graphed functions run eagerly"
-    _untreed.add_to(s)
+    untreed.add_to(s)
     kept: dict[int, int] = {}
     for m in managers():
         m.counters.add_to(s)

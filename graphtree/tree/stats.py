@@ -115,6 +115,17 @@ class Counters:
             s.eager[k] = s.eager.get(k, 0) + v
 
 
+untreed = Counters()
+"""Calls that never reached a tree (eager ones; a module's under autograd), and the eager results of
+captures that ran a call whole (tree/grow.py): kept for the process, as no tree owns them."""
+
+
+def count_eager(name: str, reason: str) -> None:
+    """Count (and log once) a call that ran eagerly outside any tree's own counting."""
+    untreed.eager[reason] += 1
+    log_fallback(name, reason)
+
+
 _logged: set[tuple[str, str]] = set()
 
 
