@@ -168,6 +168,11 @@ for stage in $stages; do
         "tests/gpu/test_real_paths_gpu.py::test_a_library_modules_setting_changed_between_calls_is_never_replayed_stale" \
         tests/gpu/test_ddp_gpu.py 2>&1 | tee "$OUT/new18.log" | grep -v '^W1' | tail -15
       ;;
+    sdpa)  # the eighteenth session's question: a graphed HF model's SDPA logits against eager's,
+           # bit for bit, as is and with transformers' capture check hidden (~2 min)
+      timeout 300 python3 benchmarks/probes/hf_sdpa_capture.py --json "$OUT/hf_sdpa_capture.json" 2>&1 \
+        | tee "$OUT/hf_sdpa_capture.txt" | grep -v '^W1' | tail -12
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
