@@ -173,6 +173,11 @@ for stage in $stages; do
       timeout 300 python3 benchmarks/probes/hf_sdpa_capture.py --json "$OUT/hf_sdpa_capture.json" 2>&1 \
         | tee "$OUT/hf_sdpa_capture.txt" | grep -v '^W1' | tail -12
       ;;
+    hf_sources)  # issue 46 runs transformers' generation tests from its 5.17 sources: are they on the device?
+                 # (the sdist on PyPI has no tests/models nor tests/generation; GitHub is not reachable)
+      python3 -c "import transformers, os; print(transformers.__version__, os.path.dirname(transformers.__file__))"
+      timeout 60 find / -xdev -path '*tests/generation/test_utils.py' 2>/dev/null | head -5 | tee "$OUT/hf_sources.txt"
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
