@@ -541,3 +541,47 @@ def test_a_library_object_of_settings_read_by_name_is_keyed_by_what_the_code_rea
     assert _values(free.part()) == {"GEN": id(GEN), "GEN.temperature": 1.0}  # (top_k: not read by the code)
     GEN.temperature = 0.5
     assert _values(free.part())["GEN.temperature"] == 0.5
+
+
+class _Scaled(torch.nn.Module):
+    scale = 2.0  # a class attribute, read as self.scale
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _Defaults:
+    eps = 1e-5  # a class attribute of a settings object's class
+
+
+class _Namespace:
+    lr = 0.1  # a class used as a namespace of settings
+
+
+DEFAULTS = _Defaults()
+
+
+def _uses_class_level_settings(x):
+    return x * _Namespace.lr + DEFAULTS.eps
+
+
+def test_class_attributes_the_code_reads_are_keyed_once_for_all_instances():
+    # `_Scaled.scale = 3.0` between calls: only instances' attributes were keyed, so the recording
+    # made at 2.0 replayed 2.0 (found reading the code, eighteenth session)
+    model = torch.nn.Sequential(_Scaled(), _Scaled())
+    free = FreeValues(model, model)
+    assert _values(free.part()) == {"self.0.scale": 2.0}  # (one class attribute, read by both layers)
+    _Scaled.scale = 3.0
+    try:
+        assert _values(free.part()) == {"self.0.scale": 3.0}
+        model[1].scale = 4.0  # (an instance's own attribute set later is not followed: resolved once)
+    finally:
+        _Scaled.scale = 2.0
+    free = FreeValues(_uses_class_level_settings)
+    values = _values(free.part())  # (with the object's and the class's identities)
+    assert {k: v for k, v in values.items() if "." in k} == {"DEFAULTS.eps": 1e-5, "_Namespace.lr": 0.1}
+    _Namespace.lr = 0.2
+    try:
+        assert _values(free.part())["_Namespace.lr"] == 0.2
+    finally:
+        _Namespace.lr = 0.1

@@ -148,6 +148,9 @@ class FreeValues:
     such a call fails with the reason (``writes.module_changes``). A bound object's attribute the
     call changes stays followed: each value is a signature of its own, and a call that changes it
     every time runs eagerly as signatures that keep changing do (tree/churn.py, which names it).
+    The user's classes' own plain attributes that their code reads (``scale = 2.0`` in the class
+    body, read as ``self.scale``; ``Config.lr`` of a class used as a namespace) are read in the
+    class that defines them, once however many instances read them.
     A library's submodule is read for the plain attributes its own code reads (``nn.Dropout``'s
     ``p``, an HF attention's ``scaling``: a few per layer, one identity check each per call), and
     an object of settings a module holds (an HF model's ``config``: its plain attributes, once for
@@ -266,10 +269,13 @@ class FreeValues:
                 elif isinstance(v, _FUNCTIONS):  # a function the code calls by name: rebound, another is called
                     anchors.append(len(reads))
                     reads.append((space, n, n))
-                elif _settings_object(v) or _held_settings(v):  # an object whose attributes the code reads
-                    # (a config or a dataclass of the user's, a library's: an HF GenerationConfig, an
-                    # argparse Namespace): the plain attributes its code names
-                    attrs = _plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set())
+                elif _settings_object(v) or _held_settings(v) or (isinstance(v, type) and _user_class(v)):
+                    # an object whose attributes the code reads (a config or a dataclass of the user's,
+                    # a library's: an HF GenerationConfig, an argparse Namespace; a class of the user's
+                    # used as a namespace): the plain attributes its code names, its class's too
+                    inst = vars(v) if not isinstance(v, type) else {}
+                    attrs = _plain_reads(inst, f"{n}.", frozenset(names), frozenset(), set())
+                    attrs += _class_level_reads(v if isinstance(v, type) else type(v), names, inst, f"{n}.")
                     if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
                         anchors.append(len(reads))
                         reads.append((space, n, n))
@@ -396,6 +402,7 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
     out: list[_Read] = [(vars(owner), "training", f"{label}.training")] if training else []
     settings: list[_Read] = []
     held: set[int] = set()  # settings objects already read (one HF config is held by every layer)
+    classes: set[tuple[int, str]] = set()  # class attributes already read (each layer of a class reads them)
     for path, sub in owner.named_modules():
         at = f"{label}.{path + '.' if path else ''}"
         attrs = vars(sub)
@@ -405,7 +412,29 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
         read = None if user else _class_reads(cls)  # (a library's: only what its code reads)
         skip = _module_internals() | (_SYNC_FLAGS if user else _DERIVED)
         (out if user else settings).extend(_plain_reads(attrs, at, read, skip, held))
+        if user:  # (`scale = 2.0` in the class body, read as `self.scale`: once for all its instances)
+            out.extend(_class_level_reads(cls, _class_reads(cls), attrs, at, classes))
     return out, settings
+
+
+def _class_level_reads(
+    cls: type, names: Iterable[str], attrs: dict[str, Any], at: str, seen: set[tuple[int, str]] | None = None
+) -> list[_Read]:
+    """The plain attributes of the user's classes in ``cls``'s MRO that ``names`` (what the code
+    reads) name and the instance's own ``attrs`` do not shadow, read in the class that defines
+    each (but those in ``seen``, which gets them): ``Block.scale = 3.0`` between calls changes
+    what ``self.scale`` gives."""
+    out: list[_Read] = []
+    seen = set() if seen is None else seen
+    for name in sorted(set(names) - attrs.keys()):
+        for klass in cls.__mro__:
+            space = vars(klass)
+            if name in space:
+                if type(space[name]) in _PLAIN_SET and _user_class(klass) and (id(klass), name) not in seen:
+                    seen.add((id(klass), name))
+                    out.append((space, name, at + name))  # type: ignore[arg-type]  # (a mappingproxy: get() as a dict's)
+                break
+    return out
 
 
 def _plain_reads(

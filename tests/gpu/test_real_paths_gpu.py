@@ -566,6 +566,35 @@ def test_a_plain_attribute_of_a_graphed_module_set_between_calls_is_never_replay
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+class _ClassScaled(torch.nn.Module):
+    scale = 1.0  # a class attribute, read as self.scale
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_class_attribute_set_between_calls_is_never_replayed_stale():
+    # `_ClassScaled.scale = 0.5` between calls: only instances' attributes were keyed, so the
+    # recording made at 1.0 would replay 1.0 (found reading the code, eighteenth session)
+    model = _ClassScaled().to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+    try:
+        with torch.no_grad():
+            for scale in (1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 1.0):
+                _ClassScaled.scale = scale
+                graphtree.mark_step()
+                assert torch.equal(g(x), model(x)), scale
+    finally:
+        _ClassScaled.scale = 1.0
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
