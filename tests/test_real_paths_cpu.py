@@ -74,6 +74,30 @@ def test_every_switch_changes_the_ambient_state_and_the_native_twin_agrees(i):
     assert ambient._python_state() == before
 
 
+def test_torchs_fp32_precision_api_is_keyed_and_raises_nothing():
+    # torch 2.9's `torch.backends.cuda.matmul.fp32_precision = "tf32"` makes its legacy TF32 getters
+    # raise ("mix of the legacy and new APIs"), which ambient.state() and the native ambient() read:
+    # every graphed call raised (found by a CPU hunt for keying gaps, eighteenth session)
+    _native.wait(600)
+    b = torch.backends
+    spots = [(b.cuda.matmul, "fp32_precision"), (b.cudnn.conv, "fp32_precision"), (b.cudnn.rnn, "fp32_precision")]
+    old = [getattr(o, n) for o, n in spots]
+    before = ambient.state()
+    try:
+        seen = []
+        for value in ("tf32", "ieee"):
+            for o, n in spots:
+                setattr(o, n, value)
+                now = ambient.state()  # (raised before the fix)
+                assert now == ambient._python_state() and ambient.describe(now)
+                seen.append(now)
+        assert seen[0] != before and len(set(seen)) >= 4  # (each setting its own state, or as legacy's)
+    finally:
+        for (o, n), v in zip(spots, old):
+            setattr(o, n, v)
+    assert ambient.state() == before
+
+
 def test_the_ambient_state_is_part_of_the_key_of_a_call(monkeypatch):
     from graphtree.tree import graphed as graphed_module
     from graphtree.tree.inputs import Call

@@ -61,10 +61,21 @@ BITS = (
     "cuBLAS bf16 reduced-precision reduction (2 bits)",
     "",
     "preferred BLAS backend (3 bits)",
+    "",
+    "",
+    "torch's fp32_precision API in use: the legacy TF32 getters refuse (then bits 26-31 follow)",
+    "fp32_precision of cuBLAS matmul (2 bits: none, ieee, tf32, bf16)",
+    "",
+    "fp32_precision of cuDNN convolutions (2 bits)",
+    "",
+    "fp32_precision of cuDNN RNNs (2 bits)",
+    "",
 )
 """What each bit of ``state()[0]`` is, lowest first (the native helper packs them the same way)."""
 
 _PRECISION = {"highest": 0, "high": 1, "medium": 2}
+_FP32 = {"none": 0, "ieee": 1, "tf32": 2, "bf16": 3}  # (torch.backends' fp32_precision values)
+_NEW_API = 25  # the bit that says the fp32_precision API is in use (the legacy getters raise)
 
 
 def _reduction(v: Any) -> int:
@@ -112,26 +123,51 @@ def _python_state(
     bf16: Callable[[], Any] = _C._get_cublas_allow_bf16_reduced_precision_reduction,
     blas: Callable[[], Any] = _C._get_blas_preferred_backend,
 ) -> tuple[int, torch.dtype, torch.dtype | None]:
-    """:func:`state` computed in Python (the native helper's twin)."""
+    """:func:`state` computed in Python (the native helper's twin).
+
+    With torch's ``fp32_precision`` API in use (``torch.backends.cuda.matmul.fp32_precision =
+    "tf32"``, torch 2.9 and later), its legacy TF32 getters raise ("mix of the legacy and new
+    APIs"): those bits are then 0, and bit 25 and the new API's settings (bits 26-31) say what the
+    native helper, which reads the legacy ones, cannot."""
     on = autocast("cuda")
     bits = grad() | inference() << 1 | on << 2
+    refused = False
     shift = 3
     for f in flags:
-        bits |= bool(f()) << shift
+        try:
+            bits |= bool(f()) << shift
+        except RuntimeError:  # (a TF32 getter, under the fp32_precision API)
+            refused = True
         shift += 1
-    bits |= _PRECISION[precision()] << 16 | _reduction(fp16()) << 18 | _reduction(bf16()) << 20 | int(blas()) << 22
+    try:
+        bits |= _PRECISION[precision()] << 16
+    except RuntimeError:
+        refused = True
+    bits |= _reduction(fp16()) << 18 | _reduction(bf16()) << 20 | int(blas()) << 22
+    if refused:
+        bits |= 1 << _NEW_API | _fp32_precisions() << _NEW_API + 1
     return bits, default_dtype(), autocast_dtype("cuda") if on else None
+
+
+def _fp32_precisions() -> int:
+    """The ``fp32_precision`` of cuBLAS matmul, cuDNN convolutions and cuDNN RNNs, 2 bits each."""
+    b: Any = torch.backends  # (untyped in torch's stubs)
+    found = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision)
+    return sum(_FP32.get(v, 0) << 2 * i for i, v in enumerate(found))
 
 
 def state() -> tuple[int, torch.dtype, torch.dtype | None]:
     """The ambient state of this thread as a hashable key (see the module's docstring)."""
     native = _native.loaded
     if native is not None:
-        if _checked is not native:
-            _check(native)
-        if _checked is native:
-            found: tuple[int, torch.dtype, torch.dtype | None] = native.ambient()
-            return found
+        try:
+            if _checked is not native:
+                _check(native)
+            if _checked is native:
+                found: tuple[int, torch.dtype, torch.dtype | None] = native.ambient()
+                return found
+        except RuntimeError:  # torch's fp32_precision API in use: its legacy TF32 getters refuse
+            pass
     return _python_state()
 
 
@@ -157,5 +193,10 @@ def describe(s: tuple[int, torch.dtype, torch.dtype | None]) -> str:
     """``state()`` in words: the switches that are on, the default dtype and autocast's dtype."""
     bits, dtype, cast = s
     on = [name for i, name in enumerate(BITS) if name and i < 16 and bits >> i & 1]
-    on.append(f"float32 matmul precision {list(_PRECISION)[bits >> 16 & 3]}")
+    if not bits >> _NEW_API & 1:
+        on.append(f"float32 matmul precision {list(_PRECISION)[bits >> 16 & 3]}")
+    else:  # (torch's fp32_precision API: what the legacy getters could not say)
+        names = list(_FP32)
+        for i, what in enumerate(("cuBLAS matmul", "cuDNN conv", "cuDNN RNN")):
+            on.append(f"fp32_precision of {what} {names[bits >> _NEW_API + 1 + 2 * i & 3]}")
     return ", ".join([*on, f"default dtype {dtype}", *([f"autocast dtype {cast}"] if cast is not None else [])])

@@ -595,6 +595,25 @@ def test_a_class_attribute_set_between_calls_is_never_replayed_stale():
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision():
+    # `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch 2.9's API) made the legacy TF32
+    # getters that the ambient key reads raise: every graphed call raised (found on the CPU,
+    # eighteenth session). TF32 and IEEE matmuls differ on the GPU: each must be eager's.
+    g = graphtree.graphed(_matmul)
+    x, w = torch.randn(256, 256, device=DEV), torch.randn(256, 256, device=DEV)
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    try:
+        for precision in ("tf32", "tf32", "tf32", "ieee", "ieee", "ieee", "tf32"):
+            matmul.fp32_precision = precision
+            graphtree.mark_step()
+            assert torch.equal(g(x, w), _matmul(x, w)), precision
+    finally:
+        matmul.fp32_precision = old
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
