@@ -196,12 +196,13 @@ def test_a_library_modules_settings_its_code_reads_are_keyed():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1), torch.nn.Conv1d(2, 2, 1))
     free = FreeValues(model, model)
     values = _values(free.part())
-    assert values == {"self.1.p": 0.1, "self.1.inplace": False, "self.2.groups": 1, "self.2.padding_mode": "zeros"}
+    settings = {"self.1.p": 0.1, "self.1.inplace": False, "self.2.groups": 1, "self.2.padding_mode": "zeros"}
+    assert values == {**settings, "self.1.training": True}  # (Dropout's code reads its mode too)
     model[1].p = 0.0
     assert _values(free.part())["self.1.p"] == 0.0
     assert not free.follows_modules  # (settings: not scanned after each call, a library's forward changes none)
     free.after_call()
-    assert len(_values(free.part())) == 4
+    assert len(_values(free.part())) == 5
 
 
 class _Sampler:
@@ -585,3 +586,20 @@ def test_class_attributes_the_code_reads_are_keyed_once_for_all_instances():
         assert _values(free.part())["_Namespace.lr"] == 0.2
     finally:
         _Namespace.lr = 0.1
+
+
+def test_a_submodules_own_mode_is_keyed_where_its_code_reads_it():
+    # MC dropout (`model.eval()`, then the dropout layers back to train()) and a frozen batch norm
+    # (`model.train(); model.bn.eval()`): only the graphed module's own mode was keyed, so a
+    # recording made with the layer in one mode replayed it in the other (found by a CPU hunt for
+    # keying gaps, eighteenth session)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    free = FreeValues(model, model)
+    model.eval()
+    before = free.part()
+    model[2].train()
+    assert free.part() != before and _values(free.part())["self.2.training"] is True
+    model.train()
+    model[1].eval()
+    assert _values(free.part())["self.1.training"] is False
+    assert "self.0.training" not in _values(free.part())  # (nn.Linear's code does not read it)

@@ -381,9 +381,11 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
 
     First, those a call may change as its own state: the object a graphed method is bound to
     (``sampler.sample`` reading ``self.temperature``), where its class is the user's; or a module's,
-    with those of its submodules of the user's classes (but their ``training``: ``model.eval()``
-    turns the module's own off too), DDP's gradient-sync flags (``no_sync()``) and, with
-    ``training``, the module's own mode (a graphed module's is keyed apart).
+    with those of its submodules of the user's classes, DDP's gradient-sync flags (``no_sync()``)
+    and, with ``training``, the module's own mode (a graphed module's is keyed apart). A
+    submodule's mode is keyed where its class's code reads it (``nn.Dropout``, ``nn.BatchNorm2d``,
+    an HF attention): ``model.eval()`` turns them all off with the module's own, but MC dropout
+    turns dropout layers back on and fine-tuning freezes batch norms (``model.bn.eval()``).
 
     In both, an object of settings held as an attribute (an HF model's ``config``, a dataclass of
     settings: :func:`_held_settings`) is read for its plain attributes, once however many modules
@@ -412,6 +414,8 @@ def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tup
         read = None if user else _class_reads(cls)  # (a library's: only what its code reads)
         skip = _module_internals() | (_SYNC_FLAGS if user else _DERIVED)
         (out if user else settings).extend(_plain_reads(attrs, at, read, skip, held))
+        if path and "training" in _class_reads(cls):  # a submodule's own mode: MC dropout, a frozen BatchNorm
+            (out if user else settings).append((attrs, "training", at + "training"))
         if user:  # (`scale = 2.0` in the class body, read as `self.scale`: once for all its instances)
             out.extend(_class_level_reads(cls, _class_reads(cls), attrs, at, classes))
     return out, settings

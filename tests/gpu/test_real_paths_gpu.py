@@ -614,6 +614,23 @@ def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precisio
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+def test_a_submodule_put_in_another_mode_between_calls_is_never_replayed_stale():
+    # MC dropout: `model.eval()`, then its dropout layers back to train(). Only the graphed
+    # module's own mode was keyed, so the recording made with dropout off replayed it off (found by
+    # a CPU hunt for keying gaps, eighteenth session). p=1.0: train mode gives zeros, whatever the draw.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(1.0)).to(DEV).eval()
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+    with torch.no_grad():
+        for mc in (False, False, False, True, True, True, False):
+            model[1].train(mc)
+            graphtree.mark_step()
+            out = g(x)
+            assert torch.equal(out, model(x)) and bool(out.any()) != mc, mc
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
