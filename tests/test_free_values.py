@@ -603,3 +603,28 @@ def test_a_submodules_own_mode_is_keyed_where_its_code_reads_it():
     model[1].eval()
     assert _values(free.part())["self.1.training"] is False
     assert "self.0.training" not in _values(free.part())  # (nn.Linear's code does not read it)
+
+
+class _Predictor:
+    """A model held by an object of the user's class, graphed as ``predictor.predict``."""
+
+    def __init__(self):
+        self.model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+
+    def predict(self, x):
+        return self.model(x)
+
+
+def test_the_models_a_graphed_methods_object_holds_are_keyed_as_models_read_by_name():
+    # `predictor.model.eval()` between calls of `graphed(predictor.predict)`: no module was found,
+    # so neither its mode nor its settings were keyed (found by a CPU hunt for keying gaps,
+    # eighteenth session)
+    predictor = _Predictor()
+    free = FreeValues(predictor.predict)
+    assert "self.model" in {n for n, _, _ in free.part()[1]}  # (the model, by its identity)
+    predictor.model.eval()
+    assert _values(free.part())["self.model.training"] is False
+    predictor.model[1].p = 0.5
+    assert _values(free.part())["self.model.1.p"] == 0.5
+    predictor.model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2))  # (rebound: followed anew)
+    assert _values(free.part())["self.model.1.p"] == 0.2

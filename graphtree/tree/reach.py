@@ -246,6 +246,12 @@ class FreeValues:
         own = len(reads) if isinstance(owner, torch.nn.Module) else 0
         reads.extend(settings)  # (after `own`: not scanned after each call)
         anchors: list[int] = []
+        if _user_object(owner):  # (a graphed method's object, a callable object of the user's class)
+            for n, v in vars(owner).items():  # the models it holds: `self.model(x)` in `predictor.predict`
+                if isinstance(v, torch.nn.Module):  # (their modes and settings, as a model read by name)
+                    anchors.append(len(reads))
+                    reads.append((vars(owner), n, f"self.{n}"))
+                    reads.extend(itertools.chain(*_owner_reads(v, f"self.{n}", training=True)))
         containers: list[tuple[str, Any]] = []
         seen: set[tuple[int, str]] = set()
         for env, names, cells in self._sources:
@@ -302,6 +308,16 @@ notes, "Usage with DistributedDataParallel"), at most: fewer where DDP says it h
 :data:`DDP_TIMED` already."""
 DDP_TIMED = 10
 """The iterations DDP's reducer times with CUDA events before it samples one in a hundred."""
+
+
+def _user_object(v: Any) -> bool:
+    """An instance of a user's class with attributes of its own that is no module."""
+    return (
+        v is not None
+        and hasattr(v, "__dict__")
+        and not isinstance(v, (types.ModuleType, torch.nn.Module, type))
+        and _user_class(type(v))
+    )
 
 
 def _settings_object(v: Any) -> bool:

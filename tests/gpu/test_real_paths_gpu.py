@@ -631,6 +631,31 @@ def test_a_submodule_put_in_another_mode_between_calls_is_never_replayed_stale()
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+class _Predictor:
+    def __init__(self):
+        self.model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(1.0)).to(DEV)
+
+    def predict(self, x):
+        return self.model(x)
+
+
+def test_the_mode_of_a_model_a_graphed_methods_object_holds_is_never_replayed_stale():
+    # `graphed(predictor.predict)`, `predictor.model.train()` between calls: no module was found
+    # behind the method, so the model's mode was not keyed (found by a CPU hunt for keying gaps,
+    # eighteenth session). p=1.0: train mode gives zeros, whatever the draw.
+    predictor = _Predictor()
+    g = graphtree.graphed(predictor.predict)
+    x = torch.randn(4, 16, device=DEV)
+    with torch.no_grad():
+        for train in (False, False, False, True, True, True, False):
+            predictor.model.train(train)
+            graphtree.mark_step()
+            out = g(x)
+            assert torch.equal(out, predictor.model(x)) and bool(out.any()) != train, train
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
