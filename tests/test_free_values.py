@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import functools
 
 import pytest
@@ -197,12 +198,15 @@ def test_a_library_modules_settings_its_code_reads_are_keyed():
     free = FreeValues(model, model)
     values = _values(free.part())
     settings = {"self.1.p": 0.1, "self.1.inplace": False, "self.2.groups": 1, "self.2.padding_mode": "zeros"}
-    assert values == {**settings, "self.1.training": True}  # (Dropout's code reads its mode too)
+    one, zero = ((int, 1),), ((int, 0),)  # (a tuple of plain values: by its items' types and values)
+    tuples = {"self.2.stride": one, "self.2.padding": zero, "self.2.dilation": one}
+    tuples["self.2._reversed_padding_repeated_twice"] = zero * 2
+    assert values == {**settings, **tuples, "self.1.training": True}  # (Dropout's code reads its mode too)
     model[1].p = 0.0
     assert _values(free.part())["self.1.p"] == 0.0
     assert not free.follows_modules  # (settings: not scanned after each call, a library's forward changes none)
     free.after_call()
-    assert len(_values(free.part())) == 5
+    assert len(_values(free.part())) == 9
 
 
 class _Sampler:
@@ -628,3 +632,55 @@ def test_the_models_a_graphed_methods_object_holds_are_keyed_as_models_read_by_n
     assert _values(free.part())["self.model.1.p"] == 0.5
     predictor.model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2))  # (rebound: followed anew)
     assert _values(free.part())["self.model.1.p"] == 0.2
+
+
+class _Mode(enum.Enum):
+    SUM = 1
+    MEAN = 2
+
+
+class _Pooled(torch.nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.act = torch.relu  # a function held as an attribute
+        self.mode = _Mode.SUM
+        self.scale = scale  # (1 / np.sqrt(d): a numpy scalar, not a float)
+        self.size = (2,)
+
+    def forward(self, x):
+        y = F.adaptive_avg_pool1d(self.act(x), self.size) * self.scale
+        return y.sum(-1) if self.mode is _Mode.SUM else y.mean(-1)
+
+
+SIZE = (2,)
+MODE = _Mode.SUM
+
+
+def _global_settings(x):
+    return F.adaptive_avg_pool1d(x, SIZE) if MODE is _Mode.SUM else x
+
+
+def test_functions_enums_numpy_scalars_and_tuples_of_settings_are_keyed():
+    # `m.act = torch.tanh`, `m.mode = Mode.MEAN`, `m.scale = np.float64(0.25)`, `m.size = (1,)`
+    # between calls: only values of Python's plain types were keyed (found by a CPU hunt for keying
+    # gaps, eighteenth session); so were a convolution's stride and padding, tuples
+    np = pytest.importorskip("numpy")
+    model = _Pooled(np.float64(0.5))
+    free = FreeValues(model, model)
+    before = free.part()
+    for name, value in (("act", torch.tanh), ("mode", _Mode.MEAN), ("scale", np.float64(0.25)), ("size", (1,))):
+        old = getattr(model, name)
+        setattr(model, name, value)
+        assert free.part() != before, name
+        setattr(model, name, old)
+        assert free.part() == before, name  # (the same values: the same key)
+    model.scale = np.float64(0.5)  # (another object of the same value: the same key)
+    assert free.part() == before
+    free = FreeValues(_global_settings)
+    before = free.part()
+    global SIZE, MODE
+    SIZE, MODE = (1,), _Mode.MEAN
+    try:
+        assert {n for n, _, _ in free.part()[1]} >= {"SIZE", "MODE"} and free.part() != before
+    finally:
+        SIZE, MODE = (2,), _Mode.SUM

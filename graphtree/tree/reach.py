@@ -262,8 +262,8 @@ class FreeValues:
                     continue
                 seen.add(key)
                 v = space.get(n, _MISSING)
-                if type(v) in _PLAIN_SET:
-                    reads.append((space, n, n))
+                if type(v) in _PLAIN_SET or (_keyable(v) and not isinstance(v, _FUNCTIONS)):
+                    reads.append((space, n, n))  # (`x * SCALE`; an Enum, a numpy scalar, a tuple `SIZE = (2, 2)`)
                 elif isinstance(v, _CONTAINERS):
                     containers.append((n, v))
                 elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, _CONTAINERS):
@@ -467,13 +467,28 @@ def _plain_reads(
     for name, v in attrs.items():
         if name in skip or (read is not None and name not in read):
             continue
-        if type(v) in _PLAIN_SET:
+        if type(v) in _PLAIN_SET or _keyable(v):
             out.append((attrs, name, at + name))
         elif _held_settings(v) and id(v) not in held:  # (`self.config.output_hidden_states`)
             held.add(id(v))
             inner = vars(v)
             out.extend((inner, n, f"{at}{name}.{n}") for n, w in inner.items() if type(w) in _PLAIN_SET)
     return out
+
+
+def _keyable(v: Any) -> bool:
+    """A value that is no plain one but is a setting all the same, keyed by its value or identity
+    (:func:`_value_part`): a function (``self.act = torch.relu``, a ``functools.partial``), an
+    ``Enum`` member, a numpy scalar (``self.scale = 1 / np.sqrt(d)``), a short tuple of plain values
+    (``torch.Size``, ``self.size = (2, 2)``)."""
+    if isinstance(v, (*_FUNCTIONS, types.MethodType, enum.Enum)):
+        return True
+    if isinstance(v, tuple):
+        return len(v) <= _MAX_TUPLE and all(type(i) in _PLAIN_SET for i in v)
+    return type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()
+
+
+_MAX_TUPLE = 16  # (a longer tuple of plain values is data, not a setting: not keyed)
 
 
 def _held_settings(v: Any) -> bool:
@@ -532,6 +547,10 @@ def _value_part(name: str, v: Any) -> tuple[Any, ...]:
     t = type(v)
     if t in _PLAIN_SET:
         return (name, t, v)
+    if isinstance(v, tuple) and _keyable(v):  # (its items by type and value: `(1,)` and `(True,)` differ)
+        return (name, t, tuple((type(i), i) for i in v))
+    if t.__module__ == "numpy" and getattr(v, "shape", None) == ():
+        return (name, t, v.item())
     if t is types.FunctionType:
         defaults = v.__defaults__ or ()
         plain = all(type(d) in _PLAIN_SET for d in defaults)
