@@ -684,3 +684,47 @@ def test_functions_enums_numpy_scalars_and_tuples_of_settings_are_keyed():
         assert {n for n, _, _ in free.part()[1]} >= {"SIZE", "MODE"} and free.part() != before
     finally:
         SIZE, MODE = (2,), _Mode.SUM
+
+
+USE_GELU = True
+EPS = 1e-6
+TEMP = 1.0
+
+
+class _Block(torch.nn.Module):
+    def forward(self, x):
+        x = F.gelu(x) if USE_GELU else F.relu(x)  # a global read in a submodule's forward
+        return self._norm(x) / self.temperature
+
+    def _norm(self, x):
+        return x / (x.pow(2).mean() + EPS).sqrt()  # a global read in a method it calls
+
+    @property
+    def temperature(self):
+        return TEMP  # a global read in a property it reads
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_globals_read_in_submodules_forwards_methods_and_properties_are_keyed():
+    # `USE_GELU = False` between calls of a graphed `_Net`: only the graphed function's code (and
+    # the functions it calls by global name) was walked, not a submodule's forward, a method it
+    # calls or a property (found by a CPU hunt for keying gaps, eighteenth session)
+    model = _Net()
+    free = FreeValues(model, model)
+    assert {"USE_GELU", "EPS", "TEMP"} <= set(_values(free.part()))
+    for name, value in (("USE_GELU", False), ("EPS", 1e-5), ("TEMP", 0.5)):
+        before = free.part()
+        old = globals()[name]
+        globals()[name] = value
+        try:
+            assert free.part() != before, name
+        finally:
+            globals()[name] = old

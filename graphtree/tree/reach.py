@@ -36,7 +36,7 @@ import sysconfig
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -159,7 +159,10 @@ class FreeValues:
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._fn = fn
-        self._sources = _sources(fn)  # (globals, names, cells) of each function walked
+        # (globals, names, cells) of each function walked: fn's, and the methods of the user's
+        # classes it reaches (its module's and submodules' forwards, the methods they call)
+        self._methods = _user_methods(fn, module)
+        self._sources = _sources(fn, self._methods)
         # what the callable belongs to besides a module: a bound method's object, a callable object itself
         self._owner = fn.__self__ if inspect.ismethod(fn) else fn if _callable_object(fn) else None
         self._module = module
@@ -188,7 +191,7 @@ class FreeValues:
             if all(map(operator.is_, now, last)):
                 return cached
             if any(now[i] is not last[i] for i in self._anchors):  # a model or function rebound: follow the new one
-                self._sources = _sources(self._fn)
+                self._sources = _sources(self._fn, self._methods)
                 reads = self._resolve()
                 now = [d.get(n, _MISSING) for d, n, _ in reads]
         part = ("reads", tuple(_value_part(label, v) for (_, _, label), v in zip(reads, now)))
@@ -612,6 +615,38 @@ def _library(f: types.FunctionType) -> bool:
     return os.path.abspath(f.__code__.co_filename).startswith(_library_roots())
 
 
+def _user_methods(fn: Any, module: torch.nn.Module | None) -> list[types.FunctionType]:
+    """The methods of the user's classes a call of ``fn`` runs besides ``fn`` itself: the forwards of
+    ``module``'s submodules of the user's classes, and for those and for ``fn`` bound to an object
+    of the user's class, the methods and property getters their code names through ``self``
+    (``self._norm(x)``, ``self.temperature`` as a property): the globals they read are settings too
+    (``USE_GELU`` in a block's forward)."""
+    starts: list[tuple[type, Any]] = []
+    if module is not None:
+        classes = dict.fromkeys(type(m) for m in module.modules())
+        starts += [(cls, cls.forward) for cls in classes if _user_class(cls)]
+    owner = fn.__self__ if inspect.ismethod(fn) else None
+    if owner is not None and not isinstance(owner, torch.nn.Module) and _user_class(type(owner)):
+        starts.append((type(owner), fn))
+    out: list[types.FunctionType] = []
+    seen: set[int] = set()
+    for cls, start in starts:
+        todo = [start]
+        while todo and len(seen) < _MAX_FUNCTIONS:
+            f = _function(todo.pop())
+            if f is None or id(f) in seen or _library(f):
+                continue
+            seen.add(id(f))
+            out.append(f)
+            for n in sorted(_code_names(f.__code__)):
+                a = inspect.getattr_static(cls, n, None)
+                if isinstance(a, (types.FunctionType, staticmethod, classmethod)):
+                    todo.append(getattr(cls, n))
+                elif isinstance(a, property) and a.fget is not None:
+                    todo.append(a.fget)
+    return out
+
+
 def _code_names(code: types.CodeType) -> set[str]:
     """The global names a code object and those nested in it (lambdas, comprehensions) may read."""
     names = set(code.co_names)
@@ -621,13 +656,17 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _sources(fn: Any) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]]:
-    """For ``fn``'s function and those its code calls by global name (not libraries', nor parts
-    marked ``graphtree.eager``; at most :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS`
-    in all): its globals, the names its code reads and its closure's cells."""
+def _sources(
+    fn: Any, methods: Sequence[types.FunctionType] = ()
+) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]]:
+    """For ``fn``'s function, the ``methods`` of the user's classes it reaches, and the functions
+    their code calls by global name (not libraries', nor parts marked ``graphtree.eager``; at most
+    :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS` in all): its globals, the names its
+    code reads and its closure's cells."""
     out: list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]] = []
     first = _function(fn)
     todo = [(first, 0)] if first is not None and not _library(first) else []
+    todo += [(m, 0) for m in reversed(methods)]  # (walked after fn's own: popped from the end)
     walked: set[int] = set()
     while todo and len(walked) < _MAX_FUNCTIONS:
         f, depth = todo.pop()

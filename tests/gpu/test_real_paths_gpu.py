@@ -656,6 +656,47 @@ def test_the_mode_of_a_model_a_graphed_methods_object_holds_is_never_replayed_st
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+USE_GELU = True
+
+
+class _GeluBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.lin(x)) if USE_GELU else torch.relu(self.lin(x))
+
+
+class _GeluNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _GeluBlock()
+
+    def forward(self, x):
+        return self.block(x) * 2
+
+
+def test_a_global_read_in_a_submodules_forward_set_between_calls_is_never_replayed_stale():
+    # `USE_GELU = False` between calls of a graphed `_GeluNet`: only the graphed function's own code
+    # (and functions it calls by global name) was walked, not its submodules' forwards (found by a
+    # CPU hunt for keying gaps, eighteenth session)
+    global USE_GELU
+    model = _GeluNet().to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+    try:
+        with torch.no_grad():
+            for gelu in (True, True, True, False, False, False, True):
+                USE_GELU = gelu
+                graphtree.mark_step()
+                assert torch.equal(g(x), model(x)), gelu
+    finally:
+        USE_GELU = True
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
