@@ -728,3 +728,48 @@ def test_globals_read_in_submodules_forwards_methods_and_properties_are_keyed():
             assert free.part() != before, name
         finally:
             globals()[name] = old
+
+
+class _Tempered:
+    """A callable object of the user's class, with a setting its ``__call__`` reads."""
+
+    def __init__(self):
+        self.temperature = 1.0
+
+    def __call__(self, logits):
+        return logits / self.temperature
+
+
+class _Sampling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sampler = _Tempered()
+        self.log = print  # (a builtin: keyed by identity, not read into)
+
+    def forward(self, x):
+        return torch.softmax(self.sampler(x), -1)
+
+
+def test_the_settings_of_a_callable_object_a_module_holds_are_keyed():
+    # `m.sampler.temperature = 0.5` between calls: objects held by a module were read into only
+    # when not callable (found by a CPU hunt for keying gaps, eighteenth session)
+    model = _Sampling()
+    free = FreeValues(model, model)
+    assert _values(free.part())["self.sampler.temperature"] == 1.0
+    model.sampler.temperature = 0.5
+    assert _values(free.part())["self.sampler.temperature"] == 0.5
+
+
+def test_an_hf_attentions_setting_its_attention_function_reads_is_keyed():
+    # `layer.self_attn.is_causal = False` on every layer (a bidirectional encoder made of a Llama,
+    # LLM2Vec-style): HF's sdpa_attention_forward reads it from the module it is passed, outside
+    # the class's own code, so it was not keyed (found by a CPU hunt for keying gaps, eighteenth session)
+    transformers = pytest.importorskip("transformers")
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "vocab_size": 32}
+    model = transformers.LlamaModel(transformers.LlamaConfig(**sizes, num_attention_heads=2, num_key_value_heads=1))
+    free = FreeValues(model, model)
+    before = free.part()
+    assert "self.layers.0.self_attn.is_causal" in _values(before)
+    for layer in model.layers:
+        layer.self_attn.is_causal = False
+    assert free.part() != before

@@ -496,16 +496,19 @@ _MAX_TUPLE = 16  # (a longer tuple of plain values is data, not a setting: not k
 
 def _held_settings(v: Any) -> bool:
     """An object of settings a module holds (an HF model's ``config``, a user's dataclass of
-    settings): not callable, no tensor, module, function or class. All its plain attributes are
-    keyed, not only the names the module's code reads: HF reads ``return_dict`` by a string in a
-    decorator, and ``_attn_implementation`` through a property."""
+    settings), or a callable object with a few settings of its own (a sampler of the user's class
+    reading ``self.temperature`` in its ``__call__``, an HF ``TemperatureLogitsWarper``): no tensor,
+    module, function or class. All its plain attributes are keyed, not only the names the module's
+    code reads: HF reads ``return_dict`` by a string in a decorator, and ``_attn_implementation``
+    through a property. (A library's callable with more than :data:`_MAX_CALLABLE_SETTINGS`
+    attributes, a tokenizer, is not read.)"""
     skip = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)
-    return (
-        hasattr(v, "__dict__")
-        and not isinstance(v, (*skip, threading.local, enum.Enum))
-        and not callable(v)
-        and type(v) not in _PLAIN_SET
-    )
+    if not hasattr(v, "__dict__") or isinstance(v, (*skip, threading.local, enum.Enum)) or type(v) in _PLAIN_SET:
+        return False
+    return not callable(v) or _user_class(type(v)) or len(vars(v)) <= _MAX_CALLABLE_SETTINGS
+
+
+_MAX_CALLABLE_SETTINGS = 16
 
 
 @functools.cache
@@ -513,10 +516,14 @@ def _class_reads(cls: type) -> frozenset[str]:
     """The attribute names a library module's ``forward`` may read, and those of the methods of its
     class it calls (``Conv2d._conv_forward`` reading ``self.stride``): its plain attributes among
     them are its settings (``nn.Dropout``'s ``p``, ``nn.LayerNorm``'s ``eps``), which its graphs
-    hold as constants; ``nn.Linear`` reads none."""
+    hold as constants; ``nn.Linear`` reads none. Also what the functions those methods call by
+    global name read of the module they are passed, one call deep, strings given to ``getattr``
+    included: an HF attention's ``attention_interface(self, ...)`` (any of the functions of
+    ``ALL_ATTENTION_FUNCTIONS``) reads ``module.is_causal``."""
     names: set[str] = set()
     todo = [getattr(cls, "forward", None)]
     seen: set[int] = set()
+    helpers: list[Any] = []  # functions (and tables of functions) the class's methods name globally
     while todo and len(seen) < _MAX_FUNCTIONS:
         f = _function(todo.pop())
         if f is None or id(f) in seen:
@@ -526,7 +533,21 @@ def _class_reads(cls: type) -> frozenset[str]:
         names |= read
         methods = [n for n in read if isinstance(inspect.getattr_static(cls, n, None), types.FunctionType)]
         todo.extend(getattr(cls, n) for n in methods)
+        helpers.extend(f.__globals__[n] for n in read if n in f.__globals__)
+    for h in helpers:
+        table = list(h.values()) if isinstance(h, collections.abc.Mapping) and len(h) <= _MAX_TABLE else [h]
+        for g in table:
+            if isinstance(g, types.FunctionType):
+                names |= _code_names(g.__code__) | _code_strings(g.__code__)
     return frozenset(names)
+
+
+_MAX_TABLE = 32  # (a global mapping of at most this many functions is a table the code picks from)
+
+
+def _code_strings(code: types.CodeType) -> set[str]:
+    """The string constants of a code object that could name an attribute (``getattr(m, "is_causal")``)."""
+    return {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
 
 
 @functools.cache
