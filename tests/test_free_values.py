@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import enum
 import functools
+import types
 
 import pytest
 import torch
@@ -773,3 +774,35 @@ def test_an_hf_attentions_setting_its_attention_function_reads_is_keyed():
     for layer in model.layers:
         layer.self_attn.is_causal = False
     assert free.part() != before
+
+
+CONFIG = {"temperature": 1.0, "name": "x", "weights": None}
+settings_module = types.ModuleType("settings_module")  # (a config.py of the user's, imported)
+settings_module.__file__ = "/home/user/project/settings_module.py"
+settings_module.SCALE = 2.0
+
+
+def _reads_dict_and_module_settings(x):
+    return x / CONFIG["temperature"] * settings_module.SCALE
+
+
+def test_a_dicts_settings_and_a_config_modules_the_code_names_are_keyed():
+    # `CONFIG["temperature"] = 0.5` or `settings.SCALE = 3.0` between calls: a dict's items were
+    # watched for its length in warm-ups only, a module's attributes not at all (found by a CPU hunt
+    # for keying gaps, eighteenth session)
+    free = FreeValues(_reads_dict_and_module_settings)
+    values = _values(free.part())
+    assert values["CONFIG['temperature']"] == 1.0 and values["settings_module.SCALE"] == 2.0
+    assert "CONFIG['name']" not in values  # (a key the code does not name)
+    CONFIG["temperature"] = 0.5
+    settings_module.SCALE = 3.0
+    try:
+        values = _values(free.part())
+        assert values["CONFIG['temperature']"] == 0.5 and values["settings_module.SCALE"] == 3.0
+    finally:
+        CONFIG["temperature"], settings_module.SCALE = 1.0, 2.0
+    assert FreeValues(_uses_torch).part() is None  # (torch: an installed module, not read)
+
+
+def _uses_torch(x):
+    return torch.relu(x) * torch.pi

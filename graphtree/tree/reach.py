@@ -257,7 +257,7 @@ class FreeValues:
                     reads.extend(itertools.chain(*_owner_reads(v, f"self.{n}", training=True)))
         containers: list[tuple[str, Any]] = []
         seen: set[tuple[int, str]] = set()
-        for env, names, cells in self._sources:
+        for env, names, cells, strings in self._sources:
             spaces: list[tuple[Any, str]] = [(env, n) for n in sorted(names)] + [(_Cell(c), n) for c, n in cells]
             for space, n in spaces:
                 key = (id(env), n) if isinstance(space, dict) else (id(space.cell), n)
@@ -269,6 +269,10 @@ class FreeValues:
                     reads.append((space, n, n))  # (`x * SCALE`; an Enum, a numpy scalar, a tuple `SIZE = (2, 2)`)
                 elif isinstance(v, _CONTAINERS):
                     containers.append((n, v))
+                    if isinstance(v, dict):  # `CONFIG["temperature"]`: the plain values of the keys the code names
+                        reads.extend((v, k, f"{n}[{k!r}]") for k in sorted(strings) if type(v.get(k)) in _PLAIN_SET)
+                elif isinstance(v, types.ModuleType) and _user_module(v):  # `mycfg.SCALE`: a config module
+                    reads.extend(_plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set()))
                 elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, _CONTAINERS):
                     containers.append((n, v.__self__))  # (`log = LOSSES.append`: the list it grows)
                 elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
@@ -546,8 +550,19 @@ _MAX_TABLE = 32  # (a global mapping of at most this many functions is a table t
 
 
 def _code_strings(code: types.CodeType) -> set[str]:
-    """The string constants of a code object that could name an attribute (``getattr(m, "is_causal")``)."""
-    return {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
+    """The string constants of a code object and those nested in it that could name an attribute or
+    a setting (``getattr(m, "is_causal")``, ``CONFIG["temperature"]``)."""
+    out = {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _code_strings(c)
+    return out
+
+
+def _user_module(m: types.ModuleType) -> bool:
+    """A Python module of the user's (a ``config.py`` of settings), not an installed one."""
+    file = getattr(m, "__file__", None)
+    return file is not None and not os.path.abspath(file).startswith(_library_roots())
 
 
 @functools.cache
@@ -679,12 +694,12 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 def _sources(
     fn: Any, methods: Sequence[types.FunctionType] = ()
-) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]]:
+) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]], set[str]]]:
     """For ``fn``'s function, the ``methods`` of the user's classes it reaches, and the functions
     their code calls by global name (not libraries', nor parts marked ``graphtree.eager``; at most
     :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS` in all): its globals, the names its
-    code reads and its closure's cells."""
-    out: list[tuple[dict[str, Any], set[str], list[tuple[Any, str]]]] = []
+    code reads, its closure's cells and the strings its code holds (``CONFIG["temperature"]``)."""
+    out: list[tuple[dict[str, Any], set[str], list[tuple[Any, str]], set[str]]] = []
     first = _function(fn)
     todo = [(first, 0)] if first is not None and not _library(first) else []
     todo += [(m, 0) for m in reversed(methods)]  # (walked after fn's own: popped from the end)
@@ -696,7 +711,7 @@ def _sources(
         walked.add(id(f))
         names = _code_names(f.__code__)
         cells = list(zip(f.__closure__ or (), f.__code__.co_freevars))
-        out.append((f.__globals__, names, [(c, n) for c, n in cells]))
+        out.append((f.__globals__, names, [(c, n) for c, n in cells], _code_strings(f.__code__)))
         if depth < _MAX_DEPTH:
             for v in [f.__globals__.get(n) for n in names] + [_content(c) for c, _ in cells]:
                 if getattr(v, "__graphtree_eager__", False):
