@@ -178,6 +178,22 @@ for stage in $stages; do
       python3 -c "import transformers, os; print(transformers.__version__, os.path.dirname(transformers.__file__))"
       timeout 60 find / -xdev -path '*tests/generation/test_utils.py' 2>/dev/null | head -5 | tee "$OUT/hf_sources.txt"
       ;;
+    new19|before19)  # the eighteenth session's keying fixes, written without a GPU: new19 on this code,
+                     # before19 on the code before them (.before/: git archive a4ad6bf graphtree; they must fail there)
+      TESTS="tests/gpu/test_real_paths_gpu.py::test_a_class_attribute_set_between_calls_is_never_replayed_stale
+        tests/gpu/test_real_paths_gpu.py::test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision
+        tests/gpu/test_real_paths_gpu.py::test_a_submodule_put_in_another_mode_between_calls_is_never_replayed_stale
+        tests/gpu/test_real_paths_gpu.py::test_the_mode_of_a_model_a_graphed_methods_object_holds_is_never_replayed_stale
+        tests/gpu/test_real_paths_gpu.py::test_a_global_read_in_a_submodules_forward_set_between_calls_is_never_replayed_stale
+        tests/gpu/test_hf_defaults_gpu.py::test_a_config_setting_changed_between_calls_is_never_replayed_stale"
+      if [ "$stage" = before19 ]; then
+        (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 240 \
+          python3 -m pytest -q -p no:cacheprovider --tb=line -rf $(echo $TESTS | sed 's#tests/#../tests/#g') 2>&1 \
+          | tee "$OUT/before19.log" | grep -v '^W1' | tail -12)
+      else
+        timeout -s INT -k 20 240 python3 -m pytest -q -p no:cacheprovider --tb=short $TESTS 2>&1 | tee "$OUT/new19.log" | grep -v '^W1' | tail -20
+      fi
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;
