@@ -25,24 +25,41 @@ Example::
 from __future__ import annotations
 
 import collections
-import enum
-import functools
 import inspect
 import itertools
 import operator
-import os
 import sys
-import sysconfig
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import PLAIN_TYPES, param_epoch, statics_replaced
+from graphtree.tree.code_scan import (
+    MISSING,
+    callable_object,
+    content,
+    sources,
+    user_class,
+    user_methods,
+    user_module,
+)
+from graphtree.tree.inputs import param_epoch, statics_replaced
+from graphtree.tree.settings import (
+    FUNCTIONS,
+    PLAIN_SET,
+    class_level_reads,
+    held_settings,
+    keyable,
+    owner_reads,
+    plain_reads,
+    settings_object,
+    user_object,
+    value_part,
+)
 
 
 class Reach:
@@ -109,15 +126,9 @@ def _cell_tensors(cells: tuple[Any, ...]) -> list[torch.Tensor]:
 def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
     """Each cell that holds a value, with it (an empty cell, ``del``-ed in its scope, holds none)."""
     for cell in cells:
-        v = _content(cell)
-        if v is not _MISSING:
+        v = content(cell)
+        if v is not MISSING:
             yield cell, v
-
-
-_PLAIN_SET = frozenset(PLAIN_TYPES)
-_MAX_FUNCTIONS = 64  # functions walked per graphed callable (its own, those it calls by global name)
-_MAX_DEPTH = 3  # calls deep
-_MISSING = object()  # a global deleted since, or an empty closure cell
 
 
 class FreeValues:
@@ -161,10 +172,10 @@ class FreeValues:
         self._fn = fn
         # (globals, names, cells) of each function walked: fn's, and the methods of the user's
         # classes it reaches (its module's and submodules' forwards, the methods they call)
-        self._methods = _user_methods(fn, module)
-        self._sources = _sources(fn, self._methods)
+        self._methods = user_methods(fn, module)
+        self._sources = sources(fn, self._methods)
         # what the callable belongs to besides a module: a bound method's object, a callable object itself
-        self._owner = fn.__self__ if inspect.ismethod(fn) else fn if _callable_object(fn) else None
+        self._owner = fn.__self__ if inspect.ismethod(fn) else fn if callable_object(fn) else None
         self._module = module
         self._reads: list[tuple[Any, str, str]] | None = None  # (namespace, name, label), once resolved
         self._own = 0  # the first _own reads are module attributes
@@ -185,16 +196,16 @@ class FreeValues:
             reads = self._resolve()
         if not reads:
             return None
-        now = [d.get(n, _MISSING) for d, n, _ in reads]
+        now = [d.get(n, MISSING) for d, n, _ in reads]
         last, cached = self._cache  # (one attribute: threads read and replace it whole)
         if len(now) == len(last):
             if all(map(operator.is_, now, last)):
                 return cached
             if any(now[i] is not last[i] for i in self._anchors):  # a model or function rebound: follow the new one
-                self._sources = _sources(self._fn, self._methods)
+                self._sources = sources(self._fn, self._methods)
                 reads = self._resolve()
-                now = [d.get(n, _MISSING) for d, n, _ in reads]
-        part = ("reads", tuple(_value_part(label, v) for (_, _, label), v in zip(reads, now)))
+                now = [d.get(n, MISSING) for d, n, _ in reads]
+        part = ("reads", tuple(value_part(label, v) for (_, _, label), v in zip(reads, now)))
         self._cache = (now, part)
         return part
 
@@ -225,7 +236,7 @@ class FreeValues:
         reads, own, last = self._reads or [], self._own, self._cache[0]
         if len(last) < own:  # (the values were not read for these reads: another thread dropped some)
             return
-        changed = [i for i in range(own) if reads[i][0].get(reads[i][1], _MISSING) is not last[i]]
+        changed = [i for i in range(own) if reads[i][0].get(reads[i][1], MISSING) is not last[i]]
         if not changed:
             return
         with self._lock:  # (rare: a call changed its module; another thread may be here too)
@@ -242,19 +253,19 @@ class FreeValues:
         the function are there by then): plain values, and the models, functions and objects of
         settings it reaches by name (by identity, with what of them is keyed; see the class)."""
         owner = self._module if self._module is not None else self._owner
-        mine, settings = _owner_reads(owner)
+        mine, settings = owner_reads(owner)
         reads: list[tuple[Any, str, str]] = list(mine)
         # A module attribute the call changes is dropped after it (a capture that changes one fails,
         # writes.module_changes); another object's stays keyed: each change is a new signature
         own = len(reads) if isinstance(owner, torch.nn.Module) else 0
         reads.extend(settings)  # (after `own`: not scanned after each call)
         anchors: list[int] = []
-        if _user_object(owner):  # (a graphed method's object, a callable object of the user's class)
+        if user_object(owner):  # (a graphed method's object, a callable object of the user's class)
             for n, v in vars(owner).items():  # the models it holds: `self.model(x)` in `predictor.predict`
                 if isinstance(v, torch.nn.Module):  # (their modes and settings, as a model read by name)
                     anchors.append(len(reads))
                     reads.append((vars(owner), n, f"self.{n}"))
-                    reads.extend(itertools.chain(*_owner_reads(v, f"self.{n}", training=True)))
+                    reads.extend(itertools.chain(*owner_reads(v, f"self.{n}", training=True)))
         containers: list[tuple[str, Any]] = []
         seen: set[tuple[int, str]] = set()
         for env, names, cells, strings in self._sources:
@@ -264,31 +275,31 @@ class FreeValues:
                 if key in seen:
                     continue
                 seen.add(key)
-                v = space.get(n, _MISSING)
-                if type(v) in _PLAIN_SET or (_keyable(v) and not isinstance(v, _FUNCTIONS)):
+                v = space.get(n, MISSING)
+                if type(v) in PLAIN_SET or (keyable(v) and not isinstance(v, FUNCTIONS)):
                     reads.append((space, n, n))  # (`x * SCALE`; an Enum, a numpy scalar, a tuple `SIZE = (2, 2)`)
                 elif isinstance(v, _CONTAINERS):
                     containers.append((n, v))
                     if isinstance(v, dict):  # `CONFIG["temperature"]`: the plain values of the keys the code names
-                        reads.extend((v, k, f"{n}[{k!r}]") for k in sorted(strings) if type(v.get(k)) in _PLAIN_SET)
-                elif isinstance(v, types.ModuleType) and _user_module(v):  # `mycfg.SCALE`: a config module
-                    reads.extend(_plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set()))
+                        reads.extend((v, k, f"{n}[{k!r}]") for k in sorted(strings) if type(v.get(k)) in PLAIN_SET)
+                elif isinstance(v, types.ModuleType) and user_module(v):  # `mycfg.SCALE`: a config module
+                    reads.extend(plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set()))
                 elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, _CONTAINERS):
                     containers.append((n, v.__self__))  # (`log = LOSSES.append`: the list it grows)
                 elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
                     anchors.append(len(reads))
                     reads.append((space, n, n))
-                    reads.extend(itertools.chain(*_owner_reads(v, n, training=True)))
-                elif isinstance(v, _FUNCTIONS):  # a function the code calls by name: rebound, another is called
+                    reads.extend(itertools.chain(*owner_reads(v, n, training=True)))
+                elif isinstance(v, FUNCTIONS):  # a function the code calls by name: rebound, another is called
                     anchors.append(len(reads))
                     reads.append((space, n, n))
-                elif _settings_object(v) or _held_settings(v) or (isinstance(v, type) and _user_class(v)):
+                elif settings_object(v) or held_settings(v) or (isinstance(v, type) and user_class(v)):
                     # an object whose attributes the code reads (a config or a dataclass of the user's,
                     # a library's: an HF GenerationConfig, an argparse Namespace; a class of the user's
                     # used as a namespace): the plain attributes its code names, its class's too
                     inst = vars(v) if not isinstance(v, type) else {}
-                    attrs = _plain_reads(inst, f"{n}.", frozenset(names), frozenset(), set())
-                    attrs += _class_level_reads(v if isinstance(v, type) else type(v), names, inst, f"{n}.")
+                    attrs = plain_reads(inst, f"{n}.", frozenset(names), frozenset(), set())
+                    attrs += class_level_reads(v if isinstance(v, type) else type(v), names, inst, f"{n}.")
                     if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
                         anchors.append(len(reads))
                         reads.append((space, n, n))
@@ -313,26 +324,10 @@ DDP_WARMUPS = 11
 """Eager iterations a DistributedDataParallel step runs before its capture (torch's CUDA semantics
 notes, "Usage with DistributedDataParallel"), at most: fewer where DDP says it has timed its first
 :data:`DDP_TIMED` already."""
+
+
 DDP_TIMED = 10
 """The iterations DDP's reducer times with CUDA events before it samples one in a hundred."""
-
-
-def _user_object(v: Any) -> bool:
-    """An instance of a user's class with attributes of its own that is no module."""
-    return (
-        v is not None
-        and hasattr(v, "__dict__")
-        and not isinstance(v, (types.ModuleType, torch.nn.Module, type))
-        and _user_class(type(v))
-    )
-
-
-def _settings_object(v: Any) -> bool:
-    """An instance of a user's class that is no function, class, module or model (a config object,
-    a dataclass of settings): its plain attributes the code reads are keyed. Not a
-    ``threading.local``: its attributes are each thread's own, no setting of the call."""
-    skip = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, threading.local)
-    return hasattr(v, "__dict__") and not isinstance(v, skip) and _user_class(type(v))
 
 
 def _is_ddp(m: Any) -> bool:
@@ -363,12 +358,11 @@ class _Cell:
         self.cell = cell
 
     def get(self, name: str, default: Any) -> Any:
-        v = _content(self.cell)
-        return default if v is _MISSING else v
+        v = content(self.cell)
+        return default if v is MISSING else v
 
 
 _CONTAINERS = (list, dict, set, collections.deque)
-_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 
 
 class Containers:
@@ -388,335 +382,3 @@ class Containers:
             if len(c) != before:
                 return f"the {type(c).__name__} `{name}` (a global or closure variable its code reads)"
         return ""
-
-
-# DDP's gradient all-reduce switch, which no_sync() turns off (its require_forward_param_sync is set
-# from it by each forward: derived, not keyed)
-_SYNC_FLAGS = frozenset(("require_backward_grad_sync",))
-_DERIVED = _SYNC_FLAGS | {"require_forward_param_sync"}  # (a library's settings not keyed apart)
-
-
-_Read = tuple[dict[str, Any], str, str]  # (namespace, name, label)
-
-
-def _owner_reads(owner: Any, label: str = "self", training: bool = False) -> tuple[list[_Read], list[_Read]]:
-    """The plain attributes of an object the callable reads, labelled ``label``, in two lists.
-
-    First, those a call may change as its own state: the object a graphed method is bound to
-    (``sampler.sample`` reading ``self.temperature``), where its class is the user's; or a module's,
-    with those of its submodules of the user's classes, DDP's gradient-sync flags (``no_sync()``)
-    and, with ``training``, the module's own mode (a graphed module's is keyed apart). A
-    submodule's mode is keyed where its class's code reads it (``nn.Dropout``, ``nn.BatchNorm2d``,
-    an HF attention): ``model.eval()`` turns them all off with the module's own, but MC dropout
-    turns dropout layers back on and fine-tuning freezes batch norms (``model.bn.eval()``).
-
-    In both, an object of settings held as an attribute (an HF model's ``config``, a dataclass of
-    settings: :func:`_held_settings`) is read for its plain attributes, once however many modules
-    hold it (``model.config.output_hidden_states = True`` between calls changes what HF returns).
-
-    Second, the settings of a module's submodules of library classes that their own code reads
-    (:func:`_class_reads`: ``nn.Dropout``'s ``p``, an HF attention's ``scaling``): the caller's,
-    as a library's forward that changed one would fail its recording (``writes.module_changes``),
-    so a call is not scanned for changing them."""
-    if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
-        return [], []
-    if not isinstance(owner, torch.nn.Module):
-        if not _user_class(type(owner)):
-            return [], []
-        return _plain_reads(vars(owner), f"{label}.", None, frozenset(), set()), []
-    out: list[_Read] = [(vars(owner), "training", f"{label}.training")] if training else []
-    settings: list[_Read] = []
-    held: set[int] = set()  # settings objects already read (one HF config is held by every layer)
-    classes: set[tuple[int, str]] = set()  # class attributes already read (each layer of a class reads them)
-    for path, sub in owner.named_modules():
-        at = f"{label}.{path + '.' if path else ''}"
-        attrs = vars(sub)
-        out.extend((attrs, flag, at + flag) for flag in _SYNC_FLAGS if type(attrs.get(flag)) is bool)
-        cls: type = type(sub)
-        user = _user_class(cls)
-        read = None if user else _class_reads(cls)  # (a library's: only what its code reads)
-        skip = _module_internals() | (_SYNC_FLAGS if user else _DERIVED)
-        (out if user else settings).extend(_plain_reads(attrs, at, read, skip, held))
-        if path and "training" in _class_reads(cls):  # a submodule's own mode: MC dropout, a frozen BatchNorm
-            (out if user else settings).append((attrs, "training", at + "training"))
-        if user:  # (`scale = 2.0` in the class body, read as `self.scale`: once for all its instances)
-            out.extend(_class_level_reads(cls, _class_reads(cls), attrs, at, classes))
-    return out, settings
-
-
-def _class_level_reads(
-    cls: type, names: Iterable[str], attrs: dict[str, Any], at: str, seen: set[tuple[int, str]] | None = None
-) -> list[_Read]:
-    """The plain attributes of the user's classes in ``cls``'s MRO that ``names`` (what the code
-    reads) name and the instance's own ``attrs`` do not shadow, read in the class that defines
-    each (but those in ``seen``, which gets them): ``Block.scale = 3.0`` between calls changes
-    what ``self.scale`` gives."""
-    out: list[_Read] = []
-    seen = set() if seen is None else seen
-    for name in sorted(set(names) - attrs.keys()):
-        for klass in cls.__mro__:
-            space = vars(klass)
-            if name in space:
-                if type(space[name]) in _PLAIN_SET and _user_class(klass) and (id(klass), name) not in seen:
-                    seen.add((id(klass), name))
-                    out.append((space, name, at + name))  # type: ignore[arg-type]  # (a mappingproxy: get() as a dict's)
-                break
-    return out
-
-
-def _plain_reads(
-    attrs: dict[str, Any], at: str, read: frozenset[str] | None, skip: frozenset[str], held: set[int]
-) -> list[_Read]:
-    """The plain attributes in ``attrs`` but ``skip`` (those named in ``read`` where given), and
-    those of the objects of settings among them (:func:`_held_settings`) not already in ``held``,
-    labelled after ``at``."""
-    out: list[_Read] = []
-    for name, v in attrs.items():
-        if name in skip or (read is not None and name not in read):
-            continue
-        if type(v) in _PLAIN_SET or _keyable(v):
-            out.append((attrs, name, at + name))
-        elif _held_settings(v) and id(v) not in held:  # (`self.config.output_hidden_states`)
-            held.add(id(v))
-            inner = vars(v)
-            out.extend((inner, n, f"{at}{name}.{n}") for n, w in inner.items() if type(w) in _PLAIN_SET)
-    return out
-
-
-def _keyable(v: Any) -> bool:
-    """A value that is no plain one but is a setting all the same, keyed by its value or identity
-    (:func:`_value_part`): a function (``self.act = torch.relu``, a ``functools.partial``), an
-    ``Enum`` member, a numpy scalar (``self.scale = 1 / np.sqrt(d)``), a short tuple of plain values
-    (``torch.Size``, ``self.size = (2, 2)``)."""
-    if isinstance(v, (*_FUNCTIONS, types.MethodType, enum.Enum)):
-        return True
-    if isinstance(v, tuple):
-        return len(v) <= _MAX_TUPLE and all(type(i) in _PLAIN_SET for i in v)
-    return type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()
-
-
-_MAX_TUPLE = 16  # (a longer tuple of plain values is data, not a setting: not keyed)
-
-
-def _held_settings(v: Any) -> bool:
-    """An object of settings a module holds (an HF model's ``config``, a user's dataclass of
-    settings), or a callable object with a few settings of its own (a sampler of the user's class
-    reading ``self.temperature`` in its ``__call__``, an HF ``TemperatureLogitsWarper``): no tensor,
-    module, function or class. All its plain attributes are keyed, not only the names the module's
-    code reads: HF reads ``return_dict`` by a string in a decorator, and ``_attn_implementation``
-    through a property. (A library's callable with more than :data:`_MAX_CALLABLE_SETTINGS`
-    attributes, a tokenizer, is not read.)"""
-    skip = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)
-    if not hasattr(v, "__dict__") or isinstance(v, (*skip, threading.local, enum.Enum)) or type(v) in _PLAIN_SET:
-        return False
-    return not callable(v) or _user_class(type(v)) or len(vars(v)) <= _MAX_CALLABLE_SETTINGS
-
-
-_MAX_CALLABLE_SETTINGS = 16
-
-
-@functools.cache
-def _class_reads(cls: type) -> frozenset[str]:
-    """The attribute names a library module's ``forward`` may read, and those of the methods of its
-    class it calls (``Conv2d._conv_forward`` reading ``self.stride``): its plain attributes among
-    them are its settings (``nn.Dropout``'s ``p``, ``nn.LayerNorm``'s ``eps``), which its graphs
-    hold as constants; ``nn.Linear`` reads none. Also what the functions those methods call by
-    global name read of the module they are passed, one call deep, strings given to ``getattr``
-    included: an HF attention's ``attention_interface(self, ...)`` (any of the functions of
-    ``ALL_ATTENTION_FUNCTIONS``) reads ``module.is_causal``."""
-    names: set[str] = set()
-    todo = [getattr(cls, "forward", None)]
-    seen: set[int] = set()
-    helpers: list[Any] = []  # functions (and tables of functions) the class's methods name globally
-    while todo and len(seen) < _MAX_FUNCTIONS:
-        f = _function(todo.pop())
-        if f is None or id(f) in seen:
-            continue
-        seen.add(id(f))
-        read = _code_names(f.__code__)
-        names |= read
-        methods = [n for n in read if isinstance(inspect.getattr_static(cls, n, None), types.FunctionType)]
-        todo.extend(getattr(cls, n) for n in methods)
-        helpers.extend(f.__globals__[n] for n in read if n in f.__globals__)
-    for h in helpers:
-        table = list(h.values()) if isinstance(h, collections.abc.Mapping) and len(h) <= _MAX_TABLE else [h]
-        for g in table:
-            if isinstance(g, types.FunctionType):
-                names |= _code_names(g.__code__) | _code_strings(g.__code__)
-    return frozenset(names)
-
-
-_MAX_TABLE = 32  # (a global mapping of at most this many functions is a table the code picks from)
-
-
-def _code_strings(code: types.CodeType) -> set[str]:
-    """The string constants of a code object and those nested in it that could name an attribute or
-    a setting (``getattr(m, "is_causal")``, ``CONFIG["temperature"]``)."""
-    out = {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            out |= _code_strings(c)
-    return out
-
-
-def _user_module(m: types.ModuleType) -> bool:
-    """A Python module of the user's (a ``config.py`` of settings), not an installed one."""
-    file = getattr(m, "__file__", None)
-    return file is not None and not os.path.abspath(file).startswith(_library_roots())
-
-
-@functools.cache
-def _module_internals() -> frozenset[str]:
-    """What ``nn.Module.__init__`` itself sets: hook bookkeeping, and ``training`` (followed apart)."""
-    return frozenset(vars(torch.nn.Module()))
-
-
-def _user_class(cls: type) -> bool:
-    """Whether ``cls`` is defined in the user's code (a script, a notebook, a project's module)."""
-    module = sys.modules.get(cls.__module__)
-    file = getattr(module, "__file__", None)
-    return file is None or not os.path.abspath(file).startswith(_library_roots())
-
-
-def _value_part(name: str, v: Any) -> tuple[Any, ...]:
-    """A value's key part: by type and value where plain (``1``, ``1.0`` and ``True`` differ), by
-    type and identity otherwise (a name rebound to an object: hashable whatever it is). A Python
-    function by its code and plain defaults: one made again from the same code (a lambda made in a
-    loop) computes the same (what its closure holds is read apart), a function defined anew does not."""
-    t = type(v)
-    if t in _PLAIN_SET:
-        return (name, t, v)
-    if isinstance(v, tuple) and _keyable(v):  # (its items by type and value: `(1,)` and `(True,)` differ)
-        return (name, t, tuple((type(i), i) for i in v))
-    if t.__module__ == "numpy" and getattr(v, "shape", None) == ():
-        return (name, t, v.item())
-    if t is types.FunctionType:
-        defaults = v.__defaults__ or ()
-        plain = all(type(d) in _PLAIN_SET for d in defaults)
-        return (name, t, (id(v.__code__), defaults if plain else id(defaults)))
-    return (name, t, id(v))
-
-
-def _content(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # (an empty cell)
-        return _MISSING
-
-
-def _function(fn: Any) -> types.FunctionType | None:
-    """The Python function whose code ``fn`` runs (a module's forward, a method's, a partial's, the
-    function a decorator such as ``torch.compile`` wraps)."""
-    for _ in range(8):
-        if isinstance(fn, types.FunctionType):
-            wrapped = getattr(fn, "__wrapped__", None)  # (functools.wraps: torch.compile's, a decorator's)
-            if wrapped is None:
-                return fn
-            fn = wrapped
-        elif isinstance(fn, torch.nn.Module):
-            fn = type(fn).forward
-        elif inspect.ismethod(fn):
-            fn = fn.__func__
-        elif isinstance(fn, functools.partial):
-            fn = fn.func
-        elif _callable_object(fn):
-            fn = type(fn).__call__
-        else:
-            return None
-    return None
-
-
-def _callable_object(fn: Any) -> bool:
-    """An instance of a user's class with a ``__call__`` of its own (not a function, a method or a module)."""
-    call = getattr(type(fn), "__call__", None)  # noqa: B004 - (the class's, as a call looks it up)
-    return (
-        isinstance(call, types.FunctionType)
-        and not isinstance(fn, (type, torch.nn.Module, functools.partial))
-        and _user_class(type(fn))
-    )
-
-
-@functools.cache
-def _library_roots() -> tuple[str, ...]:
-    """Where installed code lives (the standard library, site-packages) and graphtree itself."""
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
-    roots |= {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # (graphtree's package)
-    return tuple(os.path.join(r, "") for r in roots)
-
-
-def _library(f: types.FunctionType) -> bool:
-    """Whether ``f`` is installed code (torch, transformers, the standard library), not the user's:
-    its globals are the library's, and its reads are not followed."""
-    return os.path.abspath(f.__code__.co_filename).startswith(_library_roots())
-
-
-def _user_methods(fn: Any, module: torch.nn.Module | None) -> list[types.FunctionType]:
-    """The methods of the user's classes a call of ``fn`` runs besides ``fn`` itself: the forwards of
-    ``module``'s submodules of the user's classes, and for those and for ``fn`` bound to an object
-    of the user's class, the methods and property getters their code names through ``self``
-    (``self._norm(x)``, ``self.temperature`` as a property): the globals they read are settings too
-    (``USE_GELU`` in a block's forward)."""
-    starts: list[tuple[type, Any]] = []
-    if module is not None:
-        classes = dict.fromkeys(type(m) for m in module.modules())
-        starts += [(cls, cls.forward) for cls in classes if _user_class(cls)]
-    owner = fn.__self__ if inspect.ismethod(fn) else None
-    if owner is not None and not isinstance(owner, torch.nn.Module) and _user_class(type(owner)):
-        starts.append((type(owner), fn))
-    out: list[types.FunctionType] = []
-    seen: set[int] = set()
-    for cls, start in starts:
-        todo = [start]
-        while todo and len(seen) < _MAX_FUNCTIONS:
-            f = _function(todo.pop())
-            if f is None or id(f) in seen or _library(f):
-                continue
-            seen.add(id(f))
-            out.append(f)
-            for n in sorted(_code_names(f.__code__)):
-                a = inspect.getattr_static(cls, n, None)
-                if isinstance(a, (types.FunctionType, staticmethod, classmethod)):
-                    todo.append(getattr(cls, n))
-                elif isinstance(a, property) and a.fget is not None:
-                    todo.append(a.fget)
-    return out
-
-
-def _code_names(code: types.CodeType) -> set[str]:
-    """The global names a code object and those nested in it (lambdas, comprehensions) may read."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _code_names(c)
-    return names
-
-
-def _sources(
-    fn: Any, methods: Sequence[types.FunctionType] = ()
-) -> list[tuple[dict[str, Any], set[str], list[tuple[Any, str]], set[str]]]:
-    """For ``fn``'s function, the ``methods`` of the user's classes it reaches, and the functions
-    their code calls by global name (not libraries', nor parts marked ``graphtree.eager``; at most
-    :data:`_MAX_DEPTH` calls deep and :data:`_MAX_FUNCTIONS` in all): its globals, the names its
-    code reads, its closure's cells and the strings its code holds (``CONFIG["temperature"]``)."""
-    out: list[tuple[dict[str, Any], set[str], list[tuple[Any, str]], set[str]]] = []
-    first = _function(fn)
-    todo = [(first, 0)] if first is not None and not _library(first) else []
-    todo += [(m, 0) for m in reversed(methods)]  # (walked after fn's own: popped from the end)
-    walked: set[int] = set()
-    while todo and len(walked) < _MAX_FUNCTIONS:
-        f, depth = todo.pop()
-        if id(f) in walked:
-            continue
-        walked.add(id(f))
-        names = _code_names(f.__code__)
-        cells = list(zip(f.__closure__ or (), f.__code__.co_freevars))
-        out.append((f.__globals__, names, [(c, n) for c, n in cells], _code_strings(f.__code__)))
-        if depth < _MAX_DEPTH:
-            for v in [f.__globals__.get(n) for n in names] + [_content(c) for c, _ in cells]:
-                if getattr(v, "__graphtree_eager__", False):
-                    continue  # a part marked graphtree.eager runs on every replay: what it reads is read live
-                g = _function(v) if isinstance(v, types.FunctionType) else None
-                if g is not None and not _library(g):
-                    todo.append((g, depth + 1))
-    return out
