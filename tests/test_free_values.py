@@ -806,3 +806,26 @@ def test_a_dicts_settings_and_a_config_modules_the_code_names_are_keyed():
 
 def _uses_torch(x):
     return torch.relu(x) * torch.pi
+
+
+def test_a_submodule_replaced_between_calls_changes_the_key_and_its_settings_are_followed():
+    # `model[1] = nn.Tanh()` or `nn.LeakyReLU(0.3)` in place of `nn.LeakyReLU(0.1)`: modules
+    # without parameters, which no address check sees; the reads pointed at the old one (found by a
+    # CPU hunt for keying gaps, eighteenth session)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LeakyReLU(0.1))
+    free = FreeValues(model, model)
+    assert free.active
+    before = free.part()
+    assert free.part() is before  # (nothing registered: one comparison of the epoch)
+    model[1] = torch.nn.LeakyReLU(0.3)
+    after = free.part()
+    assert after != before and _values(after)["self.1.negative_slope"] == 0.3
+    model[1].negative_slope = 0.5  # (the new one's settings are followed)
+    assert _values(free.part())["self.1.negative_slope"] == 0.5
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+    free = FreeValues(plain, plain)
+    assert free.active and free.part() is None  # (nothing read: no key part)
+    plain[1] = torch.nn.Sigmoid()
+    assert free.part() is not None  # (another module: no recording of the old one fits)
+    torch.nn.Linear(2, 2)  # (a module made elsewhere: the epoch moves, the structure is the same)
+    assert free.part() == free.part()

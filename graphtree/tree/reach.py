@@ -47,7 +47,7 @@ from graphtree.tree.code_scan import (
     user_methods,
     user_module,
 )
-from graphtree.tree.inputs import param_epoch, statics_replaced
+from graphtree.tree.inputs import param_epoch, statics_replaced, watch_parameter_changes
 from graphtree.tree.settings import (
     FUNCTIONS,
     PLAIN_SET,
@@ -186,6 +186,9 @@ class FreeValues:
         self._ddps: list[weakref.ref[torch.nn.Module]] = []  # DistributedDataParallel models it reaches
         self.kept_hint = ""  # why the models it reaches keep memory on every call, where known (FSDP2's)
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
+        self._structure: list[tuple[dict[str, Any], str, torch.nn.Module]] = []  # (parent's _modules, name, child)
+        self._epoch = -1  # the module-registration epoch the structure was read in (inputs.param_epoch)
+        self._changes = 0  # replacements of submodules seen
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
 
     def part(self) -> tuple[Any, ...] | None:
@@ -194,20 +197,38 @@ class FreeValues:
         reads = self._reads
         if reads is None:
             reads = self._resolve()
-        if not reads:
+        elif self._structure and param_epoch() != self._epoch:  # a module was registered somewhere
+            reads = self._restructured(reads)
+        if not reads and not self._changes:
             return None
         now = [d.get(n, MISSING) for d, n, _ in reads]
         last, cached = self._cache  # (one attribute: threads read and replace it whole)
-        if len(now) == len(last):
+        if len(now) == len(last) and cached is not None:
             if all(map(operator.is_, now, last)):
                 return cached
             if any(now[i] is not last[i] for i in self._anchors):  # a model or function rebound: follow the new one
                 self._sources = sources(self._fn, self._methods)
                 reads = self._resolve()
                 now = [d.get(n, MISSING) for d, n, _ in reads]
-        part = ("reads", tuple(value_part(label, v) for (_, _, label), v in zip(reads, now)))
+        values = tuple(value_part(label, v) for (_, _, label), v in zip(reads, now))
+        if self._changes:  # (submodules replaced since the first call: `model.act = nn.Tanh()`)
+            values += (("submodules replaced", int, self._changes),)
+        part = ("reads", values)
         self._cache = (now, part)
         return part
+
+    def _restructured(self, reads: list[tuple[Any, str, str]]) -> list[tuple[Any, str, str]]:
+        """``reads``, or, where a submodule of the models it reaches was replaced (``model.act =
+        nn.Tanh()``: a module without parameters, which no address check sees), the reads of the
+        new ones; the part then counts the replacements, so that no recording of the old ones fits."""
+        self._epoch = param_epoch()
+        if all(d.get(n) is m for d, n, m in self._structure):
+            return reads
+        with self._lock:
+            self._changes += 1
+        self._methods = user_methods(self._fn, self._module)  # (their classes' code, walked anew)
+        self._sources = sources(self._fn, self._methods)
+        return self._resolve()
 
     def warms_up(self, warmups: int) -> bool:
         """Whether a signature that warmed up ``warmups`` times must warm up again for what the call
@@ -310,12 +331,23 @@ class FreeValues:
         # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
         ddps = [weakref.ref(m) for m in models if isinstance(m, torch.nn.Module) and _is_ddp(m)]
         fsdp2 = any(_is_fsdp2(m) for m in models)
+        structure = [
+            (sub._modules, name, child)
+            for m in models
+            if isinstance(m, torch.nn.Module)
+            for sub in m.modules()
+            for name, child in sub._modules.items()
+            if child is not None
+        ]
+        if structure:
+            watch_parameter_changes()  # (a module registered anywhere bumps the epoch part() checks)
         with self._lock:
             self._ddps = ddps
             self.kept_hint = FSDP2_KEPT if fsdp2 else ""
             self._reads, self._own, self._anchors, self._containers = reads, own, anchors, containers
+            self._structure, self._epoch = structure, param_epoch()
             self._cache = ([], None)
-            self.active = bool(reads)
+            self.active = bool(reads) or bool(structure)
             self.follows_modules = own > 0
         return reads
 

@@ -697,6 +697,23 @@ def test_a_global_read_in_a_submodules_forward_set_between_calls_is_never_replay
     assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
+def test_a_submodule_without_parameters_replaced_between_calls_is_never_replayed_stale():
+    # `model[1] = nn.Sigmoid()` in place of `nn.Tanh()`: no address check sees a module without
+    # parameters, and neither reads a setting (found by a CPU hunt for keying gaps, eighteenth session)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+    acts = (torch.nn.Tanh, torch.nn.Tanh, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Sigmoid, torch.nn.Sigmoid)
+    with torch.no_grad():
+        for act in acts:
+            if not isinstance(model[1], act):
+                model[1] = act()
+            graphtree.mark_step()
+            assert torch.equal(g(x), model(x)), act
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 2 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
