@@ -74,9 +74,9 @@ def owner_reads(owner: Any, label: str = "self", training: bool = False) -> tupl
     hold it (``model.config.output_hidden_states = True`` between calls changes what HF returns).
 
     Second, the settings of a module's submodules of library classes that their own code reads
-    (:func:`class_reads`: ``nn.Dropout``'s ``p``, an HF attention's ``scaling``): the caller's,
-    as a library's forward that changed one would fail its recording (``writes.module_changes``),
-    so a call is not scanned for changing them."""
+    (:func:`~graphtree.tree.code_scan.class_reads`: ``nn.Dropout``'s ``p``, an HF attention's
+    ``scaling``): the caller's, as a library's forward that changed one would fail its recording
+    (``writes.module_changes``), so a call is not scanned for changing them."""
     if owner is None or not hasattr(owner, "__dict__") or isinstance(owner, types.ModuleType):
         return [], []
     if not isinstance(owner, torch.nn.Module):
