@@ -186,6 +186,7 @@ for stage in $stages; do
         tests/gpu/test_real_paths_gpu.py::test_the_mode_of_a_model_a_graphed_methods_object_holds_is_never_replayed_stale
         tests/gpu/test_real_paths_gpu.py::test_a_global_read_in_a_submodules_forward_set_between_calls_is_never_replayed_stale
         tests/gpu/test_real_paths_gpu.py::test_a_submodule_without_parameters_replaced_between_calls_is_never_replayed_stale
+        tests/gpu/test_real_paths_gpu.py::test_a_setting_of_a_module_passed_as_an_argument_set_between_calls_is_never_replayed_stale
         tests/gpu/test_hf_defaults_gpu.py::test_a_config_setting_changed_between_calls_is_never_replayed_stale"
       if [ "$stage" = before19 ]; then
         (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 240 \

@@ -829,3 +829,20 @@ def test_a_submodule_replaced_between_calls_changes_the_key_and_its_settings_are
     assert free.part() is not None  # (another module: no recording of the old one fits)
     torch.nn.Linear(2, 2)  # (a module made elsewhere: the epoch moves, the structure is the same)
     assert free.part() == free.part()
+
+
+def test_the_settings_of_a_module_passed_as_an_argument_are_keyed():
+    # `step(model, x)` with `model.drop.p = 0.0` between calls: a module argument was keyed by its
+    # type, identity and mode only (found by a CPU hunt for keying gaps, eighteenth session)
+    from graphtree.tree.reach import ModuleArguments
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    args = ModuleArguments()
+    x = torch.ones(1, 2)
+    assert args.part((x,), {}) is None  # (no module among the arguments: nothing to key)
+    before, readers = args.part((model, x), {})
+    model[1].p = 0.0
+    after, _ = args.part((model,), {"x": x})
+    assert after != before and len(readers) == 1
+    ModuleArguments.after_call((after, readers))  # (a library's settings: nothing dropped)
+    assert args.part((model, x), {})[0] == after

@@ -35,7 +35,7 @@ from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, rele
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
 from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies
-from graphtree.tree.reach import FreeValues, Reach
+from graphtree.tree.reach import FreeValues, ModuleArguments, Reach
 from graphtree.tree.stats import count_eager
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward
@@ -170,6 +170,7 @@ class GraphedCallable:
         self._reach = Reach(fn)  # its module, and its closure's tensors (read in place, followed per call)
         self._module = self._reach.module
         self.free = FreeValues(fn, self._module)  # plain values it reads besides its arguments (keyed per call)
+        self._module_args = ModuleArguments()  # and the settings of modules passed as arguments
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
@@ -245,6 +246,9 @@ class GraphedCallable:
             return self._eager(args, kwargs, str(e))
         free = self.free  # plain values it reads besides its arguments: a graph's constants (reach.py)
         reads = free.part() if free.active else None
+        held = self._module_args.part(args, kwargs)  # (the settings of modules passed in, `step(model, x)`)
+        if held is not None:
+            reads = (reads, held[0])
         if (
             torch.is_grad_enabled()
             and not self._grad_off_inside
@@ -255,6 +259,7 @@ class GraphedCallable:
             out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
             if free.follows_modules:
                 free.after_call()
+            self._module_args.after_call(held)
             return out
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         _key_state(call, self._module, reads, self._step)
@@ -266,6 +271,7 @@ class GraphedCallable:
         out = _manager.run(self, call, device)
         if free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
             free.after_call()
+        self._module_args.after_call(held)
         return out
 
     def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -352,6 +352,44 @@ class FreeValues:
         return reads
 
 
+class ModuleArguments:
+    """The settings of the modules a call is passed (``step(model, batch)``, ``self`` of a graphed
+    method of a module), read as a graphed module's are (:class:`FreeValues`): an argument is
+    keyed by its type, identity and mode (``inputs.read_object``), and without this a
+    ``model.drop.p = 0.0`` between calls replayed the recorded ``p``. One reader per module,
+    dropped with it.
+
+    Example::
+
+        found = ModuleArguments().part(args, kwargs)   # (key part, readers), or None
+    """
+
+    def __init__(self) -> None:
+        self._readers: weakref.WeakKeyDictionary[torch.nn.Module, FreeValues] = weakref.WeakKeyDictionary()
+
+    def part(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[FreeValues]] | None:
+        """The key part of the modules among the arguments (at the top level), with their readers."""
+        parts: list[Any] = []
+        readers: list[FreeValues] = []
+        for a in itertools.chain(args, kwargs.values()):
+            if isinstance(a, torch.nn.Module):
+                reader = self._readers.get(a)
+                if reader is None:
+                    reader = self._readers[a] = FreeValues(a, a)
+                found = reader.part() if reader.active else None
+                if found is not None:
+                    parts.append(found)
+                    readers.append(reader)
+        return (("module arguments", tuple(parts)), readers) if parts else None
+
+    @staticmethod
+    def after_call(found: tuple[Any, list[FreeValues]] | None) -> None:
+        """Stop following the attributes the call just changed (as :meth:`FreeValues.after_call`)."""
+        for reader in found[1] if found is not None else ():
+            if reader.follows_modules:
+                reader.after_call()
+
+
 DDP_WARMUPS = 11
 """Eager iterations a DistributedDataParallel step runs before its capture (torch's CUDA semantics
 notes, "Usage with DistributedDataParallel"), at most: fewer where DDP says it has timed its first

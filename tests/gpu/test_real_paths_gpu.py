@@ -714,6 +714,25 @@ def test_a_submodule_without_parameters_replaced_between_calls_is_never_replayed
     assert s.recordings == 2 and s.replays >= 2 and not s.eager, s
 
 
+def _apply(model, x):
+    return model(x) * 2
+
+
+def test_a_setting_of_a_module_passed_as_an_argument_set_between_calls_is_never_replayed_stale():
+    # `step(model, x)`, `model[1].negative_slope = 0.2` between calls: a module argument was keyed by
+    # its type, identity and mode only (found by a CPU hunt for keying gaps, eighteenth session)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LeakyReLU(0.01)).to(DEV)
+    g = graphtree.graphed(_apply)
+    x = torch.randn(4, 16, device=DEV)
+    with torch.no_grad():
+        for slope in (0.01, 0.01, 0.01, 0.2, 0.2, 0.2, 0.01):
+            model[1].negative_slope = slope
+            graphtree.mark_step()
+            assert torch.equal(g(model, x), _apply(model, x)), slope
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
     # A replay runs no Python: `random.random() < 0.5` would take the recording's branch on every
     # replay, where eager draws anew (found reading the code).
