@@ -22,7 +22,7 @@ import os
 import sys
 import sysconfig
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,18 +42,9 @@ def class_reads(cls: type) -> frozenset[str]:
     included: an HF attention's ``attention_interface(self, ...)`` (any of the functions of
     ``ALL_ATTENTION_FUNCTIONS``) reads ``module.is_causal``."""
     names: set[str] = set()
-    todo = [getattr(cls, "forward", None)]
-    seen: set[int] = set()
     helpers: list[Any] = []  # functions (and tables of functions) the class's methods name globally
-    while todo and len(seen) < MAX_FUNCTIONS:
-        f = function(todo.pop())
-        if f is None or id(f) in seen:
-            continue
-        seen.add(id(f))
-        read = code_names(f.__code__)
+    for f, read in _methods(cls, getattr(cls, "forward", None), set(), user=False):
         names |= read
-        methods = [n for n in read if isinstance(inspect.getattr_static(cls, n, None), types.FunctionType)]
-        todo.extend(getattr(cls, n) for n in methods)
         helpers.extend(f.__globals__[n] for n in read if n in f.__globals__)
     for h in helpers:
         table = list(h.values()) if isinstance(h, collections.abc.Mapping) and len(h) <= MAX_TABLE else [h]
@@ -79,14 +70,14 @@ def code_strings(code: types.CodeType) -> set[str]:
 def user_module(m: types.ModuleType) -> bool:
     """A Python module of the user's (a ``config.py`` of settings), not an installed one."""
     file = getattr(m, "__file__", None)
-    return file is not None and not os.path.abspath(file).startswith(library_roots())
+    return file is not None and not installed(file)
 
 
 def user_class(cls: type) -> bool:
     """Whether ``cls`` is defined in the user's code (a script, a notebook, a project's module)."""
     module = sys.modules.get(cls.__module__)
     file = getattr(module, "__file__", None)
-    return file is None or not os.path.abspath(file).startswith(library_roots())
+    return file is None or not installed(file)
 
 
 def content(cell: Any) -> Any:
@@ -140,7 +131,12 @@ def library_roots() -> tuple[str, ...]:
 def is_library(f: types.FunctionType) -> bool:
     """Whether ``f`` is installed code (torch, transformers, the standard library), not the user's:
     its globals are the library's, and its reads are not followed."""
-    return os.path.abspath(f.__code__.co_filename).startswith(library_roots())
+    return installed(f.__code__.co_filename)
+
+
+def installed(path: str) -> bool:
+    """Whether the file at ``path`` is installed code (under :func:`library_roots`)."""
+    return os.path.abspath(path).startswith(library_roots())
 
 
 def user_methods(fn: Any, module: torch.nn.Module | None) -> list[types.FunctionType]:
@@ -156,23 +152,29 @@ def user_methods(fn: Any, module: torch.nn.Module | None) -> list[types.Function
     owner = fn.__self__ if inspect.ismethod(fn) else None
     if owner is not None and not isinstance(owner, torch.nn.Module) and user_class(type(owner)):
         starts.append((type(owner), fn))
-    out: list[types.FunctionType] = []
     seen: set[int] = set()
-    for cls, start in starts:
-        todo = [start]
-        while todo and len(seen) < MAX_FUNCTIONS:
-            f = function(todo.pop())
-            if f is None or id(f) in seen or is_library(f):
-                continue
-            seen.add(id(f))
-            out.append(f)
-            for n in sorted(code_names(f.__code__)):
-                a = inspect.getattr_static(cls, n, None)
-                if isinstance(a, (types.FunctionType, staticmethod, classmethod)):
-                    todo.append(getattr(cls, n))
-                elif isinstance(a, property) and a.fget is not None:
-                    todo.append(a.fget)
-    return out
+    return [f for cls, start in starts for f, _ in _methods(cls, start, seen, user=True)]
+
+
+def _methods(cls: type, start: Any, seen: set[int], user: bool) -> Iterator[tuple[types.FunctionType, set[str]]]:
+    """``start``'s function and the methods of ``cls`` its code names (through ``self``),
+    transitively, each once with the names its code reads (``seen``: the ids of the functions
+    walked, kept across calls; at most :data:`MAX_FUNCTIONS`). With ``user`` (the user's classes):
+    static and class methods and property getters too, and installed code left out."""
+    todo = [start]
+    while todo and len(seen) < MAX_FUNCTIONS:
+        f = function(todo.pop())
+        if f is None or id(f) in seen or (user and is_library(f)):
+            continue
+        seen.add(id(f))
+        read = code_names(f.__code__)
+        yield f, read
+        for n in sorted(read):
+            a = inspect.getattr_static(cls, n, None)
+            if isinstance(a, types.FunctionType) or (user and isinstance(a, (staticmethod, classmethod))):
+                todo.append(getattr(cls, n))
+            elif user and isinstance(a, property) and a.fget is not None:
+                todo.append(a.fget)
 
 
 def code_names(code: types.CodeType) -> set[str]:
