@@ -577,6 +577,21 @@ class _ClassScaled(torch.nn.Module):
         return self.lin(x) * self.scale
 
 
+def _equal_to_eager_as_it_changes(values, change, graphed_call, eager_call, check=None, replays=3):
+    """``change(v)`` for each of ``values``, one call per step: every graphed call equals eager's
+    (and passes ``check(out, v)``); two recordings, one per setting, and the calls between replayed."""
+    with torch.no_grad():
+        for v in values:
+            change(v)
+            graphtree.mark_step()
+            out = graphed_call()
+            assert torch.equal(out, eager_call()), v
+            if check is not None:
+                assert check(out, v), v
+    s = graphtree.stats()
+    assert s.recordings == 2 and s.replays >= replays and not s.eager, s
+
+
 def test_a_class_attribute_set_between_calls_is_never_replayed_stale():
     # `_ClassScaled.scale = 0.5` between calls: only instances' attributes were keyed, so the
     # recording made at 1.0 would replay 1.0 (found reading the code, eighteenth session)
@@ -584,15 +599,14 @@ def test_a_class_attribute_set_between_calls_is_never_replayed_stale():
     g = graphtree.graphed(model)
     x = torch.randn(4, 16, device=DEV)
     try:
-        with torch.no_grad():
-            for scale in (1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 1.0):
-                _ClassScaled.scale = scale
-                graphtree.mark_step()
-                assert torch.equal(g(x), model(x)), scale
+        _equal_to_eager_as_it_changes(
+            (1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 1.0),
+            lambda scale: setattr(_ClassScaled, "scale", scale),
+            lambda: g(x),
+            lambda: model(x),
+        )
     finally:
         _ClassScaled.scale = 1.0
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
 
 
 def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision():
@@ -604,31 +618,35 @@ def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precisio
     matmul = torch.backends.cuda.matmul
     old = matmul.fp32_precision
     try:
-        for precision in ("tf32", "tf32", "tf32", "ieee", "ieee", "ieee", "tf32"):
-            matmul.fp32_precision = precision
-            graphtree.mark_step()
-            assert torch.equal(g(x, w), _matmul(x, w)), precision
+        _equal_to_eager_as_it_changes(
+            ("tf32", "tf32", "tf32", "ieee", "ieee", "ieee", "tf32"),
+            lambda precision: setattr(matmul, "fp32_precision", precision),
+            lambda: g(x, w),
+            lambda: _matmul(x, w),
+        )
     finally:
         matmul.fp32_precision = old
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+
+
+def _zeros_in_train_mode(out, train):
+    """Dropout with p=1.0: zeros in train mode, whatever the draw."""
+    return bool(out.any()) != train
 
 
 def test_a_submodule_put_in_another_mode_between_calls_is_never_replayed_stale():
     # MC dropout: `model.eval()`, then its dropout layers back to train(). Only the graphed
     # module's own mode was keyed, so the recording made with dropout off replayed it off (found by
-    # a CPU hunt for keying gaps, eighteenth session). p=1.0: train mode gives zeros, whatever the draw.
+    # a CPU hunt for keying gaps, eighteenth session).
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(1.0)).to(DEV).eval()
     g = graphtree.graphed(model)
     x = torch.randn(4, 16, device=DEV)
-    with torch.no_grad():
-        for mc in (False, False, False, True, True, True, False):
-            model[1].train(mc)
-            graphtree.mark_step()
-            out = g(x)
-            assert torch.equal(out, model(x)) and bool(out.any()) != mc, mc
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+    _equal_to_eager_as_it_changes(
+        (False, False, False, True, True, True, False),
+        model[1].train,
+        lambda: g(x),
+        lambda: model(x),
+        check=_zeros_in_train_mode,
+    )
 
 
 class _Predictor:
@@ -642,18 +660,17 @@ class _Predictor:
 def test_the_mode_of_a_model_a_graphed_methods_object_holds_is_never_replayed_stale():
     # `graphed(predictor.predict)`, `predictor.model.train()` between calls: no module was found
     # behind the method, so the model's mode was not keyed (found by a CPU hunt for keying gaps,
-    # eighteenth session). p=1.0: train mode gives zeros, whatever the draw.
+    # eighteenth session).
     predictor = _Predictor()
     g = graphtree.graphed(predictor.predict)
     x = torch.randn(4, 16, device=DEV)
-    with torch.no_grad():
-        for train in (False, False, False, True, True, True, False):
-            predictor.model.train(train)
-            graphtree.mark_step()
-            out = g(x)
-            assert torch.equal(out, predictor.model(x)) and bool(out.any()) != train, train
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+    _equal_to_eager_as_it_changes(
+        (False, False, False, True, True, True, False),
+        predictor.model.train,
+        lambda: g(x),
+        lambda: predictor.model(x),
+        check=_zeros_in_train_mode,
+    )
 
 
 USE_GELU = True
@@ -677,24 +694,24 @@ class _GeluNet(torch.nn.Module):
         return self.block(x) * 2
 
 
+def _use_gelu(gelu):
+    global USE_GELU
+    USE_GELU = gelu
+
+
 def test_a_global_read_in_a_submodules_forward_set_between_calls_is_never_replayed_stale():
     # `USE_GELU = False` between calls of a graphed `_GeluNet`: only the graphed function's own code
     # (and functions it calls by global name) was walked, not its submodules' forwards (found by a
     # CPU hunt for keying gaps, eighteenth session)
-    global USE_GELU
     model = _GeluNet().to(DEV)
     g = graphtree.graphed(model)
     x = torch.randn(4, 16, device=DEV)
     try:
-        with torch.no_grad():
-            for gelu in (True, True, True, False, False, False, True):
-                USE_GELU = gelu
-                graphtree.mark_step()
-                assert torch.equal(g(x), model(x)), gelu
+        _equal_to_eager_as_it_changes(
+            (True, True, True, False, False, False, True), _use_gelu, lambda: g(x), lambda: model(x)
+        )
     finally:
-        USE_GELU = True
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+        _use_gelu(True)
 
 
 def test_a_submodule_without_parameters_replaced_between_calls_is_never_replayed_stale():
@@ -703,15 +720,13 @@ def test_a_submodule_without_parameters_replaced_between_calls_is_never_replayed
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(DEV)
     g = graphtree.graphed(model)
     x = torch.randn(4, 16, device=DEV)
+
+    def place(act):
+        if not isinstance(model[1], act):
+            model[1] = act()
+
     acts = (torch.nn.Tanh, torch.nn.Tanh, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Sigmoid, torch.nn.Sigmoid)
-    with torch.no_grad():
-        for act in acts:
-            if not isinstance(model[1], act):
-                model[1] = act()
-            graphtree.mark_step()
-            assert torch.equal(g(x), model(x)), act
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 2 and not s.eager, s
+    _equal_to_eager_as_it_changes(acts, place, lambda: g(x), lambda: model(x), replays=2)
 
 
 def _apply(model, x):
@@ -724,13 +739,12 @@ def test_a_setting_of_a_module_passed_as_an_argument_set_between_calls_is_never_
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LeakyReLU(0.01)).to(DEV)
     g = graphtree.graphed(_apply)
     x = torch.randn(4, 16, device=DEV)
-    with torch.no_grad():
-        for slope in (0.01, 0.01, 0.01, 0.2, 0.2, 0.2, 0.01):
-            model[1].negative_slope = slope
-            graphtree.mark_step()
-            assert torch.equal(g(model, x), _apply(model, x)), slope
-    s = graphtree.stats()
-    assert s.recordings == 2 and s.replays >= 3 and not s.eager, s
+    _equal_to_eager_as_it_changes(
+        (0.01, 0.01, 0.01, 0.2, 0.2, 0.2, 0.01),
+        lambda slope: setattr(model[1], "negative_slope", slope),
+        lambda: g(model, x),
+        lambda: _apply(model, x),
+    )
 
 
 def test_a_call_that_draws_on_the_host_runs_eagerly_with_the_reason():
