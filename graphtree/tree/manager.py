@@ -80,11 +80,6 @@ def run(gc: Callee, call: Call, device: int) -> Any:
     return tree.call(gc, call)
 
 
-def count_untreed(what: str) -> None:
-    """Count a warm-up, recording or replay (``what``) made outside the trees (tree/module_training.py)."""
-    setattr(untreed, what, getattr(untreed, what) + 1)
-
-
 def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -> RuntimeError:
     """``e`` itself, or, for a CUDA error raised before ``name``'s replay began (while its inputs
     were copied for ``debug=``), one that names the recording this thread's trees ran last."""

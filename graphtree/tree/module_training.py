@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree import manager as _manager
 from graphtree.tree.parts import HooksBelow
+from graphtree.tree.stats import count_untreed
 from graphtree.tree.training import TrainingRecording, WarmUpFailed, apply
 
 NOT_TENSORS = (
@@ -115,18 +115,18 @@ class ModuleCalls:
                 return eager(args, kwargs, reason)
             n = self._seen[key] = self._seen.get(key, 0) + 1
             if n <= self.warmup:  # a real call: the module's state changes as eager's
-                _manager.count_untreed("warmups")
+                count_untreed("warmups")
                 return fn(*args)
             rec, reason = self._record(fn, args, key)
             if rec is None:
                 self.given_up[key] = reason
                 return eager(args, kwargs, reason)
             self.recordings[key] = rec
-            _manager.count_untreed("recordings")
+            count_untreed("recordings")
         if rec.backward_may_come():
             return eager(args, kwargs, PENDING.format(name=self.name))
         outs = apply(rec, args)
-        _manager.count_untreed("replays")
+        count_untreed("replays")
         return rec.returned(outs)
 
     def _record(self, fn: Callable[..., Any], args: tuple[Any, ...], key: Any) -> tuple[TrainingRecording | None, str]:

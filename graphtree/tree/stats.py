@@ -126,6 +126,11 @@ def count_eager(name: str, reason: str) -> None:
     log_fallback(name, reason)
 
 
+def count_untreed(what: str) -> None:
+    """Count a warm-up, recording or replay (``what``) made outside the trees (tree/module_training.py)."""
+    setattr(untreed, what, getattr(untreed, what) + 1)
+
+
 _logged: set[tuple[str, str]] = set()
 
 
