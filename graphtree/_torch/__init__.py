@@ -389,6 +389,14 @@ def global_module_hooks() -> bool:
     return any(getattr(m, f"_global_{kind}", None) for kind in kinds)
 
 
+def hook_handles_made() -> int:
+    """How many hook handles torch has made in this process (``RemovableHandle.next_id``: every
+    ``register_*_hook`` makes one), or -1 where torch does not count them: a number that moved
+    says a hook may have been registered since."""
+    count = getattr(torch.utils.hooks.RemovableHandle, "next_id", None)
+    return count if isinstance(count, int) else -1
+
+
 # --- torch.distributed: the process groups of collectives, and the store ranks agree through ----
 
 

@@ -24,6 +24,7 @@ from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
 from graphtree.tree.hf_compile import CompiledTwins
 from graphtree.tree.hf_compile import install as install_compiled_twins
+from graphtree.tree.hooks import ModuleHooks
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -34,7 +35,7 @@ from graphtree.tree.inputs import (
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
-from graphtree.tree.parts import MIN_PART_OPS, HooksBelow, Parts, hooks_reason, own_copies
+from graphtree.tree.parts import MIN_PART_OPS, Parts, own_copies
 from graphtree.tree.reach import FreeValues, ModuleArguments, Reach
 from graphtree.tree.stats import count_eager
 from graphtree.tree.teardown import drop_all
@@ -174,6 +175,10 @@ class GraphedCallable:
         # A module's forward builds an autograd graph its caller needs; any other function's
         # warm-up says (a training step returns loss.detach(): tree/training_step.py)
         self._forward = is_forward(fn, self._module)
+        # The hooks of the modules the call runs (its own too, unless fn is its forward, around
+        # which nn.Module.__call__ runs them): a call that would run one runs eagerly (tree/hooks.py)
+        own_forward = self._forward and fn is not self._module and getattr(fn, "__name__", "") == "forward"
+        self._hooks = ModuleHooks(self._module, include_self=not own_forward) if self._module is not None else None
         self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
         # a module's forward, or a function reaching no module, under autograd: tree/module_training.py
         train = (self._forward or (self._step is None and self._module is None)) and not min_ops  # (not a part)
@@ -224,6 +229,9 @@ class GraphedCallable:
                 self._take_snapshot(args, kwargs)
             if self.disabled_reason is not None:
                 return self._eager(args, kwargs, self.disabled_reason)
+            hooked = self._hooks.reason(self.name) if self._hooks is not None else None
+            if hooked is not None:
+                return self._in_parts(args, kwargs, hooked)
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
             if self._hf_caches is not None and kwargs:  # a transformers cache: made ready first (hf_cache.py)
@@ -294,7 +302,13 @@ class GraphedCallable:
         """Run the function as plain PyTorch on a call's arguments, counting ``reason``; a module's
         signature given up runs with the module's parts graphed (tree/parts.py)."""
         args, kwargs = call.arguments()
-        if self._parts is None or call.key not in self.verdicts.given_up:
+        if call.key not in self.verdicts.given_up:
+            return self._eager(args, kwargs, reason)
+        return self._in_parts(args, kwargs, reason)
+
+    def _in_parts(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
+        """Run the call eagerly, counting ``reason``, with the module's parts graphed where it has them."""
+        if self._parts is None:
             return self._eager(args, kwargs, reason)
         count_eager(self.name, reason)
         with _manager.one_step() as since:  # a part called twice keeps its first output for the module's code
@@ -427,23 +441,13 @@ call_after_import("torch._dynamo", _wrap_for_compile)
 
 
 class GraphedPart(GraphedCallable):
-    """A submodule graphtree graphed in a module's place (tree/parts.py). On a call where a module
-    below it has hooks, or a global module hook is registered (since it was made: Hugging Face
-    registers output recorders during a call), it runs eagerly: a replay would not run them."""
+    """A submodule graphtree graphed in a module's place (tree/parts.py). Its own hooks run around
+    it (``nn.Module.__call__``); on a call where a module below it holds a hook, or a global module
+    hook is registered (since it was made: ``FlopCounterMode``), it runs eagerly (tree/hooks.py)."""
 
     def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
         super().__init__(fn, **options)
-        self._hooks = HooksBelow(self._module) if self._module is not None else None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if (
-            self._hooks is not None
-            and not user_code.active  # (inside another's warm-up or capture: inline, as any graphed call)
-            and (self._hooks() or _torch.global_module_hooks())
-            and not _is_compiling()
-        ):
-            return self._eager(args, kwargs, hooks_reason(self.name))
-        return super().__call__(*args, **kwargs)
+        self._hooks = ModuleHooks(self._module) if self._module is not None else None
 
 
 def _graphed_again(

@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 
-from graphtree import _torch
-from graphtree.tree.parts import HooksBelow
 from graphtree.tree.stats import count_untreed
 from graphtree.tree.training import TrainingRecording, WarmUpFailed, apply
 
@@ -75,7 +73,6 @@ class ModuleCalls:
         self.name = name
         self.warmup = max(1, warmup)
         self.max_signatures = max_signatures
-        self._hooks = HooksBelow(module, include_self=True) if module is not None else None
         self.recordings: dict[Any, TrainingRecording] = {}
         self.given_up: dict[Any, str] = {}
         self._seen: dict[Any, int] = {}
@@ -84,8 +81,6 @@ class ModuleCalls:
         """Why this call runs eagerly whatever its signature, or None."""
         if kwargs or not args or not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return NOT_TENSORS.format(name=self.name)
-        if self._hooks is not None and (self._hooks() or _torch.global_module_hooks()):
-            return f"autograd: `{self.name}` has module hooks (or global ones): a replay would not run them"
         return None
 
     def __call__(

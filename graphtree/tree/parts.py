@@ -22,8 +22,7 @@ so that later calls reach it with no cost at all. The module's code reads its pa
 graphed call's (overwritten by the part's next replay); what the module returns is copied out of
 them (:func:`own_copies`), so that its caller gets what an eager run gave.
 A submodule with hooks below it is looked through (a replay would not run them), and a part runs
-eagerly on a call where hooks below it, or global module hooks, have appeared since (Hugging Face
-registers output recorders during a call).
+eagerly on a call where hooks below it, or global module hooks, have appeared since (tree/hooks.py).
 
 Example::
 
@@ -42,6 +41,7 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree import manager as _manager
+from graphtree.tree.hooks import hooks_below
 
 MIN_PART_OPS = 16
 """Operators (views included, metadata queries not) a part's warm-up must dispatch for graphtree to
@@ -49,11 +49,6 @@ keep it graphed: below this, the replay's own cost (a few microseconds on the ho
 by fewer launches."""
 
 _ABSENT = object()
-
-
-def hooks_reason(name: str) -> str:
-    """Why a part runs eagerly on a call where hooks are registered below it (or globally)."""
-    return f"`{name}` has module hooks below it (or global ones) on this call: a replay would not run them"
 
 
 def graphable_children(
@@ -92,29 +87,6 @@ def _has_state(module: torch.nn.Module) -> bool:
     return any(True for _ in module.children()) or any(
         True for _ in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
     )
-
-
-class HooksBelow:
-    """The hook tables of every module below ``module`` (and of ``module`` itself with
-    ``include_self``), looked up once (a part's submodules are fixed; registering a hook adds to its
-    module's table): calling it says whether any holds a hook: 5.8 µs for 198 modules on a CPU host,
-    against 96 µs walking them."""
-
-    def __init__(self, module: torch.nn.Module, include_self: bool = False) -> None:
-        self._tables = [
-            table
-            for m in itertools.islice(module.modules(), 0 if include_self else 1, None)
-            for table in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-        ]
-
-    def __call__(self) -> bool:
-        return any(self._tables)
-
-
-def hooks_below(module: torch.nn.Module) -> bool:
-    """Whether a module below ``module`` (not itself: its own hooks run around the part) has forward
-    hooks, which a replay of ``module`` would not run."""
-    return HooksBelow(module)()
 
 
 _swaps = threading.Lock()
