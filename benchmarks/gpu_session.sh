@@ -178,8 +178,9 @@ for stage in $stages; do
       python3 -c "import transformers, os; print(transformers.__version__, os.path.dirname(transformers.__file__))"
       timeout 60 find / -xdev -path '*tests/generation/test_utils.py' 2>/dev/null | head -5 | tee "$OUT/hf_sources.txt"
       ;;
-    new19|before19)  # the eighteenth session's keying fixes, written without a GPU: new19 on this code,
-                     # before19 on the code before them (.before/: git archive a4ad6bf graphtree; they must fail there)
+    new19|before19)  # the eighteenth and nineteenth sessions' keying fixes, written without a GPU: new19 on this
+                     # code, before19 on the code before them (.before/: git archive a4ad6bf graphtree; they must
+                     # fail there, but test_hooks_gpu.py's transformers test, which guards the fix against a slowdown)
       TESTS="tests/gpu/test_real_paths_gpu.py::test_a_class_attribute_set_between_calls_is_never_replayed_stale
         tests/gpu/test_real_paths_gpu.py::test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision
         tests/gpu/test_real_paths_gpu.py::test_a_submodule_put_in_another_mode_between_calls_is_never_replayed_stale
@@ -187,7 +188,9 @@ for stage in $stages; do
         tests/gpu/test_real_paths_gpu.py::test_a_global_read_in_a_submodules_forward_set_between_calls_is_never_replayed_stale
         tests/gpu/test_real_paths_gpu.py::test_a_submodule_without_parameters_replaced_between_calls_is_never_replayed_stale
         tests/gpu/test_real_paths_gpu.py::test_a_setting_of_a_module_passed_as_an_argument_set_between_calls_is_never_replayed_stale
-        tests/gpu/test_hf_defaults_gpu.py::test_a_config_setting_changed_between_calls_is_never_replayed_stale"
+        tests/gpu/test_hf_defaults_gpu.py::test_a_config_setting_changed_between_calls_is_never_replayed_stale
+        tests/gpu/test_real_paths_gpu.py::test_an_attribute_probed_with_a_default_and_set_after_the_first_calls_is_never_replayed_stale
+        tests/gpu/test_hooks_gpu.py"
       if [ "$stage" = before19 ]; then
         (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 240 \
           python3 -m pytest -q -p no:cacheprovider --tb=line -rf $(echo $TESTS | sed 's#tests/#../tests/#g') 2>&1 \

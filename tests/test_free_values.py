@@ -846,3 +846,46 @@ def test_the_settings_of_a_module_passed_as_an_argument_are_keyed():
     assert after != before and len(readers) == 1
     ModuleArguments.after_call((after, readers))  # (a library's settings: nothing dropped)
     assert args.part((model, x), {})[0] == after
+
+
+class _Probing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        y = self.lin(x) * getattr(self, "scale", 1.0)
+        if not hasattr(self, "_calls"):  # (lazy state the call sets: no setting)
+            self._calls = 0
+        return y + self._shift() if hasattr(self, "shift") else y
+
+    def _shift(self):
+        return self.shift
+
+
+class _ProbingSampler:
+    def sample(self, logits):
+        return logits / getattr(self, "temperature", 1.0)
+
+
+def test_an_attribute_the_code_probes_with_a_default_is_keyed_absent_and_set_later():
+    # `getattr(self, "scale", 1.0)` with `model.scale = 2.0` set after the first call: absent at the
+    # first call, the attribute was not keyed, and the recording made without it replayed
+    model = _Probing()
+    free = FreeValues(model, model)
+    absent = {name: t for name, t, _ in free.part()[1]}
+    assert absent == {"self.scale": object, "self.shift": object, "self._calls": object}  # (keyed as absent)
+    model(torch.ones(1, 2))  # the call sets `_calls`: its own state, no longer followed
+    free.after_call()
+    assert "self._calls" not in _values(free.part())
+    model.scale = 2.0
+    assert _values(free.part())["self.scale"] == 2.0
+    model.shift = 0.5  # (probed in forward, read in a method it calls)
+    assert _values(free.part())["self.shift"] == 0.5
+    del model.scale
+    assert {name: t for name, t, _ in free.part()[1]}["self.scale"] is object  # absent again
+    sampler = _ProbingSampler()
+    free = FreeValues(sampler.sample)
+    before = free.part()
+    sampler.temperature = 0.7
+    assert free.part() != before and _values(free.part())["self.temperature"] == 0.7

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import collections.abc
+import dis
 import functools
 import inspect
 import os
@@ -175,6 +176,42 @@ def _methods(cls: type, start: Any, seen: set[int], user: bool) -> Iterator[tupl
                 todo.append(getattr(cls, n))
             elif user and isinstance(a, property) and a.fget is not None:
                 todo.append(a.fget)
+
+
+@functools.cache
+def probed_names(cls: type) -> frozenset[str]:
+    """The attribute names the methods of the user's class ``cls`` (and of its user's bases) probe on
+    ``self`` with a default, ``hasattr(self, "scale")`` or ``getattr(self, "scale", 1.0)``: absent at
+    the first call, such an attribute set later changes what the code does (cached per class; a
+    class's code is fixed)."""
+    out: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object or not user_class(klass):
+            continue
+        for v in vars(klass).values():
+            f = v.fget if isinstance(v, property) else v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            if isinstance(f, types.FunctionType):
+                out |= _probes(f.__code__)
+    return frozenset(out)
+
+
+def _probes(code: types.CodeType, me: str | None = None) -> set[str]:
+    """``"x"`` of each ``getattr(self, "x", ...)`` and ``hasattr(self, "x")`` in ``code`` (``self``:
+    its first argument), and in the code nested in it that reads ``self`` from its closure."""
+    if me is None:
+        if not code.co_argcount:
+            return set()
+        me = code.co_varnames[0]
+    out: set[str] = set()
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PUSH_NULL", "PRECALL")]
+    for a, b, c in zip(ins, ins[1:], ins[2:]):
+        probe = a.opname == "LOAD_GLOBAL" and a.argval in ("getattr", "hasattr") and b.argval == me
+        if probe and c.opname == "LOAD_CONST" and isinstance(c.argval, str):
+            out.add(c.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType) and me in const.co_freevars:
+            out |= _probes(const, me)
+    return out
 
 
 def code_names(code: types.CodeType) -> set[str]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from graphtree.tree.code_scan import class_reads, user_class
+from graphtree.tree.code_scan import class_reads, probed_names, user_class
 from graphtree.tree.inputs import PLAIN_TYPES
 
 PLAIN_SET = frozenset(PLAIN_TYPES)
@@ -82,7 +82,8 @@ def owner_reads(owner: Any, label: str = "self", training: bool = False) -> tupl
     if not isinstance(owner, torch.nn.Module):
         if not user_class(type(owner)):
             return [], []
-        return plain_reads(vars(owner), f"{label}.", None, frozenset(), set()), []
+        attrs = vars(owner)
+        return plain_reads(attrs, f"{label}.", None, frozenset(), set()) + absent_reads(owner, attrs, f"{label}."), []
     out: list[Read] = [(vars(owner), "training", f"{label}.training")] if training else []
     settings: list[Read] = []
     held: set[int] = set()  # settings objects already read (one HF config is held by every layer)
@@ -100,7 +101,22 @@ def owner_reads(owner: Any, label: str = "self", training: bool = False) -> tupl
             (out if user else settings).append((attrs, "training", at + "training"))
         if user:  # (`scale = 2.0` in the class body, read as `self.scale`: once for all its instances)
             out.extend(class_level_reads(cls, class_reads(cls), attrs, at, classes))
+            out.extend(absent_reads(sub, attrs, at))  # (`getattr(self, "shift", 0.0)`, set after a call)
     return out, settings
+
+
+def absent_reads(obj: Any, attrs: dict[str, Any], at: str) -> list[Read]:
+    """The attributes the code of ``obj``'s class (the user's) probes with a default that ``obj``
+    lacks now (``hasattr(self, "scale")``, ``getattr(self, "shift", 0.0)``: :func:`probed_names`),
+    read from ``attrs`` all the same: absent, each is keyed as absent, and set later (``model.shift
+    = 1.0``), the next call is a new signature."""
+    cls: type = type(obj)
+    state = (obj._parameters, obj._buffers, obj._modules) if isinstance(obj, torch.nn.Module) else ()
+    return [
+        (attrs, n, at + n)
+        for n in sorted(probed_names(cls))
+        if n not in attrs and not hasattr(cls, n) and not any(n in d for d in state)
+    ]
 
 
 def class_level_reads(

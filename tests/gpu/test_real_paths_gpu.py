@@ -609,6 +609,31 @@ def test_a_class_attribute_set_between_calls_is_never_replayed_stale():
         _ClassScaled.scale = 1.0
 
 
+class _Probing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) * getattr(self, "scale", 1.0)
+
+
+def test_an_attribute_probed_with_a_default_and_set_after_the_first_calls_is_never_replayed_stale():
+    # `getattr(self, "scale", 1.0)`, then `model.scale = 0.5`: absent at the first call, the
+    # attribute was not keyed, and the recording made without it replayed 1.0 (nineteenth session)
+    model = _Probing().to(DEV)
+    g = graphtree.graphed(model)
+    x = torch.randn(4, 16, device=DEV)
+
+    def change(scale):
+        if scale is None:
+            model.__dict__.pop("scale", None)
+        else:
+            model.scale = scale
+
+    _equal_to_eager_as_it_changes((None, None, None, 0.5, 0.5, 0.5, None), change, lambda: g(x), lambda: model(x))
+
+
 def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision():
     # `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch 2.9's API) made the legacy TF32
     # getters that the ambient key reads raise: every graphed call raised (found on the CPU,
