@@ -16,17 +16,19 @@ pytestmark = pytest.mark.own_process  # all it checks runs in subprocesses (gpu_
 
 SCRIPT = textwrap.dedent(
     """
-    import gc, sys, torch, graphtree
+    import gc, itertools, sys, torch, graphtree
 
     kind, when = sys.argv[1], sys.argv[2]          # when: "warm-up" or "record" (call 1 or 2)
     raise_on = {"warm-up": 1, "record": 2}[when]
-    calls = {"n": 0}
+    # (a counter graphtree does not key: `calls["n"] += 1` would be a setting the code reads, a new
+    # signature on every call, and no replay would advance it)
+    calls = itertools.count(1)
     raised = []
 
     def f(x):
-        calls["n"] += 1
+        n = next(calls)
         y = x * 2
-        if calls["n"] == raise_on:
+        if n == raise_on:
             if kind == "value":
                 e = ValueError("boom from user code")
             elif kind == "interrupt":
@@ -47,7 +49,7 @@ SCRIPT = textwrap.dedent(
         except BaseException as e:
             assert isinstance(e, expected), repr(e)
             assert not raised or e is raised[0], "not the same exception object"
-            print("propagated", type(e).__name__, "on call", calls["n"])
+            print("propagated", type(e).__name__, "on call", i + 1)
             continue
         assert torch.equal(out, x * 2 + 1), i
     s = graphtree.stats()

@@ -144,14 +144,14 @@ SCRIPT = textwrap.dedent(
 
 OOM_SCRIPT = textwrap.dedent(
     """
-    import gc, sys, torch, graphtree
-    calls = {"n": 0}
+    import gc, itertools, sys, torch, graphtree
+    calls = itertools.count(1)                      # (not keyed, as a dict entry the code reads would be)
     AFTER_ANOTHER = sys.argv[1] == "after another"  # f's recording is then a child in the tree
 
     def f(x):
-        calls["n"] += 1
+        n = next(calls)
         y = x * 2                                   # allocated in the pool while recording
-        if calls["n"] == 2:                         # more than the device has left, as a real OOM asks
+        if n == 2:                         # more than the device has left, as a real OOM asks
             torch.empty(torch.cuda.mem_get_info()[0] + (1 << 30), dtype=torch.uint8, device=x.device)
         return y + 1
 
