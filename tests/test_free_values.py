@@ -889,3 +889,63 @@ def test_an_attribute_the_code_probes_with_a_default_is_keyed_absent_and_set_lat
     before = free.part()
     sampler.temperature = 0.7
     assert free.part() != before and _values(free.part())["self.temperature"] == 0.7
+
+
+STEP = 0
+COUNTS = [0, 0]
+
+
+def _counts_its_calls(x):
+    global STEP
+    STEP += 1  # (a replay would not count)
+    COUNTS[0] += 1  # (an item written in place: the list's length stays)
+    return x * 2
+
+
+def test_items_and_values_a_call_changes_are_seen_by_its_warm_up_and_leave_the_key():
+    # `calls["n"] += 1` in a closure dict, `counts[0] += 1`, `STEP += 1`: a replay runs no Python,
+    # so it would not count; keyed (the dict's entry, the global) each call was a new signature
+    global STEP
+    free = FreeValues(_counts_its_calls)
+    assert _values(free.part()) == {"STEP": 0}
+    watched = free.containers()
+    _counts_its_calls(torch.ones(2))
+    assert watched.changed() == "the list `COUNTS` (a global or closure variable its code reads)"
+    assert free.after_warm_up(watched) == watched.changed()
+    assert free.part() is None  # `STEP` is its state now: no longer keyed
+    calls = {"n": 0, "scale": 2.0}
+
+    def counted(x):
+        calls["n"] += 1
+        return x * calls["scale"]
+
+    free = FreeValues(counted)
+    assert _values(free.part()) == {"calls['n']": 0, "calls['scale']": 2.0}
+    watched = free.containers()
+    counted(torch.ones(2))
+    assert watched.changed() == "the dict `calls` (a global or closure variable its code reads)"
+    free.after_warm_up(watched)
+    assert _values(free.part()) == {"calls['scale']": 2.0}  # the setting stays keyed
+    watched = free.containers()
+    calls["scale"] = float("2.0")  # (the same value written again: no change)
+    assert watched.changed() == ""
+    STEP = 0
+    COUNTS[0] = 0
+
+
+def test_a_value_rebound_by_the_call_alone_is_named():
+    free = FreeValues(_bumps)
+    watched = free.containers()
+    _bumps(1)
+    assert watched.changed() == "`_BUMPED` (a value its code reads)"
+    free.after_warm_up(watched)
+    assert free.part() is None
+
+
+_BUMPED = 0
+
+
+def _bumps(x):
+    global _BUMPED
+    _BUMPED = _BUMPED + x
+    return x

@@ -247,10 +247,28 @@ class FreeValues:
         return False
 
     def containers(self) -> Containers | None:
-        """The containers its code reads, as they are now (for a warm-up to compare), or None."""
-        if self._reads is None:
-            self._resolve()
-        return Containers(self._containers) if self._containers else None
+        """The containers its code reads and the values it keys besides its module's attributes,
+        as they are now (for a warm-up to compare: :meth:`after_warm_up`), or None."""
+        reads = self._reads if self._reads is not None else self._resolve()
+        values = reads[self._own :]
+        return Containers(self._containers, values) if self._containers or values else None
+
+    def after_warm_up(self, watched: Containers) -> str:
+        """What the warm-up just watched changed, in words ("" if nothing): a container, or a value
+        the code reads (``calls["n"] += 1``, ``STEP += 1``). Such values are the call's state, not
+        settings: they leave the key (each call would be a new signature), and the signature warms
+        up again, run eagerly with that reason if every call changes them (a replay would not)."""
+        changed = watched.changed_reads()
+        if changed:
+            with self._lock:
+                reads = self._reads or []
+                gone = {id(r) for r in changed}
+                kept = [i for i, r in enumerate(reads) if id(r) not in gone]
+                self._reads = [reads[i] for i in kept]
+                self._own = sum(1 for i in kept if i < self._own)
+                self._anchors = [kept.index(i) for i in self._anchors if i in kept]
+                self._cache = ([], None)
+        return watched.changed()
 
     def after_call(self) -> None:
         """Stop following the module attributes the call just changed (a replay changes none)."""
@@ -436,19 +454,54 @@ _CONTAINERS = (list, dict, set, collections.deque)
 
 
 class Containers:
-    """The lists, dicts, sets and deques a callable's code reads from its globals and closure, at one
-    moment: a warm-up compares their lengths after the call (:meth:`changed`). A replay runs no
-    Python: a call that appends its loss to a global list would append on its warm-ups only. (An
-    item written in place, ``counts[0] += 1``, keeps the length: such a side effect is not seen, and
-    runs at the warm-up and the recording only, as any Python of the call.)"""
+    """What a callable's code reads from its globals and closure that a call could change, at one
+    moment, for a warm-up to compare after the call (:meth:`changed`): the lists, dicts, sets and
+    deques (their items, by identity or, for plain values, by value: ``LOSSES.append(loss)``,
+    ``counts[0] += 1``, ``calls["n"] += 1``), and the plain values it keys besides a module's
+    attributes (a global or closure counter, ``STEP += 1``). A replay runs no Python: a call that
+    changes one would change it on its warm-ups only. A container over :data:`MAX_ITEMS` items is
+    compared by its length."""
 
-    def __init__(self, watched: list[tuple[str, Any]]) -> None:
+    def __init__(self, watched: list[tuple[str, Any]], reads: list[tuple[Any, str, str]]) -> None:
         self._watched = watched
-        self._before = [len(c) for _, c in watched]
+        self._before = [_items(c) for _, c in watched]
+        self._reads = reads
+        self._values = [space.get(n, MISSING) for space, n, _ in reads]
 
     def changed(self) -> str:
-        """The first container the call added to or removed from, in words ("" if none)."""
+        """The first container or value the call changed, in words ("" if none)."""
         for (name, c), before in zip(self._watched, self._before):
-            if len(c) != before:
+            if not _same_items(_items(c), before):
                 return f"the {type(c).__name__} `{name}` (a global or closure variable its code reads)"
-        return ""
+        changed = self.changed_reads()
+        return f"`{changed[0][2]}` (a value its code reads)" if changed else ""
+
+    def changed_reads(self) -> list[tuple[Any, str, str]]:
+        """The values read (``(namespace, name, label)``) that the call changed."""
+        return [r for r, v in zip(self._reads, self._values) if not _same(r[0].get(r[1], MISSING), v)]
+
+
+MAX_ITEMS = 4096
+
+
+def _items(c: Any) -> Any:
+    """What of a container a call's change shows in: its items (a dict's keys and values), or its
+    length past :data:`MAX_ITEMS`."""
+    if len(c) > MAX_ITEMS:
+        return len(c)
+    if isinstance(c, dict):
+        return (*c, *c.values())
+    if isinstance(c, set):
+        return frozenset(c)
+    return tuple(c)
+
+
+def _same_items(a: Any, b: Any) -> bool:
+    if type(a) is not type(b) or not isinstance(a, tuple):
+        return bool(a == b)
+    return len(a) == len(b) and all(map(_same, a, b))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same object, or equal plain values (``x = 1.0`` written again is no change)."""
+    return a is b or (type(a) is type(b) and type(a) in PLAIN_SET and a == b)

@@ -217,7 +217,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     finally:
         current.wait_stream(stream)
         watch.close()
-    mutated = containers.changed() if containers is not None else ""
+    mutated = gc.free.after_warm_up(containers) if containers is not None else ""
     return WarmUp(out, reason, kept, collectives.groups if collectives else {}, reads.ops, compiled, mutated)
 
 

@@ -634,6 +634,40 @@ def test_an_attribute_probed_with_a_default_and_set_after_the_first_calls_is_nev
     _equal_to_eager_as_it_changes((None, None, None, 0.5, 0.5, 0.5, None), change, lambda: g(x), lambda: model(x))
 
 
+_STEPS = 0
+
+
+def _counts_its_steps(x):
+    global _STEPS
+    _STEPS += 1
+    return x * 2
+
+
+def test_a_counter_the_call_bumps_counts_every_call_as_eager_does():
+    # `calls["n"] += 1` in a closure dict, `STEP += 1` in a global: keyed since the eighteenth
+    # session, each call was a new signature (warmed up until churn ran it eagerly); before, a
+    # replay skipped the count. A warm-up now sees the change: such a call runs eagerly, with the
+    # reason, and counts as eager does (nineteenth session)
+    global _STEPS
+    calls = {"n": 0}
+
+    def counted(x):
+        calls["n"] += 1
+        return x + 1
+
+    g, h = graphtree.graphed(counted), graphtree.graphed(_counts_its_steps)
+    x = torch.randn(64, device=DEV)
+    _STEPS = 0
+    for i in range(8):
+        graphtree.mark_step()
+        assert torch.equal(g(x), x + 1) and torch.equal(h(x), x * 2)
+        assert calls["n"] == i + 1 and _STEPS == i + 1, (calls, _STEPS)
+    eager = graphtree.stats().eager
+    assert any("changes the dict `calls`" in r for r in eager), eager
+    assert any("`_STEPS`" in r and "on every call" in r for r in eager), eager
+    assert graphtree.stats().warmups <= 8, graphtree.stats()  # (not a warm-up per call, as churn made)
+
+
 def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision():
     # `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch 2.9's API) made the legacy TF32
     # getters that the ambient key reads raise: every graphed call raised (found on the CPU,
