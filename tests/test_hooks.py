@@ -104,3 +104,17 @@ def test_hook_names_fall_back_to_the_hooks_type() -> None:
             return None
 
     assert _hooks._hook_name(Recorder()) == "test_hook_names_fall_back_to_the_hooks_type.<locals>.Recorder"
+
+
+def test_fsdp2s_hooks_are_named(tmp_path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        sharded = nn.Sequential(nn.Linear(2, 2))
+        fully_shard(sharded)
+        reason = ModuleHooks(sharded, include_self=True).reason("step") or ""
+        assert "FSDPState._pre_forward" in reason and "FSDP2 (`fully_shard`) gathers" in reason, reason
+    finally:
+        dist.destroy_process_group()

@@ -45,6 +45,14 @@ def _counts(hook: Any) -> bool:
     return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) not in _IN_THE_CALL
 
 
+def _whose(hook: Any) -> str:
+    """What a hook of a known library does, said after its name ("" for others)."""
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    if module.startswith("torch.distributed.fsdp"):
+        return ": FSDP2 (`fully_shard`) gathers and frees the parameters in its hooks"
+    return ""
+
+
 def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
@@ -99,7 +107,8 @@ class ModuleHooks:
                 for hook in table.values():
                     if _counts(hook):
                         where = f"`{path}`" if path else "the module itself"
-                        return f"{where} holds a {kind[1:-1].replace('_', ' ')} ({_hook_name(hook)})"
+                        what = f"{where} holds a {kind[1:-1].replace('_', ' ')} ({_hook_name(hook)})"
+                        return what + _whose(hook)
         return None
 
 

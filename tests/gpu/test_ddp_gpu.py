@@ -45,6 +45,6 @@ def test_an_fsdp2_step_runs_eagerly_naming_fsdp2_with_eagers_losses(tmp_path: Pa
     print(f"\nFSDP2 MLP, {world} rank(s): {graphed}")
     assert graphed["losses_equal_to_eager"], graphed
     if graphed["replayed_fraction"] == 0:  # (recorded, it would have to be equal: asserted above)
-        # FSDP2's all-gathers run in its module hooks (FSDPState._pre_forward), named by the hooks'
-        # reason since the nineteenth session, or, without them, by the warm-up's (FSDP2 keeps memory)
-        assert any("FSDP" in reason for reason in graphed["eager_reasons"]), graphed
+        # FSDP2's all-gathers run in its module hooks (FSDPState._pre_forward): named by the hooks'
+        # reason since the nineteenth session, by the warm-up's (FSDP2 keeps memory) before
+        assert any("FSDP2" in reason for reason in graphed["eager_reasons"]), graphed
