@@ -20,7 +20,7 @@ from graphtree.tree.reach import FreeValues
 SCALE = 2.0
 FLAG = True
 NAME = "relu"
-W = torch.ones(3)  # (a tensor: read in place as an external, not keyed)
+W = torch.ones(3)  # (a tensor: read in place as an external, keyed by identity)
 
 
 def _helper(x):
@@ -83,9 +83,28 @@ def test_closure_cells_lambdas_and_module_forwards_are_followed():
 
 def test_library_code_and_code_without_plain_reads_cost_nothing():
     assert FreeValues(torch.nn.Linear(2, 2)).part() is None  # (torch's own forward)
-    assert FreeValues(lambda x: x * W).part() is None
     assert FreeValues(torch.sin).part() is None
     assert FreeValues(functools.partial(functools.reduce, max)).part() is None  # (the standard library's)
+
+
+def test_a_global_tensor_is_keyed_by_identity_rebound_while_the_old_one_lives():
+    # `W = W * 2` between calls while the old tensor is still held elsewhere: its storage neither
+    # freed nor moved, the recording made with the old one replayed it (README said so; nineteenth
+    # session). A closure's tensors are followed by Reach, not keyed.
+    global W
+    free = FreeValues(lambda x: x * W)
+    before = free.part()
+    assert [(n, t) for n, t, _ in before[1]] == [("W", torch.Tensor)]
+    assert free.part() is before  # (unchanged: the same part)
+    old = W
+    try:
+        W = W * 2
+        assert free.part() != before
+    finally:
+        W = old
+    assert free.part() == before
+    cell = torch.ones(3)
+    assert FreeValues(lambda x: x * cell).part() is None
 
 
 def test_a_compiled_helper_is_read_through_to_its_own_code():
@@ -214,7 +233,7 @@ class _Sampler:
     def __init__(self):
         self.temperature = 1.0
         self.name = "greedy"
-        self.vocab = torch.arange(4)  # (a tensor: read in place, not keyed)
+        self.vocab = torch.arange(4)  # (a tensor: read in place, keyed by identity)
 
     def sample(self, logits):
         return logits / self.temperature
@@ -223,7 +242,7 @@ class _Sampler:
 def test_the_object_a_graphed_method_is_bound_to_is_read_too():
     sampler = _Sampler()
     free = FreeValues(sampler.sample)
-    assert _values(free.part()) == {"self.temperature": 1.0, "self.name": "greedy"}
+    assert _values(free.part()) == {"self.temperature": 1.0, "self.name": "greedy", "self.vocab": id(sampler.vocab)}
     sampler.temperature = 0.7
     assert _values(free.part())["self.temperature"] == 0.7
     assert FreeValues(torch.Generator().manual_seed).part() is None  # (a method of torch's class)

@@ -153,8 +153,11 @@ class FreeValues:
       builtin's identity (``ACT = torch.tanh`` after a recording made with ``torch.relu``, a helper
       defined anew: the new one is followed; a lambda made again from the same code keeps the key).
 
-    Other values are not keyed: tensors are externals, read in place; containers are watched in
-    warm-ups (:meth:`containers`). A module attribute the call itself changes is the
+    A tensor read from a global or a module's (or a bound object's) plain attribute is read in place
+    (an external, its storage checked before each replay) and keyed by its identity: rebound to
+    another tensor while the old one lives on (``W = W * 2``), the next call is a new signature (a
+    closure's tensors are followed by :class:`Reach`). Other values are not keyed; containers are
+    watched in warm-ups (:meth:`containers`). A module attribute the call itself changes is the
     call's state, not a setting: it is no longer followed (:meth:`after_call`), and a recording of
     such a call fails with the reason (``writes.module_changes``). A bound object's attribute the
     call changes stays followed: each value is a signature of its own, and a call that changes it
@@ -317,6 +320,8 @@ class FreeValues:
                 v = space.get(n, MISSING)
                 if type(v) in PLAIN_SET or (keyable(v) and not isinstance(v, FUNCTIONS)):
                     reads.append((space, n, n))  # (`x * SCALE`; an Enum, a numpy scalar, a tuple `SIZE = (2, 2)`)
+                elif isinstance(v, torch.Tensor) and isinstance(space, dict):
+                    reads.append((space, n, n))  # (`x @ W`: rebound, by identity; a closure's: Reach.follow)
                 elif isinstance(v, _CONTAINERS):
                     containers.append((n, v))
                     if isinstance(v, dict):  # `CONFIG["temperature"]`: the plain values of the keys the code names

@@ -149,7 +149,7 @@ def plain_reads(
     for name, v in attrs.items():
         if name in skip or (read is not None and name not in read):
             continue
-        if type(v) in PLAIN_SET or keyable(v):
+        if type(v) in PLAIN_SET or keyable(v) or isinstance(v, torch.Tensor):  # (a tensor: by identity)
             out.append((attrs, name, at + name))
         elif held_settings(v) and id(v) not in held:  # (`self.config.output_hidden_states`)
             held.add(id(v))

@@ -668,6 +668,47 @@ def test_a_counter_the_call_bumps_counts_every_call_as_eager_does():
     assert graphtree.stats().warmups <= 8, graphtree.stats()  # (not a warm-up per call, as churn made)
 
 
+_W_REBOUND = None
+
+
+def _times_w(x):
+    return x @ _W_REBOUND
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.mask = torch.ones(16, device=DEV)  # (a plain attribute, not a buffer)
+
+    def forward(self, x):
+        return self.lin(x) * self.mask
+
+
+def test_a_tensor_rebound_while_the_old_one_lives_is_never_replayed_stale():
+    # `W = other` (a global) or `model.mask = other` (a plain attribute) while the old tensor is
+    # still held: neither freed nor moved, the old one was replayed (README said so; nineteenth
+    # session). Now keyed by identity: each binding its own recording.
+    global _W_REBOUND
+    a, b = torch.randn(16, 16, device=DEV), torch.randn(16, 16, device=DEV)
+    g = graphtree.graphed(_times_w)
+    x = torch.randn(4, 16, device=DEV)
+    _equal_to_eager_as_it_changes(
+        (a, a, a, b, b, b, a), lambda w: globals().__setitem__("_W_REBOUND", w), lambda: g(x), lambda: _times_w(x)
+    )
+    _W_REBOUND = None
+    graphtree.reset()
+    model = _Masked().to(DEV)
+    m = graphtree.graphed(model)
+    ones, halves = model.mask, torch.full((16,), 0.5, device=DEV)
+    _equal_to_eager_as_it_changes(
+        (ones, ones, ones, halves, halves, halves, ones),
+        lambda t: setattr(model, "mask", t),
+        lambda: m(x),
+        lambda: model(x),
+    )
+
+
 def test_torchs_fp32_precision_api_neither_raises_nor_replays_the_other_precision():
     # `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch 2.9's API) made the legacy TF32
     # getters that the ambient key reads raise: every graphed call raised (found on the CPU,
