@@ -45,6 +45,9 @@ def _counts(hook: Any) -> bool:
     return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) not in _IN_THE_CALL
 
 
+_AROUND = " (registered on what graphtree.graphed returned, it runs around the replays)"
+
+
 def _whose(hook: Any) -> str:
     """What a hook of a known library does, said after its name ("" for others)."""
     module = getattr(hook, "__module__", None) or type(hook).__module__
@@ -108,7 +111,7 @@ class ModuleHooks:
                     if _counts(hook):
                         where = f"`{path}`" if path else "the module itself"
                         what = f"{where} holds a {kind[1:-1].replace('_', ' ')} ({_hook_name(hook)})"
-                        return what + _whose(hook)
+                        return what + (_whose(hook) or ("" if path else _AROUND))
         return None
 
 
