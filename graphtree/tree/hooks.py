@@ -45,7 +45,7 @@ def _counts(hook: Any) -> bool:
     return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) not in _IN_THE_CALL
 
 
-_AROUND = " (registered on what graphtree.graphed returned, it runs around the replays)"
+_AROUND = " (hooks on the module graphtree.graphed(model) returns run around its replays)"
 
 
 def _whose(hook: Any) -> str:
