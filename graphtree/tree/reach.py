@@ -184,6 +184,7 @@ class FreeValues:
         self._own = 0  # the first _own reads are module attributes
         self._anchors: list[int] = []  # reads of a model by name: rebound, the reads are resolved again
         self._containers: list[tuple[str, Any]] = []  # lists, dicts, sets its code reads (watched in warm-ups)
+        self._state: list[tuple[Any, str, str]] = []  # values a warm-up saw the call change: watched, not keyed
         self._cache: tuple[list[Any], tuple[Any, ...] | None] = ([], None)  # (values last read, their part), one object
         self._lock = threading.Lock()
         self._ddps: list[weakref.ref[torch.nn.Module]] = []  # DistributedDataParallel models it reaches
@@ -253,14 +254,15 @@ class FreeValues:
         """The containers its code reads and the values it keys besides its module's attributes,
         as they are now (for a warm-up to compare: :meth:`after_warm_up`), or None."""
         reads = self._reads if self._reads is not None else self._resolve()
-        values = reads[self._own :]
+        values = reads[self._own :] + self._state
         return Containers(self._containers, values) if self._containers or values else None
 
     def after_warm_up(self, watched: Containers) -> str:
         """What the warm-up just watched changed, in words ("" if nothing): a container, or a value
         the code reads (``calls["n"] += 1``, ``STEP += 1``). Such values are the call's state, not
-        settings: they leave the key (each call would be a new signature), and the signature warms
-        up again, run eagerly with that reason if every call changes them (a replay would not)."""
+        settings: they leave the key (each call would be a new signature) but stay watched, and the
+        signature warms up again, run eagerly with that reason if every call changes them (a replay
+        would not)."""
         changed = watched.changed_reads()
         if changed:
             with self._lock:
@@ -271,6 +273,7 @@ class FreeValues:
                 self._own = sum(1 for i in kept if i < self._own)
                 self._anchors = [kept.index(i) for i in self._anchors if i in kept]
                 self._cache = ([], None)
+                self._state += [r for r in changed if not any(r is q for q in self._state)]  # (still watched)
         return watched.changed()
 
     def after_call(self) -> None:

@@ -197,7 +197,10 @@ def test_a_global_tensor_rebound_and_freed_is_never_read_stale():
         assert torch.equal(g(x), x @ W), "replayed a freed global"
         del junk
     s = graphtree.stats()
-    assert s.replaced >= 3 and not s.eager, s
+    # Each new `W` is a new signature since the nineteenth session (a global tensor is keyed by
+    # identity): warmed up, or, where Python gave it a freed one's id, that recording replaced.
+    # (Before, every call replaced the one recording: `replaced >= 3`; on the H100 now 1.)
+    assert not s.eager and s.warmups + s.replaced >= 4, s
     nodes = [n for m in graphtree.tree.manager.managers() for n in m.nodes()]
     assert any("global `W`" in e.origin for n in nodes for e in n.externals), [n.externals for n in nodes]
 
