@@ -119,3 +119,21 @@ def test_fsdp2s_hooks_are_named(tmp_path) -> None:
         assert "FSDPState._pre_forward" in reason and "FSDP2 (`fully_shard`) gathers" in reason, reason
     finally:
         dist.destroy_process_group()
+
+
+def test_tensor_parallelisms_hooks_do_not_count(tmp_path) -> None:
+    # parallelize_module registers forward (pre-)hooks that redistribute inputs and outputs: tensors
+    # in, tensors out of the call, as recorded (the four-H200 tensor-parallel decode replayed them)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        mesh = init_device_mesh("cpu", (1,))
+        parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert mlp[0]._forward_pre_hooks or mlp[0]._forward_hooks  # (they are there)
+        assert ModuleHooks(mlp, include_self=True).reason("mlp") is None
+    finally:
+        dist.destroy_process_group()

@@ -11,7 +11,8 @@ module and the hook, for as long as the hook is there (a hook on the graphed mod
 
 Not counted: hooks known to write only into the call's own outputs, which a replay gives back as
 recorded. transformers' output recorders are such (installed on every layer the first time a call
-asks for ``output_hidden_states`` and kept; idle unless a call collects, into its own output).
+asks for ``output_hidden_states`` and kept; idle unless a call collects, into its own output), and
+tensor parallelism's (``parallelize_module``: inputs made DTensors, outputs redistributed).
 
 Cost: two integers read per call. torch numbers every hook handle it makes
 (``RemovableHandle.next_id``) and graphtree counts the registrations of submodules
@@ -36,13 +37,17 @@ from graphtree.tree.inputs import param_epoch, watch_parameter_changes
 
 _KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
-# (module, name) of the hooks graphtree knows to write only into the call's own outputs
+# (module, name) of the hooks graphtree knows to write only into the call's own outputs, and the
+# modules all of whose hooks do: tensor parallelism's (`parallelize_module`, `distribute_module`)
+# turn the inputs into DTensors and the outputs back, collectives included, inside the call
 _IN_THE_CALL = frozenset({("transformers.utils.output_capturing", "output_capturing_hook")})
+_IN_THE_CALL_MODULES = ("torch.distributed.tensor.",)
 
 
 def _counts(hook: Any) -> bool:
     """Whether a replay that skips ``hook``'s Python could differ from an eager call."""
-    return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) not in _IN_THE_CALL
+    module = getattr(hook, "__module__", None) or ""
+    return (module, getattr(hook, "__name__", None)) not in _IN_THE_CALL and not module.startswith(_IN_THE_CALL_MODULES)
 
 
 _AROUND = " (hooks on the module graphtree.graphed(model) returns run around its replays)"
