@@ -35,6 +35,7 @@ from graphtree.tree.inputs import (
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
+from graphtree.tree.options import Options
 from graphtree.tree.parts import MIN_PART_OPS, Parts, own_copies
 from graphtree.tree.reach import FreeValues, ModuleArguments, Reach
 from graphtree.tree.stats import count_eager
@@ -54,38 +55,6 @@ def _has_cuda() -> bool:
     if _cuda_ok is None:
         _cuda_ok = torch.cuda.is_available()
     return _cuda_ok
-
-
-def _check_options(
-    buckets: Sequence[int] | None,
-    bucket_dim: int,
-    warmup: int,
-    max_rerecords: int,
-    name: str | None,
-    debug: str | os.PathLike[str] | None = None,
-    max_break_values: int = MAX_VALUES,
-    lockstep_timeout: float = LOCKSTEP_TIMEOUT,
-    parts: bool = True,
-) -> None:
-    """Raise ``ValueError`` naming the first option of ``graphed`` that is not allowed."""
-    if buckets is not None:
-        Bucketing(buckets, bucket_dim)  # checks both
-    for option, value in (
-        ("bucket_dim", bucket_dim),
-        ("warmup", warmup),
-        ("max_rerecords", max_rerecords),
-        ("max_break_values", max_break_values),
-    ):
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{option} must be a non-negative int, got {value!r}")
-    if isinstance(lockstep_timeout, bool) or not isinstance(lockstep_timeout, (int, float)) or not lockstep_timeout > 0:
-        raise ValueError(f"lockstep_timeout must be a positive number of seconds, got {lockstep_timeout!r}")
-    if not isinstance(parts, bool):
-        raise ValueError(f"parts must be True or False, got {parts!r}")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if debug is not None and (not isinstance(debug, (str, os.PathLike)) or not os.fspath(debug)):
-        raise ValueError(f"debug must be a folder (a str or path) to write dumps into, got {debug!r}")
 
 
 def mark_static(t: torch.Tensor) -> torch.Tensor:
@@ -128,22 +97,10 @@ class GraphedCallable:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"graphed() needs a callable, got {type(fn).__name__}")
-        _check_options(
-            buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts
+        # checked (a ValueError names the option), and what a copy is made with (copy.deepcopy, pickle)
+        self.options = Options(
+            buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts, min_ops
         )
-        # what a copy is made with (copy.deepcopy, pickle, torch.save): the same options, no recordings
-        self._options = {
-            "buckets": buckets,
-            "bucket_dim": bucket_dim,
-            "warmup": warmup,
-            "max_rerecords": max_rerecords,
-            "name": name,
-            "debug": debug,
-            "max_break_values": max_break_values,
-            "lockstep_timeout": lockstep_timeout,
-            "parts": parts,
-            "min_ops": min_ops,
-        }
         self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         # runs: what the calls run, where that is not fn itself (a model's forward compiled by HF's
         # get_compiled_call: tree/hf_compile.py); fn still says what it is (its module, its caches)
@@ -211,7 +168,7 @@ class GraphedCallable:
 
     def copy_options(self) -> dict[str, Any]:
         """The options it was made with, for a copy (``buckets``, ``warmup``, ``name``...)."""
-        return dict(self._options)
+        return self.options.as_dict()
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a decorator on a method: bind to the instance like a function would."""
@@ -615,9 +572,7 @@ def graphed(
         )
         return GraphedModule(f, call) if isinstance(f, torch.nn.Module) else call
 
-    if fn is None:  # as a decorator with options: @graphed(buckets=[...])
-        _check_options(
-            buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts
-        )
+    if fn is None:  # as a decorator with options: @graphed(buckets=[...]): checked now
+        Options(buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts)
         return make
     return make(fn)
