@@ -12,8 +12,8 @@
 #             the tests marked own_process (all they check runs in subprocesses): `own` runs those
 #   files     the GPU suite file by file, each in its own process ($FILES: some files only)
 #   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
-#             base commit: git archive BASE graphtree benchmarks | tar -x -C .before) and after it,
-#             in one run on the same machine
+#             base commit: git archive BASE graphtree | tar -x -C .before) and after it, alternated
+#             $ROUNDS times (default 2) on the same machine
 #
 # Set-up on a fresh clone (both folders are git-ignored through .git/info/exclude):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -291,12 +291,15 @@ PY
     random_replay)  # issue 43: what a draw costs a replay, torch's prologue against graphtree's hand-off
       timeout 180 python3 benchmarks/random_replay.py --json "$OUT/random_replay.json" 2>&1 | tail -8
       ;;
-    per_call)
-      if [ -d .before ]; then
-        (cd .before && TORCH_EXTENSIONS_DIR=/tmp/ext_before PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
-          timeout 240 python3 benchmarks/per_call.py --json "$OUT/per_call_before.json" 2>&1 | tail -14)
-      fi
-      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/per_call.py --json "$OUT/per_call_after.json" 2>&1 | tail -14
+    per_call)  # before (.before/) and after, alternated $ROUNDS times (default 2): eager moved 4 us between
+               # two processes of the same code on the H100 (nineteenth session), so one of each tells little
+      for round in $(seq ${ROUNDS:-2}); do
+        if [ -d .before ]; then
+          (cd .before && TORCH_EXTENSIONS_DIR=/tmp/ext_before PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+            timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_before_$round.json" 2>&1 | sed -n 3,16p)
+        fi
+        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/per_call.py --json "$OUT/per_call_after_$round.json" 2>&1 | sed -n 3,16p
+      done
       ;;
   esac
 done
