@@ -137,3 +137,34 @@ def test_tensor_parallelisms_hooks_do_not_count(tmp_path) -> None:
         assert ModuleHooks(mlp, include_self=True).reason("mlp") is None
     finally:
         dist.destroy_process_group()
+
+
+_NET = _net()
+
+
+def _calls_the_net(x):
+    return _NET(x) * 2
+
+
+def test_the_hooks_of_a_model_the_code_calls_by_name_count_too() -> None:
+    # `graphed(step)` where step calls a global model: the model's hooks run inside the call, and a
+    # replay would not run them; the module it reached was the graphed function's only
+    global _NET
+    g = graphtree.graphed(_calls_the_net)
+    x = torch.randn(2, 4)
+    g(x)
+    g.free.part()  # (what the first call's key reads on a GPU: the models the code calls by name)
+    seen = []
+    handle = _NET[0].register_forward_hook(lambda m, i, o: seen.append(1))
+    try:
+        before = sum(n for r, n in graphtree.stats().eager.items() if "holds a forward hook" in r)
+        torch.testing.assert_close(g(x), _calls_the_net(x))
+        after = sum(n for r, n in graphtree.stats().eager.items() if "holds a forward hook" in r)
+        assert after == before + 1 and len(seen) == 2, graphtree.stats().eager
+    finally:
+        handle.remove()
+    old, _NET = _NET, _net()  # rebound: the new model is watched, the old one not kept
+    g.free.part()
+    g(x)
+    assert all(h.module is not old for h in g._hooks._named)
+    _NET = old

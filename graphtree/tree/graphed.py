@@ -24,7 +24,7 @@ from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
 from graphtree.tree.hf_compile import CompiledTwins
 from graphtree.tree.hf_compile import install as install_compiled_twins
-from graphtree.tree.hooks import ModuleHooks
+from graphtree.tree.hooks import CallHooks
 from graphtree.tree.inputs import (
     Bucketing,
     Call,
@@ -135,7 +135,7 @@ class GraphedCallable:
         # The hooks of the modules the call runs (its own too, unless fn is its forward, around
         # which nn.Module.__call__ runs them): a call that would run one runs eagerly (tree/hooks.py)
         own_forward = self._forward and fn is not self._module and getattr(fn, "__name__", "") == "forward"
-        self._hooks = ModuleHooks(self._module, include_self=not own_forward) if self._module is not None else None
+        self._hooks = CallHooks(self._module, include_self=not own_forward)  # (and the models it calls by name)
         self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
         # a module's forward, or a function reaching no module, under autograd: tree/module_training.py
         train = (self._forward or (self._step is None and self._module is None)) and not min_ops  # (not a part)
@@ -186,7 +186,7 @@ class GraphedCallable:
                 self._take_snapshot(args, kwargs)
             if self.disabled_reason is not None:
                 return self._eager(args, kwargs, self.disabled_reason)
-            hooked = self._hooks.reason(self.name) if self._hooks is not None else None
+            hooked = self._hooks.reason(self.name, self.free.models)
             if hooked is not None:
                 return self._in_parts(args, kwargs, hooked)
             if not (_cuda_ok or _has_cuda()):
@@ -404,7 +404,7 @@ class GraphedPart(GraphedCallable):
 
     def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
         super().__init__(fn, **options)
-        self._hooks = ModuleHooks(self._module) if self._module is not None else None
+        self._hooks = CallHooks(self._module, include_self=False)
 
 
 def _graphed_again(

@@ -72,7 +72,7 @@ class ModuleHooks:
 
     def __init__(self, module: torch.nn.Module, include_self: bool = False) -> None:
         watch_parameter_changes()  # (a submodule registered bumps param_epoch: its tables are read again)
-        self._module = module
+        self.module = module
         self._include_self = include_self
         self._tables: list[tuple[str, str, dict[int, Any]]] = []
         self._epoch = -1
@@ -99,11 +99,11 @@ class ModuleHooks:
 
     def _look_up(self) -> list[tuple[str, str, dict[int, Any]]]:
         """The tables, looked up once per module tree (registering a hook adds to its module's table)."""
-        named = self._module.named_modules(remove_duplicate=True)
+        named = self.module.named_modules(remove_duplicate=True)
         return [
             (path, kind, getattr(m, kind))
             for path, m in named
-            if self._include_self or m is not self._module
+            if self._include_self or m is not self.module
             for kind in _KINDS
         ]
 
@@ -118,6 +118,31 @@ class ModuleHooks:
                         what = f"{where} holds a {kind[1:-1].replace('_', ' ')} ({_hook_name(hook)})"
                         return what + (_whose(hook) or ("" if path else _AROUND))
         return None
+
+
+class CallHooks:
+    """The hooks a graphed call would run: those of its module (:class:`ModuleHooks`) and, all of
+    each, those of the models its code calls by name (``model(x)`` in a graphed function: ``models``,
+    read by ``reach.FreeValues``). Only the models it is given last are watched (a model rebound is
+    not kept alive)."""
+
+    def __init__(self, module: torch.nn.Module | None, include_self: bool) -> None:
+        self._own = ModuleHooks(module, include_self) if module is not None else None
+        self._models: tuple[torch.nn.Module, ...] = ()
+        self._named: list[ModuleHooks] = []
+
+    def reason(self, name: str, models: tuple[torch.nn.Module, ...]) -> str | None:
+        """Why a call of ``name`` runs eagerly for the hooks it would run, or None."""
+        found = self._own.reason(name) if self._own is not None else None
+        if models is not self._models:
+            kept = {id(h.module): h for h in self._named}
+            self._named = [kept.get(id(m)) or ModuleHooks(m, include_self=True) for m in models]
+            self._models = models
+        for hooks in self._named:
+            if found is not None:
+                break
+            found = hooks.reason(name)
+        return found
 
 
 def hooks_below(module: torch.nn.Module) -> bool:

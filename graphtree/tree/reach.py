@@ -194,6 +194,7 @@ class FreeValues:
         self._epoch = -1  # the module-registration epoch the structure was read in (inputs.param_epoch)
         self._changes = 0  # replacements of submodules seen
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
+        self.models: tuple[torch.nn.Module, ...] = ()  # the models its code calls by name (read at part())
 
     def part(self) -> tuple[Any, ...] | None:
         """``("reads", ((name, type, value), ...))`` for the values read now, or None if none is read.
@@ -375,6 +376,7 @@ class FreeValues:
             self._cache = ([], None)
             self.active = bool(reads) or bool(structure)
             self.follows_modules = own > 0
+            self.models = tuple(m for m in models[1:] if isinstance(m, torch.nn.Module))
         return reads
 
 
