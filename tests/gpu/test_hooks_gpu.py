@@ -108,3 +108,35 @@ def test_transformers_output_recorders_left_by_a_hidden_states_call_do_not_stop_
                 assert torch.equal(a, b)
     s = graphtree.stats()
     assert s.replays >= 4 and not any("hook" in r for r in s.eager), s
+
+
+_BY_NAME = None
+
+
+def _calls_by_name(x):
+    return _BY_NAME(x) + 1
+
+
+def test_a_hook_on_a_model_the_function_calls_by_name_runs_on_every_call():
+    # `graphed(step)` where step calls a global model: its hooks were not watched (only the graphed
+    # callable's own module's), so one registered after the recording was skipped by replays
+    # (nineteenth session, cf8821c; CPU-tested there)
+    global _BY_NAME
+    _BY_NAME = _model().to(DEV)
+    g = graphtree.graphed(_calls_by_name)
+    x = torch.randn(8, 64, device=DEV)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                graphtree.mark_step()
+                torch.testing.assert_close(g(x), _calls_by_name(x), rtol=0, atol=0)
+        assert graphtree.stats().replays >= 2, graphtree.stats()
+        handle = _BY_NAME[2][0].register_forward_hook(lambda m, i, o: o * 2)
+        with torch.no_grad():
+            for _ in range(3):
+                graphtree.mark_step()
+                torch.testing.assert_close(g(x), _calls_by_name(x), rtol=0, atol=0)
+        assert any("holds a forward hook" in r for r in graphtree.stats().eager), graphtree.stats()
+        handle.remove()
+    finally:
+        _BY_NAME = None
