@@ -78,6 +78,7 @@ class GraphedCallable:
     """A callable whose calls run as replays of CUDA graphs (see :func:`graphed`)."""
 
     graphtree_callable = True  # (how tree/parts.py knows one among a module's attributes)
+    hooks_around = False  # its module's own hooks run around its calls, not inside (a part's: GraphedPart)
 
     def __init__(
         self,
@@ -135,7 +136,8 @@ class GraphedCallable:
         # The hooks of the modules the call runs (its own too, unless fn is its forward, around
         # which nn.Module.__call__ runs them): a call that would run one runs eagerly (tree/hooks.py)
         own_forward = self._forward and fn is not self._module and getattr(fn, "__name__", "") == "forward"
-        self._hooks = CallHooks(self._module, include_self=not own_forward)  # (and the models it calls by name)
+        inside = not (own_forward or self.hooks_around)
+        self._hooks = CallHooks(self._module, include_self=inside)  # (and the models it calls by name)
         self._step: TrainingStep | None = None if self._forward else (TrainingStep(fn) or None)
         # a module's forward, or a function reaching no module, under autograd: tree/module_training.py
         train = (self._forward or (self._step is None and self._module is None)) and not min_ops  # (not a part)
@@ -402,9 +404,7 @@ class GraphedPart(GraphedCallable):
     it (``nn.Module.__call__``); on a call where a module below it holds a hook, or a global module
     hook is registered (since it was made: ``FlopCounterMode``), it runs eagerly (tree/hooks.py)."""
 
-    def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
-        super().__init__(fn, **options)
-        self._hooks = CallHooks(self._module, include_self=False)
+    hooks_around = True  # (its forward is set on the submodule: __call__ runs the submodule's hooks)
 
 
 def _graphed_again(
