@@ -275,7 +275,7 @@ class FreeValues:
                 self._anchors = [kept.index(i) for i in self._anchors if i in kept]
                 self._cache = ([], None)
                 self._state += [r for r in changed if not any(r is q for q in self._state)]  # (still watched)
-        return watched.changed()
+        return watched.changed(changed)
 
     def after_call(self) -> None:
         """Stop following the module attributes the call just changed (a replay changes none)."""
@@ -478,12 +478,13 @@ class Containers:
         self._reads = reads
         self._values = [space.get(n, MISSING) for space, n, _ in reads]
 
-    def changed(self) -> str:
-        """The first container or value the call changed, in words ("" if none)."""
+    def changed(self, reads: list[tuple[Any, str, str]] | None = None) -> str:
+        """The first container or value the call changed, in words ("" if none); ``reads``: what
+        :meth:`changed_reads` gave, if it was asked already."""
         for (name, c), before in zip(self._watched, self._before):
             if not _same_items(_items(c), before):
                 return f"the {type(c).__name__} `{name}` (a global or closure variable its code reads)"
-        changed = self.changed_reads()
+        changed = self.changed_reads() if reads is None else reads
         return f"`{changed[0][2]}` (a value its code reads)" if changed else ""
 
     def changed_reads(self) -> list[tuple[Any, str, str]]:
