@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -290,6 +290,12 @@ PY
       ;;
     random_replay)  # issue 43: what a draw costs a replay, torch's prologue against graphtree's hand-off
       timeout 180 python3 benchmarks/random_replay.py --json "$OUT/random_replay.json" 2>&1 | tail -8
+      ;;
+    decode_loop)  # issue 47: the demo GPT's decode loop (batch 1, 4 layers of 256), graphtree against a hand-written graph
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/decode_loop.py --json "$OUT/decode_loop.json" 2>&1 | tail -12
+      ;;
+    call_walk)  # issue 47, item 4: the graphtree modules a replayed call stops in, and how often it returns to one it left
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/call_walk.py 2>&1 | tee "$OUT/call_walk.txt" | tail -8
       ;;
     per_call)  # before (.before/) and after, alternated $ROUNDS times (default 2): eager moved 4 us between
                # two processes of the same code on the H100 (nineteenth session), so one of each tells little
