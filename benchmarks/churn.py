@@ -4,7 +4,8 @@ A 20-layer MLP fed a new batch size on each of 100 calls (with and without a hos
 Hugging Face ``generate()`` with its default dynamic cache (a new sequence length every decode step)
 with ``model.forward`` graphed. Eager and graphtree calls are taken in turn (clocks drift alike for
 both). Prints median and mean ms per call (or per generate; the first left out, warm-ups in the
-mean) and their ratios to eager, in one process; run on a GPU::
+mean) and their ratios to eager, in one process; then what a churning call costs the host, graphtree
+against eager with no synchronisation, and where graphtree's share goes (cProfile). Run on a GPU::
 
     python benchmarks/churn.py [--json out.json]
 """
@@ -86,6 +87,54 @@ def churning_mlp(host_read: bool, calls: int = 100) -> dict[str, float]:
     return _row(eager, graphed)
 
 
+def churn_cost(per_rep: int = 200, reps: int = 5, top: int = 12) -> dict[str, Any]:
+    """What graphtree's decision costs once a callable churns (item 6: "costs less"): the CPU
+    microseconds of a churning call of the same 20-layer MLP, graphtree against eager, with no
+    synchronisation (the host's cost alone), and the functions graphtree's calls spent their own
+    time in (cProfile, ``top`` of graphtree's functions): the bookkeeping to cut. Every graphed call meets a shape
+    it never met (a signature met before is warmed up and recorded: that is not churn)."""
+    import cProfile
+    import io
+    import pstats
+
+    f = _mlp(False)
+    g = graphtree.graphed(f)
+    base = torch.randn(40, 40, 256, device="cuda")
+    views = [base[:a, :b] for a in range(1, 41) for b in range(1, 41)]  # 1,600 shapes, no new memory
+    need = 40 + per_rep * (reps + 1)
+    if need > len(views):
+        raise ValueError(f"per_rep * (reps + 1) + 40 must be at most {len(views)}, got {need}")
+    chunks = [views[40 + k * per_rep : 40 + (k + 1) * per_rep] for k in range(reps + 1)]
+
+    def cpu_us(fn: Callable[[torch.Tensor], Any], xs: list[torch.Tensor]) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for x in xs:
+            graphtree.mark_step()
+            fn(x)
+        t = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return t / len(xs) * 1e6
+
+    with torch.inference_mode():
+        for x in views[:need]:
+            f(x)  # (cuBLAS has met every size)
+        graphtree.reset()
+        cpu_us(g, views[:40])  # past the warm-ups: churning
+        eager, graphed = [], []
+        for xs in chunks[:reps]:
+            eager.append(cpu_us(f, xs))
+            graphed.append(cpu_us(g, xs))
+        prof = cProfile.Profile()
+        prof.enable()
+        cpu_us(g, chunks[reps])
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats("graphtree", top)
+    e, gr = statistics.median(eager), statistics.median(graphed)
+    return {"eager_cpu_us": e, "graphtree_cpu_us": gr, "extra_us": gr - e, "profile": text.getvalue()}
+
+
 def dynamic_cache_generate(runs: int = 5) -> dict[str, float]:
     import transformers
 
@@ -143,6 +192,12 @@ def main() -> None:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: {type(e).__name__}: {e}")
         print("  ", graphtree.stats())
+    graphtree.reset()
+    cost = out["churning call's cost on the host"] = churn_cost()
+    print(
+        f"a churning call's CPU cost (no sync): eager {cost['eager_cpu_us']:.1f} us, graphtree "
+        f"{cost['graphtree_cpu_us']:.1f} us, +{cost['extra_us']:.1f} us; graphtree's own time:\n{cost['profile']}"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
