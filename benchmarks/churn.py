@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import graphtree
+from graphtree import _native
 
 
 def _mlp(host_read: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -193,6 +194,7 @@ def main() -> None:
             print(f"{name}: {type(e).__name__}: {e}")
         print("  ", graphtree.stats())
     graphtree.reset()
+    _native.wait(600)  # (the helpers a long-running process has; the rows above may have run before them)
     cost = out["churning call's cost on the host"] = churn_cost()
     print(
         f"a churning call's CPU cost (no sync): eager {cost['eager_cpu_us']:.1f} us, graphtree "
