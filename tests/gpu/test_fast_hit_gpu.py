@@ -54,7 +54,7 @@ def test_a_value_the_code_reads_changed_mid_loop_is_not_replayed_stale(fast_repl
     global SCALE
     step = graphtree.graphed(scaled)
     x = torch.randn(64, 64, device=DEV)
-    for _ in range(6):
+    for _ in range(8):  # a warm-up, the recording, a replay by the Python path, then fast hits
         step(x)
     try:
         SCALE = 3.0
@@ -62,7 +62,7 @@ def test_a_value_the_code_reads_changed_mid_loop_is_not_replayed_stale(fast_repl
     finally:
         SCALE = 2.0
     torch.testing.assert_close(step(x), scaled(x), rtol=0, atol=0)
-    assert sum(fast_replays) >= 4, fast_replays
+    assert sum(fast_replays[:-2]) >= 3 and fast_replays[-2:] == [0, 0], fast_replays  # (both changes missed)
 
 
 def test_a_module_in_a_loop_keeps_every_check_of_the_python_path(fast_replays):
