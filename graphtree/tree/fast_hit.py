@@ -74,6 +74,7 @@ class FastHit:
         "module",
         "node",
         "parent",
+        "plan",
         "reads",
         "replaced",
         "training",
@@ -97,6 +98,12 @@ class FastHit:
         self.epoch = _inputs.param_epoch()
         self.models = gc.free.models
         self.replaced = replaced
+        # What the native twin of replay() reads (graphtree/_native: fast_replay), in its order.
+        self.plan = (
+            MISS, gc, tree, node, self.parent, self.child_key, device, ambient, self.module, self.training,
+            _torch.hook_handle_class(), self.handles, _inputs.param_epoch_cell(), self.epoch, gc.free, self.models,
+            reads, _manager.thread_state(), gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
+        )  # fmt: skip
 
     def replay(self, args: tuple[Any, ...], needs_grad: bool) -> Any:
         """The replay the Python path would make of ``args``, or :data:`MISS` (nothing changed)."""
@@ -167,7 +174,8 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     hit = hits.get(sig[0])
     if hit is None or hit is _GAVE_UP:
         return MISS
-    result: Any = hit.replay(args, sig[2])
+    fast = getattr(native, "fast_replay", None)  # (a build from before it: the Python twin)
+    result: Any = fast(hit.plan, args, sig[2]) if fast is not None else hit.replay(args, sig[2])
     return result
 
 

@@ -98,6 +98,12 @@ def tree_here(device: int) -> tuple[TreeManager | None, bool]:
     return (managers.get(device) if managers is not None else None), not here.get("one_step", 0)
 
 
+def thread_state() -> threading.local:
+    """The threads' own state: ``managers`` (device -> tree) and ``one_step`` in each thread's
+    ``__dict__`` (the native fast replay reads them as :func:`tree_here` does)."""
+    return _tls
+
+
 @contextlib.contextmanager
 def one_step() -> Iterator[dict[int, int] | None]:
     """Calls in the block (this thread's) start no step by themselves: a function called twice keeps

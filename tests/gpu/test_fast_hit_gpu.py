@@ -20,17 +20,19 @@ SCALE = 2.0
 
 @pytest.fixture
 def fast_replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """1 for each call a FastHit replayed, 0 for each it left to the Python path."""
-    assert _native.wait(600) is not None, _native.status()
+    """1 for each call a fast hit replayed (natively: the helpers are built first), 0 for each it
+    left to the Python path."""
+    native = _native.wait(600)
+    assert native is not None and hasattr(native, "fast_replay"), _native.status()
     seen: list[int] = []
-    original = fast_hit.FastHit.replay
+    original = fast_hit.replay_again
 
-    def counted(self: Any, args: Any, needs_grad: bool) -> Any:
-        out = original(self, args, needs_grad)
+    def counted(gc: Any, hits: Any, args: Any) -> Any:
+        out = original(gc, hits, args)
         seen.append(0 if out is fast_hit.MISS else 1)
         return out
 
-    monkeypatch.setattr(fast_hit.FastHit, "replay", counted)
+    monkeypatch.setattr(fast_hit, "replay_again", counted)
     graphtree.reset()
     yield seen
     graphtree.reset()
