@@ -4,8 +4,9 @@ The demo GPT (``graphtree.demo.gpt.TinyGPT``) at batch 1, 4 layers of ``d_model`
 greedily. Each step is what a serving loop does: the model's step, ``argmax`` of the logits, the
 position advanced in place. Three ways, taken in turn within each round (clocks drift alike):
 
-- ``hand``: ``torch.cuda.graph`` captured once around ``model.decode_step`` on static buffers; per
-  step, ``static_tokens.copy_(tokens)``, ``graph.replay()``, the static logits read;
+- ``hand``: ``torch.cuda.graph`` captured once around ``model.decode_step`` on static buffers
+  (``graphtree.bench``'s ``HandGraph``); per step, the tokens and the position copied in,
+  ``graph.replay()``, the static logits read;
 - ``graphtree``: ``graphtree.graphed(model.decode_step)`` called with the step's tokens;
 - ``eager``: ``model.decode_step`` itself.
 
@@ -34,34 +35,18 @@ import torch
 
 import graphtree
 from graphtree import _native
+from graphtree.bench.contenders import HandGraph
 from graphtree.demo.gpt import GPTConfig, TinyGPT
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def hand_graph(model: TinyGPT) -> Step:
-    """The hand-written graph of ``model.decode_step``: static tokens and position, one capture
-    (after warm-up on a side stream, as ``torch.cuda.graphs`` documents), the tokens copied in."""
+    """The hand-written graph of ``model.decode_step`` (``graphtree.bench``'s ``HandGraph``: static
+    tokens and position, three warm-ups on a side stream, one capture; a call copies both in)."""
     dev = model.device
-    static_tokens = torch.zeros(model.batch, 1, dtype=torch.long, device=dev)
-    static_pos = torch.zeros((), dtype=torch.long, device=dev)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model.decode_step(static_tokens, static_pos)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_logits = model.decode_step(static_tokens, static_pos)
-
-    def step(tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        static_tokens.copy_(tokens)
-        static_pos.copy_(pos)
-        graph.replay()
-        return static_logits
-
-    return step
+    tokens = torch.zeros(model.batch, 1, dtype=torch.long, device=dev)
+    return HandGraph(model.decode_step, tokens, torch.zeros((), dtype=torch.long, device=dev), warmup=3)
 
 
 def decode(step: Step, model: TinyGPT, steps: int, synced: bool) -> tuple[torch.Tensor, float]:
