@@ -181,36 +181,37 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
 
 def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     """After a call the Python path ran: keep its replay for the next call of its signature, where
-    the replay was one :class:`FastHit` covers (see the module)."""
+    the replay was one :class:`FastHit` covers (see the module). The cheap answers come first: a
+    call that replays a recording no fast hit covers, or a signature given up, pays only those."""
     tree, _ = _manager.tree_here(device)
     node = tree.hit if tree is not None else None
-    if tree is None or node is None or node.key[0] != gc.id or call.spec is not None or call.bucket >= 0:
+    if tree is None or node is None or node.key[0] != gc.id or node.first is not None:
         return
-    native = _native.loaded
+    if not (node.unconditional or node.statics_only) or call.spec is not None or call.bucket >= 0:
+        return
     args = call.leaves
-    if native is None or not all(type(a) is torch.Tensor for a in args):
+    n = len(args)
+    sig = call.key[:n]  # (the tensors' parts: what replay_again looks a hit up by, from either read)
+    old = hits.get(sig)
+    if old is _GAVE_UP or not all(type(a) is torch.Tensor for a in args):
         return
-    sig = native.signature(tuple(args), _PLAIN)
-    if sig is None or sig[1] != device:
+    if not all(len(part) == 3 and part[2] is not None for part in sig):
+        return  # (a host scalar's part has no strides, a lazy view's four items: the native signature leaves both)
+    if gc.takes_python_path(call.needs_grad) or _torch.hook_handles_made() < 0:
         return
     ambient = _ambient()
     module = gc.module()
-    expected = (*sig[0], ambient, ("training", module.training)) if module is not None else (*sig[0], ambient)
+    rest: tuple[Any, ...] = (ambient, ("training", module.training)) if module is not None else (ambient,)
     free = gc.free
     reads = free.part() if free.active else None
     if reads is not None:
-        expected = (*expected, reads)
-    if call.key != expected or node.key[1] != expected or not (node.unconditional or node.statics_only):
-        return  # (its key holds more than the tensors and the ambient state: reads, a step, numbers)
-    if gc.takes_python_path(sig[2]) or _torch.hook_handles_made() < 0:
-        return
-    old = hits.get(sig[0])
-    if old is _GAVE_UP:
-        return
+        rest = (*rest, reads)
+    if call.key[n:] != rest or node.key[1] != call.key:
+        return  # (its key holds more than the tensors, the ambient state and the values read: a step, numbers)
     replaced = old.replaced + 1 if old is not None else 0  # (it missed, and the Python path replayed)
     if replaced > MAX_REPLACED:
-        hits[sig[0]] = _GAVE_UP
+        hits[sig] = _GAVE_UP
         return
     if old is None and len(hits) >= KEEP:
         del hits[next(iter(hits))]
-    hits[sig[0]] = FastHit(gc, tree, node, device, ambient, reads, replaced)
+    hits[sig] = FastHit(gc, tree, node, device, ambient, reads, replaced)
