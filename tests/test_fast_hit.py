@@ -67,9 +67,12 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(placement, "_current_stream", abs)
     monkeypatch.setattr(liveness, "_storage_at", lambda ptr, dev, n: torch.UntypedStorage(n))
     monkeypatch.setattr(liveness, "_tensor_on", lambda m, s: torch.empty(0).set_(s, 0, m["size"], m["stride"]))
+    before = set(manager_mod.managers())
     _fresh()
     yield fake
     _fresh()
+    for tree in set(manager_mod.managers()) - before:  # (graphtree.reset() would synchronize their device)
+        manager_mod._all_managers.discard(tree)
 
 
 def _replay(hit: Any, args: tuple[Any, ...], needs_grad: bool) -> Any:
