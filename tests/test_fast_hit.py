@@ -5,7 +5,6 @@ does: the tree, the walk, the liveness of outputs and the counters are graphtree
 
 from __future__ import annotations
 
-import array
 import threading
 import types
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from gt_fast_hit import count_fast_replays, stand_in_helpers, stand_in_signature
 
 import graphtree
 from graphtree import _native
@@ -27,16 +27,6 @@ from graphtree.tree.outputs import FromPool, Group, OutputPlan
 from graphtree.tree.placement import InputPlan
 
 
-def _signature(args: tuple[Any, ...], plain: Any) -> Any:
-    """The native signature's answer for CPU tensors (the real one leaves them to Python)."""
-    parts = []
-    for x in args:
-        if type(x) is not torch.Tensor:
-            return None
-        parts.append((tuple(x.shape), x.dtype, x.stride()))
-    return tuple(parts), 0, any(x.requires_grad for x in args)
-
-
 class _Launches:
     def __init__(self) -> None:
         self.n = 0
@@ -49,13 +39,7 @@ class _Launches:
 def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
     """Stand-ins for the native helpers; the fast hit's replay is its Python twin, or the native
     ``fast_replay`` where the helpers build (their CUDA calls fall back to the Python twins here)."""
-    fake = types.SimpleNamespace(
-        signature=_signature,
-        ambient=ambient._python_state,  # the real state, read in Python
-        copy_in=lambda stream, leaves, copies, writes: True,
-        addresses_unchanged=lambda ts, packed: array.array("Q", [t.data_ptr() for t in ts]).tobytes() == packed,
-        ptrs_equal=lambda ts, ptrs, idx: all(ts[k].data_ptr() == ptrs[k] for k in idx),
-    )
+    fake = stand_in_helpers(ambient=ambient._python_state)  # (the real state, read in Python)
     if request.param == "native":
         real = _native.wait(600)
         if real is None:
@@ -122,36 +106,15 @@ def _state(tree: Any, node: Any) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def _fast_calls(gc: Any) -> list[int]:
-    """Counts the calls that went through a fast hit: 1 for each it replayed, 0 for each it missed."""
-    seen: list[int] = []
-    original = fast_hit.replay_again
-
-    def counted(gc: Any, hits: Any, args: Any) -> Any:
-        out = original(gc, hits, args)
-        seen.append(0 if out is fast_hit.MISS else 1)
-        return out
-
-    fast_hit.replay_again = counted  # type: ignore[assignment]
-    return seen
-
-
-@pytest.fixture
-def counted() -> Iterator[None]:
-    original = fast_hit.replay_again
-    yield
-    fast_hit.replay_again = original  # type: ignore[assignment]
-
-
 @pytest.mark.parametrize("marked", [False, True], ids=["automatic steps", "mark_step"])
-def test_a_loop_replays_through_the_fast_hit_and_leaves_what_the_python_path_leaves(stand_ins, counted, marked):
+def test_a_loop_replays_through_the_fast_hit_and_leaves_what_the_python_path_leaves(stand_ins, monkeypatch, marked):
     x = torch.randn(8, 8)
     walks = []
     for fast in (False, True):
         _fresh()
         step = graphtree.graphed(lambda t: t * 2 + 1)
         tree, node, launches = _record(step, x)
-        seen = _fast_calls(step)
+        seen = count_fast_replays(monkeypatch)
         states = []
         for _ in range(6):
             if not fast:
@@ -171,7 +134,7 @@ def test_a_loop_replays_through_the_fast_hit_and_leaves_what_the_python_path_lea
     assert walks[0] == walks[1]
 
 
-def test_a_held_output_is_invalidated_at_the_next_step_as_on_the_python_path(stand_ins, counted, monkeypatch):
+def test_a_held_output_is_invalidated_at_the_next_step_as_on_the_python_path(stand_ins, monkeypatch):
     x = torch.randn(8, 8)
     results = []
     for fast in (False, True):
@@ -181,7 +144,7 @@ def test_a_held_output_is_invalidated_at_the_next_step_as_on_the_python_path(sta
         step = graphtree.graphed(lambda t: t * 2 + 1)
         tree, node, _ = _record(step, x)
         step(x)
-        seen = _fast_calls(step)
+        seen = count_fast_replays(monkeypatch)
         if not fast:
             step.fast_hits.clear()
         held = step(x)  # kept by the caller
@@ -198,7 +161,7 @@ def test_a_held_output_is_invalidated_at_the_next_step_as_on_the_python_path(sta
     "change",
     ["grad of the input", "a forward hook", "eval mode", "default dtype", "disabled", "another thread", "a new shape"],
 )
-def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(stand_ins, counted, change):
+def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(stand_ins, monkeypatch, change):
     model = torch.nn.Linear(8, 8)
     model.train()
     x = torch.randn(8, 8)
@@ -208,7 +171,7 @@ def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(sta
         tree, node, launches = _record(gc, x)
         gm(x)
         gm(x)
-    seen = _fast_calls(gc)
+    seen = count_fast_replays(monkeypatch)
     with torch.no_grad():
         gm(x)
     assert seen == [1], "the fast hit replays first"
@@ -245,7 +208,7 @@ def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(sta
         finally:
             torch.set_default_dtype(torch.float32)
     elif change == "a new shape":
-        assert _signature((arg,), None)[0] not in gc.fast_hits
+        assert stand_in_signature((arg,), None)[0] not in gc.fast_hits
     else:
         grad = change == "grad of the input"
         with torch.set_grad_enabled(grad):
@@ -261,13 +224,13 @@ def scaled(t: torch.Tensor) -> torch.Tensor:
     return t * SCALE
 
 
-def test_a_value_the_code_reads_keys_the_fast_hit_as_the_python_path(stand_ins, counted):
+def test_a_value_the_code_reads_keys_the_fast_hit_as_the_python_path(stand_ins, monkeypatch):
     global SCALE
     x = torch.randn(8, 8)
     step = graphtree.graphed(scaled)
     tree, node, launches = _record(step, x)
     step(x)
-    seen = _fast_calls(step)
+    seen = count_fast_replays(monkeypatch)
     step(x)
     assert seen == [1], "a function reading a global replays through its fast hit"
     (hit,) = step.fast_hits.values()
@@ -280,12 +243,12 @@ def test_a_value_the_code_reads_keys_the_fast_hit_as_the_python_path(stand_ins, 
     assert _state(tree, node) == before and launches.n == 2
 
 
-def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_it_keeps_missing(stand_ins, counted):
+def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_it_keeps_missing(stand_ins, monkeypatch):
     x = torch.randn(8, 8)
     step = graphtree.graphed(lambda t: t * 2 + 1)
     _record(step, x)
     step(x)
-    seen = _fast_calls(step)
+    seen = count_fast_replays(monkeypatch)
     step(x)
     torch.nn.Linear(2, 2)  # a parameter registered anywhere: the epoch every recording's check keys moves
     step(x)  # the fast hit misses, the Python path replays and makes it again

@@ -5,14 +5,13 @@ code reads, a held output) still changes it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
+from gt_fast_hit import count_fast_replays
 
 import graphtree
 from graphtree import _native
-from graphtree.tree import fast_hit
 
 DEV = "cuda"
 SCALE = 2.0
@@ -24,15 +23,7 @@ def fast_replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     left to the Python path."""
     native = _native.wait(600)
     assert native is not None and hasattr(native, "fast_replay"), _native.status()
-    seen: list[int] = []
-    original = fast_hit.replay_again
-
-    def counted(gc: Any, hits: Any, args: Any) -> Any:
-        out = original(gc, hits, args)
-        seen.append(0 if out is fast_hit.MISS else 1)
-        return out
-
-    monkeypatch.setattr(fast_hit, "replay_again", counted)
+    seen = count_fast_replays(monkeypatch)
     graphtree.reset()
     yield seen
     graphtree.reset()
