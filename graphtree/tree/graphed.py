@@ -103,7 +103,6 @@ class GraphedCallable:
         self.options = Options(
             buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts, min_ops
         )
-        self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         # runs: what the calls run, where that is not fn itself (a model's forward compiled by HF's
         # get_compiled_call: tree/hf_compile.py); fn still says what it is (its module, its caches)
         self.fn = runs if runs is not None else fn
@@ -113,10 +112,6 @@ class GraphedCallable:
         # surface outside the calls) and the dump of a call that raises
         self._snapshots = _events.provided("debug").snapshots(fn, debug, self.name) if debug is not None else None
         self.bucketing = Bucketing(buckets, bucket_dim) if buckets is not None else None
-        self._warmup = warmup
-        self.max_rerecords = max_rerecords
-        self.max_break_values = max_break_values
-        self.lockstep_timeout = float(lockstep_timeout)
         # The process groups of the collectives it calls, and the ranks' agreements (tree/lockstep.py)
         self._groups: dict[str, tuple[int, ...]] = {}
         self._lockstep: Lockstep | None = None
@@ -168,7 +163,7 @@ class GraphedCallable:
     def warmup(self) -> int:
         """Eager runs before a new signature is recorded (``warmup=``); what the call reaches may
         ask for more (a DistributedDataParallel model: ``FreeValues.warms_up``)."""
-        return self._warmup
+        return self.options.warmup
 
     def copy_options(self) -> dict[str, Any]:
         """The options it was made with, for a copy (``buckets``, ``warmup``, ``name``...)."""
@@ -203,9 +198,9 @@ class GraphedCallable:
                 return self._hf_caches.run(self._run, self._eager, args, kwargs)
             return self._run(args, kwargs)
         except Exception as e:
-            if self.debug is not None:
+            if self.options.debug is not None:
                 _events.provided("debug").dump_failure(
-                    self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots
+                    self.options.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots
                 )
             raise
 
@@ -296,7 +291,7 @@ class GraphedCallable:
         collective; ``groups``: the process groups a warm-up saw it use (name -> global ranks)."""
         if groups and not groups.keys() <= self._groups.keys():
             self._groups.update(groups)
-            self._lockstep = for_groups(self.name, self._groups, self.lockstep_timeout)
+            self._lockstep = for_groups(self.name, self._groups, float(self.options.lockstep_timeout))
             release_before_teardown(drop_all)  # its captures would hang destroy_process_group (teardown.py)
         return self._lockstep
 
@@ -329,7 +324,7 @@ def _take_snapshot(gc: GraphedCallable, snapshots: Any, args: tuple[Any, ...], k
     try:
         snapshots.take(args, kwargs)
     except RuntimeError as e:  # the first CUDA call of this call: a fault of earlier work surfaces here
-        err = _manager.explain_fault_before_replay(e, gc.name, str(gc.debug))
+        err = _manager.explain_fault_before_replay(e, gc.name, str(gc.options.debug))
         if err is e:
             raise
         raise err from e
@@ -378,7 +373,7 @@ def _module_helpers(
         caches = CacheLayouts(module)
         if runs is None:  # generate()'s compiled decode step, graphed too (tree/hf_compile.py)
             twin = functools.partial(
-                type(gc), fn, name=f"{gc.name} (compiled)", warmup=gc.warmup, parts=False, debug=gc.debug
+                type(gc), fn, name=f"{gc.name} (compiled)", warmup=gc.warmup, parts=False, debug=gc.options.debug
             )
             twins = CompiledTwins(fn, lambda compiled: twin(runs=compiled))
             install_compiled_twins(module)
@@ -387,9 +382,9 @@ def _module_helpers(
         make = functools.partial(
             GraphedPart,
             warmup=gc.warmup,
-            max_rerecords=gc.max_rerecords,
-            max_break_values=gc.max_break_values,
-            lockstep_timeout=gc.lockstep_timeout,
+            max_rerecords=gc.options.max_rerecords,
+            max_break_values=gc.options.max_break_values,
+            lockstep_timeout=gc.options.lockstep_timeout,
             min_ops=MIN_PART_OPS,
         )
         made = Parts(module, gc.name, make)

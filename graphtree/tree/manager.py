@@ -241,7 +241,7 @@ class TreeManager:
         the graph replayed before it, and how to find the kernel (:mod:`graphtree.tree.replay_error`)."""
         if not is_cuda_error(e):
             raise e
-        debug = None if gc.debug is None else str(gc.debug)
+        debug = None if gc.options.debug is None else str(gc.options.debug)
         raise explain(e, recording=signature(node), previous=self.last_signature(), debug_dir=debug) from e
 
     def last_signature(self) -> str | None:
