@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -290,6 +290,11 @@ PY
       ;;
     random_replay)  # issue 43: what a draw costs a replay, torch's prologue against graphtree's hand-off
       timeout 180 python3 benchmarks/random_replay.py --json "$OUT/random_replay.json" 2>&1 | tail -8
+      ;;
+    fast_hit)  # branch fast-hit: its GPU tests and the suites that exercise replays most, in one process
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_fast_hit_gpu.py \
+        tests/gpu/test_hooks_gpu.py tests/gpu/test_real_paths_gpu.py tests/gpu/test_random_gpu.py tests/gpu/test_tree_gpu.py \
+        tests/gpu/test_fuzz_ambient_gpu.py tests/gpu/test_fuzz_gpu.py tests/gpu/test_models_gpu.py 2>&1 | tee "$OUT/fast_hit.log" | tail -25
       ;;
     decode_loop)  # issue 47: the demo GPT's decode loop (batch 1, 4 layers of 256), graphtree against a hand-written graph
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/decode_loop.py --json "$OUT/decode_loop.json" 2>&1 | tail -12

@@ -115,7 +115,7 @@ def test_each_option_is_checked_where_it_is_given(options, named):
 
 def test_good_options_are_taken_as_given():
     g = graphtree.graphed(lambda x: x, buckets=(4, 1, 2), bucket_dim=1, warmup=0, max_rerecords=0, name="f")
-    assert g.bucketing.sizes == [1, 2, 4] and g.bucketing.dim == 1 and g.warmup == 0 and g.max_rerecords == 0
+    assert g.bucketing.sizes == [1, 2, 4] and g.bucketing.dim == 1 and g.warmup == 0 and g.options.max_rerecords == 0
     with pytest.raises(ValueError, match=r"warm_up\(sizes"):
         g.warm_up(torch.ones(2, 2), sizes=[3])
 
@@ -500,7 +500,7 @@ def test_a_graphed_module_saved_whole_loads_graphed(tmp_path):
     g = graphtree.graphed(_net(), max_rerecords=3)
     torch.save(g, tmp_path / "model.pt")
     back = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert isinstance(back, graphtree.GraphedModule) and back.graphed_callable.max_rerecords == 3
+    assert isinstance(back, graphtree.GraphedModule) and back.graphed_callable.options.max_rerecords == 3
     x = torch.randn(2, 4)
     assert torch.equal(back(x), g(x))
 

@@ -214,13 +214,13 @@ def test_a_collected_graphed_callable_is_pruned_at_the_next_step():
     g = graphtree.graphed(lambda x: x, name="doomed")
     g.id = 2  # the collected callable's recordings are those keyed by its id
     manager._collected.append(2)  # what its finalizer does
-    tree._new_step(())
+    tree.new_step(())
     assert list(tree.walk.root.children) == [(1, ())]
     assert dead.children == {} and below.parent is None  # unlinked: freed without the collector
     assert tree.warmed == {(1, "k"): 1}
     assert tree.memory.has_pool  # a recording is left: the pool stays
     manager._collected.append(1)
-    tree._new_step(())
+    tree.new_step(())
     assert tree.walk.root.children == {} and not tree.memory.has_pool  # empty: the pool goes
 
 

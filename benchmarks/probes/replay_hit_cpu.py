@@ -13,7 +13,6 @@ benchmark. On a GPU, ``benchmarks/call_walk.py`` walks a real replay. Run::
 from __future__ import annotations
 
 import argparse
-import array
 import os
 import sys
 import types
@@ -34,23 +33,11 @@ from graphtree.tree.inputs import param_epoch, read_call
 from graphtree.tree.outputs import FromPool, Group, OutputPlan
 from graphtree.tree.placement import InputPlan
 
+# the stand-ins the fast hit's tests use (tests/fakes/gt_fast_hit.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fakes"))
+from gt_fast_hit import stand_in_helpers
 
-def _signature(args: tuple[Any, ...], plain: Any) -> Any:
-    parts = []
-    for x in args:
-        if type(x) is not torch.Tensor:
-            return None
-        parts.append((tuple(x.shape), x.dtype, x.stride()))
-    return tuple(parts), 0, any(x.requires_grad for x in args)
-
-
-STAND_INS = types.SimpleNamespace(
-    signature=_signature,
-    ambient=lambda: (1, torch.float32, None),
-    copy_in=lambda stream, leaves, copies, writes: True,
-    addresses_unchanged=lambda ts, packed: array.array("Q", [t.data_ptr() for t in ts]).tobytes() == packed,
-    ptrs_equal=lambda ts, ptrs, idx: all(ts[k].data_ptr() == ptrs[k] for k in idx),
-)
+STAND_INS = stand_in_helpers(ambient=lambda: (1, torch.float32, None))
 
 
 def _install() -> None:

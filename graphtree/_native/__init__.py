@@ -37,7 +37,7 @@ from types import ModuleType
 
 log = logging.getLogger("graphtree")
 
-_SOURCE = Path(__file__).with_name("fastpath.cpp")
+_SOURCES = [Path(__file__).with_name("fastpath.cpp"), Path(__file__).with_name("fast_replay.cpp")]
 _ENV = "GRAPHTREE_NATIVE"
 
 loaded: ModuleType | None = None
@@ -149,7 +149,7 @@ def build_here() -> str:
     def load(name: str, cflags: list[str], ldflags: list[str], include: list[str] | None) -> str:
         module = cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O2", *cflags],
             extra_ldflags=["-ldl", *ldflags],
             extra_include_paths=include,

@@ -1244,6 +1244,14 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 #endif
 
+}  // namespace
+
+namespace graphtree_native {
+PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
+}  // namespace graphtree_native
+
+namespace {
+
 PyMethodDef methods[] = {
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ptrs_equal)), METH_FASTCALL,
      "ptrs_equal(tensors, ptrs, idx) -> bool"},
@@ -1268,6 +1276,8 @@ PyMethodDef methods[] = {
      "channel_write(writer, args, kwargs) -> result"},
     {"ambient", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ambient)), METH_FASTCALL,
      "ambient() -> (bits, default dtype, autocast dtype | None)"},
+    {"fast_replay", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_replay)), METH_FASTCALL,
+     "fast_replay(plan, leaves, needs_grad) -> outputs | plan[0]"},
 #ifdef GRAPHTREE_CUDA
     {"capture_begin_isolated",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(capture_begin_isolated)), METH_FASTCALL,
@@ -1292,5 +1302,12 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, GT_STR(TORCH_EXTENSION_NAME), "
                           -1, methods};
 
 }  // namespace
+
+// What fast_replay.cpp (the fast hit's native twin, a source of its own) calls here.
+namespace graphtree_native {
+PyObject* ambient_now() { return ambient(nullptr, nullptr, 0); }
+PyObject* copy_in_now(PyObject* const* args) { return copy_in(nullptr, args, 4); }
+PyObject* addresses_unchanged_now(PyObject* const* args) { return addresses_unchanged(nullptr, args, 2); }
+}  // namespace graphtree_native
 
 PyMODINIT_FUNC GT_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }

@@ -389,6 +389,11 @@ def global_module_hooks() -> bool:
     return any(getattr(m, f"_global_{kind}", None) for kind in kinds)
 
 
+def hook_handle_class() -> type:
+    """The class whose ``next_id`` :func:`hook_handles_made` reads (the native fast replay reads it)."""
+    return torch.utils.hooks.RemovableHandle
+
+
 def hook_handles_made() -> int:
     """How many hook handles torch has made in this process (``RemovableHandle.next_id``: every
     ``register_*_hook`` makes one), or -1 where torch does not count them: a number that moved

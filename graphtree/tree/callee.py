@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
     from graphtree.tree.inputs import Bucketing, Call
     from graphtree.tree.lockstep import Lockstep
     from graphtree.tree.numbers import Numbers
+    from graphtree.tree.options import Options
     from graphtree.tree.reach import FreeValues
     from graphtree.tree.training_step import TrainingStep
     from graphtree.tree.verdicts import Verdicts
@@ -37,9 +37,7 @@ class Callee(Protocol):
     id: int  # its recordings are keyed (id, signature)
     name: str
     fn: Callable[..., Any]
-    max_rerecords: int
-    max_break_values: int  # distinct values a host read may give (tree/breaks.py); 0: no breaks
-    debug: str | os.PathLike[str] | None
+    options: Options  # what it was made with: max_rerecords, max_break_values, debug...
     bucketing: Bucketing | None
     verdicts: Verdicts  # its signatures given up (with the reasons), and the counts that decide it
     churn: Churn  # its run of warm-ups: new signatures run eagerly while they keep changing

@@ -15,6 +15,7 @@ import torch
 from graphtree import _events, _torch
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
+from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import manager as _manager
 from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.bucket_warmup import record_buckets
@@ -102,7 +103,6 @@ class GraphedCallable:
         self.options = Options(
             buckets, bucket_dim, warmup, max_rerecords, name, debug, max_break_values, lockstep_timeout, parts, min_ops
         )
-        self.debug = debug  # a folder: a call that raises leaves a dump there (graphtree.debug)
         # runs: what the calls run, where that is not fn itself (a model's forward compiled by HF's
         # get_compiled_call: tree/hf_compile.py); fn still says what it is (its module, its caches)
         self.fn = runs if runs is not None else fn
@@ -112,10 +112,6 @@ class GraphedCallable:
         # surface outside the calls) and the dump of a call that raises
         self._snapshots = _events.provided("debug").snapshots(fn, debug, self.name) if debug is not None else None
         self.bucketing = Bucketing(buckets, bucket_dim) if buckets is not None else None
-        self._warmup = warmup
-        self.max_rerecords = max_rerecords
-        self.max_break_values = max_break_values
-        self.lockstep_timeout = float(lockstep_timeout)
         # The process groups of the collectives it calls, and the ranks' agreements (tree/lockstep.py)
         self._groups: dict[str, tuple[int, ...]] = {}
         self._lockstep: Lockstep | None = None
@@ -149,6 +145,7 @@ class GraphedCallable:
         # that cannot be graphed runs with its submodules graphed (tree/parts.py)
         self.min_ops = min_ops  # a part whose warm-ups dispatch fewer operators is not worth a graph
         self._hf_caches, self.compiled_twins, self._parts = _module_helpers(self, fn, runs, parts)
+        self.fast_hits: dict[Any, Any] = {}  # its signatures' last replays (tree/fast_hit.py)
         functools.update_wrapper(self, fn, updated=())
         # Collected, its recordings (and the pool memory only they used) are dropped at each tree's next step.
         weakref.finalize(self, _manager.forget, self.id)
@@ -166,7 +163,7 @@ class GraphedCallable:
     def warmup(self) -> int:
         """Eager runs before a new signature is recorded (``warmup=``); what the call reaches may
         ask for more (a DistributedDataParallel model: ``FreeValues.warms_up``)."""
-        return self._warmup
+        return self.options.warmup
 
     def copy_options(self) -> dict[str, Any]:
         """The options it was made with, for a copy (``buckets``, ``warmup``, ``name``...)."""
@@ -183,9 +180,13 @@ class GraphedCallable:
             return _outside_compile(self, args, kwargs)
         if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
+        if self.fast_hits and not kwargs:  # the same replay as this signature's last (tree/fast_hit.py)
+            out = _fast_hit.replay_again(self, self.fast_hits, args)
+            if out is not _fast_hit.MISS:
+                return out
         try:  # costs nothing unless the call raises (Python 3.11+)
             if self._snapshots is not None:  # debug=: the inputs as they were, should the call fail
-                self._take_snapshot(args, kwargs)
+                _take_snapshot(self, self._snapshots, args, kwargs)
             if self.disabled_reason is not None:
                 return self._eager(args, kwargs, self.disabled_reason)
             hooked = self._hooks.reason(self.name, self.free.models)
@@ -197,9 +198,9 @@ class GraphedCallable:
                 return self._hf_caches.run(self._run, self._eager, args, kwargs)
             return self._run(args, kwargs)
         except Exception as e:
-            if self.debug is not None:
+            if self.options.debug is not None:
                 _events.provided("debug").dump_failure(
-                    self.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots
+                    self.options.debug, self.fn, self.name, args, kwargs, e, snapshots=self._snapshots
                 )
             raise
 
@@ -216,11 +217,7 @@ class GraphedCallable:
         held = self._module_args.part(args, kwargs)  # (the settings of modules passed in, `step(model, x)`)
         if held is not None:
             reads = (reads, held[0])
-        if (
-            torch.is_grad_enabled()
-            and not self._grad_off_inside
-            and (call.needs_grad or (self._forward and any(t.requires_grad for t in self.static_tensors())))
-        ):
+        if _builds_autograd(self, call.needs_grad):
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
             out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
@@ -239,18 +236,16 @@ class GraphedCallable:
         if free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
             free.after_call()
         self._module_args.after_call(held)
+        if not kwargs and held is None:
+            _fast_hit.remember(self, self.fast_hits, call, device)
         return out
 
-    def _take_snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        snapshots = self._snapshots
-        assert snapshots is not None  # called with debug= only
-        try:
-            snapshots.take(args, kwargs)
-        except RuntimeError as e:  # the first CUDA call of this call: a fault of earlier work surfaces here
-            err = _manager.explain_fault_before_replay(e, self.name, str(self.debug))
-            if err is e:
-                raise
-            raise err from e
+    def takes_python_path(self, needs_grad: bool) -> bool:
+        """Whether a call of tensors alone goes anywhere but its tree's replay (tree/fast_hit.py)."""
+        step = self._step
+        off = self._snapshots is not None or self.disabled_reason is not None or self.bucketing is not None
+        follows = bool(self._reach.cells) or (step is not None and step.trains)
+        return off or follows or (torch.is_grad_enabled() and _builds_autograd(self, needs_grad))
 
     # --- eager paths ------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
@@ -296,7 +291,7 @@ class GraphedCallable:
         collective; ``groups``: the process groups a warm-up saw it use (name -> global ranks)."""
         if groups and not groups.keys() <= self._groups.keys():
             self._groups.update(groups)
-            self._lockstep = for_groups(self.name, self._groups, self.lockstep_timeout)
+            self._lockstep = for_groups(self.name, self._groups, float(self.options.lockstep_timeout))
             release_before_teardown(drop_all)  # its captures would hang destroy_process_group (teardown.py)
         return self._lockstep
 
@@ -322,6 +317,26 @@ class GraphedCallable:
             step.warm_up(example_batch)
         """
         record_buckets(self, example_args, example_kwargs, sizes)
+
+
+def _take_snapshot(gc: GraphedCallable, snapshots: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """debug=: the call's inputs as they are, for a dump should the call fail."""
+    try:
+        snapshots.take(args, kwargs)
+    except RuntimeError as e:  # the first CUDA call of this call: a fault of earlier work surfaces here
+        err = _manager.explain_fault_before_replay(e, gc.name, str(gc.options.debug))
+        if err is e:
+            raise
+        raise err from e
+
+
+def _builds_autograd(gc: GraphedCallable, needs_grad: bool) -> bool:
+    """Whether a call of ``gc`` whose inputs require grad (``needs_grad``) builds an autograd graph."""
+    return (
+        torch.is_grad_enabled()
+        and not gc._grad_off_inside
+        and (needs_grad or (gc._forward and any(t.requires_grad for t in gc.static_tensors())))
+    )
 
 
 def _key_state(
@@ -358,7 +373,7 @@ def _module_helpers(
         caches = CacheLayouts(module)
         if runs is None:  # generate()'s compiled decode step, graphed too (tree/hf_compile.py)
             twin = functools.partial(
-                type(gc), fn, name=f"{gc.name} (compiled)", warmup=gc.warmup, parts=False, debug=gc.debug
+                type(gc), fn, name=f"{gc.name} (compiled)", warmup=gc.warmup, parts=False, debug=gc.options.debug
             )
             twins = CompiledTwins(fn, lambda compiled: twin(runs=compiled))
             install_compiled_twins(module)
@@ -367,9 +382,9 @@ def _module_helpers(
         make = functools.partial(
             GraphedPart,
             warmup=gc.warmup,
-            max_rerecords=gc.max_rerecords,
-            max_break_values=gc.max_break_values,
-            lockstep_timeout=gc.lockstep_timeout,
+            max_rerecords=gc.options.max_rerecords,
+            max_break_values=gc.options.max_break_values,
+            lockstep_timeout=gc.options.lockstep_timeout,
             min_ops=MIN_PART_OPS,
         )
         made = Parts(module, gc.name, make)

@@ -91,10 +91,10 @@ class Grower:
         """The last value of ``read`` has no segment after it: record the call on from there, or,
         past the limit of values at that read, run it eagerly for good."""
         seg, _value = read[-1]
-        if len(seg.next) >= gc.max_break_values:
+        if len(seg.next) >= gc.options.max_break_values:
             assert seg.read is not None
             reason = (
-                f"`{gc.name}` read more than {gc.max_break_values} different values at {seg.read.where}: "
+                f"`{gc.name}` read more than {gc.options.max_break_values} different values at {seg.read.where}: "
                 f"each needs recordings of its own (raise graphed(..., max_break_values=) if they are few)"
             )
             gc.verdicts.give_up(call.key, reason)  # later calls run eagerly from the start
@@ -201,7 +201,7 @@ class Grower:
 
 def rerecord_limit(gc: Callee, n: int) -> str | None:
     """The reason not to record a call again where ``n`` live recordings of it are, or None."""
-    if n <= gc.max_rerecords:
+    if n <= gc.options.max_rerecords:
         return None
     return (
         f"re-record limit reached: recorded {n} times at the same place "

@@ -600,6 +600,11 @@ def param_epoch() -> int:
     return _epoch[0]
 
 
+def param_epoch_cell() -> list[int]:
+    """The one-item list the epoch lives in (the native fast replay reads its item 0)."""
+    return _epoch
+
+
 class _ModuleState(NamedTuple):
     """A module's CUDA parameters and buffers, their device and whether any requires grad."""
 

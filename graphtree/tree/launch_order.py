@@ -30,6 +30,10 @@ class LaunchOrder:
         self._last: torch.cuda.Stream | None = None
         self._last_raw = -1  # (none yet: the legacy default stream's handle is 0)
 
+    def unchanged(self) -> bool:
+        """Whether :meth:`follow` has nothing to do: the current stream is the last call's."""
+        return self._raw_stream is None or self._raw_stream(self.device) == self._last_raw
+
     def follow(self) -> None:
         """Make the current stream wait for the last call's, when it is another one (an event; the
         check costs one call into torch, 0.2 µs). Not inside a capture, whose own stream is current

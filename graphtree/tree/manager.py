@@ -90,6 +90,20 @@ def explain_fault_before_replay(e: RuntimeError, name: str, debug: str | None) -
     return explain(e, recording=name, previous=previous, debug_dir=debug, during=during)
 
 
+def tree_here(device: int) -> tuple[TreeManager | None, bool]:
+    """The calling thread's tree on ``device``, if it has one, and whether a call of this thread may
+    start a step by itself (not inside :func:`one_step`)."""
+    here = _tls.__dict__
+    managers: dict[int, TreeManager] | None = here.get("managers")
+    return (managers.get(device) if managers is not None else None), not here.get("one_step", 0)
+
+
+def thread_state() -> threading.local:
+    """The threads' own state: ``managers`` (device -> tree) and ``one_step`` in each thread's
+    ``__dict__`` (the native fast replay reads them as :func:`tree_here` does)."""
+    return _tls
+
+
 @contextlib.contextmanager
 def one_step() -> Iterator[dict[int, int] | None]:
     """Calls in the block (this thread's) start no step by themselves: a function called twice keeps
@@ -130,6 +144,7 @@ class TreeManager:
         self.grow = Grower(device, self.walk, self.memory, self.counters, self.warmed)
         self.order = LaunchOrder(device)  # a call on another stream waits for the last one's
         self._collected_seen = len(_collected)
+        self.hit: Node | None = None  # the node the last call replayed on the hot path
 
     def pool_bytes(self) -> int:
         """Bytes the tree's pool holds on the device (0 before the first recording)."""
@@ -143,6 +158,7 @@ class TreeManager:
     def call(self, gc: Callee, call: Call) -> Any:
         """Run one call of ``gc``: replay, warm up or record, as the state machine says."""
         with self.lock:
+            self.hit = None
             walk = self.walk
             if len(walk.path) >= MAX_PATH_DEPTH and _tls.__dict__.get("one_step", 0) and gc.lockstep() is None:
                 return gc.run_eager(call, _DEEP.format(n=MAX_PATH_DEPTH))  # (no step mid-call: one_step)
@@ -154,7 +170,7 @@ class TreeManager:
             ):
                 if len(walk.path) >= MAX_PATH_DEPTH and not walk.step_requested:
                     log.warning(_NO_STEP, MAX_PATH_DEPTH)
-                leaves = call.leaves = self._new_step(leaves)
+                leaves = call.leaves = self.new_step(leaves)
             walk.called.add(gc.id)
             self.order.follow()
             if not walk.warming:
@@ -185,10 +201,11 @@ class TreeManager:
                         try:  # costs nothing unless it raises (Python 3.11+)
                             out = node.replay(leaves, call.n)
                         except RuntimeError as e:
-                            self._raise_replay_error(gc, node, e)
+                            self.raise_replay_error(gc, node, e)
                         walk.path.append(node)  # (walk.enter, inline on the hot path)
                         walk.current = node
                         self.counters.replays += 1
+                        self.hit = node  # (what the callable's next call may replay again: tree/fast_hit.py)
                         return out
             reason = gc.verdicts.given_up.get(call.key)
             if reason is not None:
@@ -212,19 +229,19 @@ class TreeManager:
             if leaf is not None:
                 out = leaf.hand_out(call.leaves, call.n)
         except RuntimeError as e:
-            self._raise_replay_error(gc, node, e)
+            self.raise_replay_error(gc, node, e)
         if leaf is None:
             return self.grow.record_value(gc, call, read)
         self.walk.enter(leaf)
         self.counters.replays += 1
         return out
 
-    def _raise_replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> NoReturn:
+    def raise_replay_error(self, gc: Callee, node: Node, e: RuntimeError) -> NoReturn:
         """Raise ``e`` as it came, or, for a CUDA error, one (from ``e``) that names the recording,
         the graph replayed before it, and how to find the kernel (:mod:`graphtree.tree.replay_error`)."""
         if not is_cuda_error(e):
             raise e
-        debug = None if gc.debug is None else str(gc.debug)
+        debug = None if gc.options.debug is None else str(gc.options.debug)
         raise explain(e, recording=signature(node), previous=self.last_signature(), debug_dir=debug) from e
 
     def last_signature(self) -> str | None:
@@ -237,7 +254,7 @@ class TreeManager:
         self.user_steps = True
         self.walk.step_requested = True
 
-    def _new_step(self, leaves: Sequence[Any]) -> Sequence[Any]:
+    def new_step(self, leaves: Sequence[Any]) -> Sequence[Any]:
         """Go back to the root (outputs of the step that ends invalidated, :meth:`Walk.end_step`);
         drop the recordings of graphed callables collected since the last step."""
         leaves = self.walk.end_step(leaves)

@@ -164,7 +164,7 @@ def warm_up(gc: Callee, call: Call, stream: torch.cuda.Stream, device: int, pool
     # host reads of a scalar (with breaks on) and graphtree.eager parts: breaks, no reason to give up
     # (none for a function that calls collectives: the segment before a read runs them there and
     # then, and a capture that fails after it would run them again; the read gives it up instead)
-    reads = WarmUpReads(count_reads=gc.max_break_values > 0 and gc.lockstep() is None)
+    reads = WarmUpReads(count_reads=gc.options.max_break_values > 0 and gc.lockstep() is None)
     sync = SyncWatch(tracker, gc.name, allowed=reads)
     collectives = watch_collectives()  # (None without torch.distributed)
     step = gc.training_step()  # a training step's parameters: did the call change them or their gradients?
@@ -289,7 +289,7 @@ def record(
             first_replay=lambda: inputs.copy_in(call.leaves, call.n),
             prefix=prefix,
             placed=[t.data_ptr() for t in graph_leaves if isinstance(t, torch.Tensor) and t.is_cuda],
-            enabled=gc.max_break_values > 0 and lockstep is None,  # (no breaks with collectives: warm_up)
+            enabled=gc.options.max_break_values > 0 and lockstep is None,  # (no breaks with collectives: warm_up)
         )
         tracker = OpTracker()
         collectives = watch_collectives(lockstep.groups if lockstep is not None else {})

@@ -1,0 +1,61 @@
+"""Microseconds of graphtree's own work per replay hit on a machine without a GPU, with the stand-ins
+of ``replay_hit_cpu.py`` for the launch and the copies (the ambient state read in Python by the
+Python paths, in C++ by the native one). Modes: ``main`` (run with main's checkout first on
+``PYTHONPATH``: its Python path), ``twin`` (the fast hit's Python twin), ``native``
+(``_native.fast_replay``). Run::
+
+    PYTHONPATH=.:benchmarks/probes python benchmarks/probes/replay_hit_cpu_time.py twin,native
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+import graphtree
+from graphtree import _native
+from graphtree.tree import ambient
+
+
+def bench(p: Any, real: Any, fn: Any, x: torch.Tensor, grad: bool, mode: str, n: int = 20000, reps: int = 9) -> float:
+    """Median µs per call of ``fn(x)`` over ``reps`` runs of ``n`` calls, all replay hits."""
+    gc = fn._graphtree_call if isinstance(fn, torch.nn.Module) else fn
+    p._recording(gc, x, grad)
+    if mode == "native":
+        p.STAND_INS.fast_replay = real.fast_replay
+    elif hasattr(p.STAND_INS, "fast_replay"):
+        del p.STAND_INS.fast_replay
+    out = []
+    with torch.set_grad_enabled(grad):
+        for _ in range(10):
+            fn(x)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(x)
+            out.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(out)
+
+
+def main() -> None:
+    real = _native.wait(600)  # (before the probe turns the helpers off for its own process)
+    p = importlib.import_module("replay_hit_cpu")
+    p.STAND_INS.ambient = ambient._python_state
+    p._install()
+    x = torch.randn(64, 64)
+    modes = sys.argv[1].split(",") if len(sys.argv) > 1 else ["twin", "native"]
+    cases = (
+        ("function", lambda: graphtree.graphed(lambda t: t * 2 + 1), True),
+        ("nn.Linear", lambda: graphtree.graphed(torch.nn.Linear(64, 64)), False),
+    )
+    for tag, make, grad in cases:
+        print(tag, {m: round(bench(p, real, make(), x, grad, m), 2) for m in modes}, "µs per hit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+// The fast hit's native twin (tree/fast_hit.py: FastHit.replay is its Python twin; issue 47): a
+// signature's last replay made again in one call, after every check the Python path's answer
+// depended on. Built with fastpath.cpp into the same module (graphtree/_native/__init__.py), whose
+// ambient, copy_in and addresses_unchanged it calls; only the CPython API is used here.
+
+#include <Python.h>
+
+#include <cstddef>
+
+namespace graphtree_native {
+PyObject* ambient_now();
+PyObject* copy_in_now(PyObject* const* args);
+PyObject* addresses_unchanged_now(PyObject* const* args);
+}  // namespace graphtree_native
+
+namespace {
+
+using graphtree_native::addresses_unchanged_now;
+using graphtree_native::ambient_now;
+using graphtree_native::copy_in_now;
+
+// A new reference, released at the end of its scope.
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* o = nullptr) : p(o) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  void reset(PyObject* o) {
+    Py_XDECREF(p);
+    p = o;
+  }
+  PyObject* get() const { return p; }
+  PyObject* release() {
+    PyObject* o = p;
+    p = nullptr;
+    return o;
+  }
+};
+
+// The attribute names fast_replay reads, interned once.
+struct Names {
+  PyObject *takes_python_path, *next_id, *models, *training, *active, *part, *dict, *managers, *one_step, *lock,
+      *acquire, *release, *walk, *path, *step_requested, *user_steps, *called, *root, *warming, *current, *first,
+      *children, *order, *unchanged, *unconditional, *statics_only, *epoch, *statics, *static_packed, *new_step,
+      *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
+      *hand_out, *counters, *hit;
+  bool ok = false;
+};
+
+Names* names() {
+  static Names n;
+  if (n.ok) return &n;
+  const char* all[] = {"takes_python_path", "next_id", "models", "training", "active", "part", "__dict__",
+                       "managers", "one_step", "lock", "acquire", "release", "walk", "path", "step_requested",
+                       "user_steps", "called", "root", "warming", "current", "first", "children", "order",
+                       "unchanged", "unconditional", "statics_only", "epoch", "statics", "static_packed",
+                       "new_step", "memory", "live", "inputs", "_native", "copy_in", "_launch",
+                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit"};
+  PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
+                        &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
+                        &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
+                        &n.children, &n.order, &n.unchanged, &n.unconditional, &n.statics_only, &n.epoch,
+                        &n.statics, &n.static_packed, &n.new_step, &n.memory, &n.live, &n.inputs, &n.native,
+                        &n.copy_in, &n.launch, &n.raise_replay_error, &n.replays, &n.writes, &n.grads, &n.hand_out,
+                        &n.counters, &n.hit};
+  static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
+    *slots[i] = PyUnicode_InternFromString(all[i]);
+    if (*slots[i] == nullptr) return nullptr;
+  }
+  n.ok = true;
+  return &n;
+}
+
+// The plan FastHit builds once (fast_hit.py: FastHit.plan), by index.
+enum PlanItem {
+  kMiss, kGc, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
+  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kRawStream, kPlanSize
+};
+
+// The int 1 (a borrowed reference, made once).
+PyObject* one() {
+  static PyObject* value = PyLong_FromLong(1);
+  return value;
+}
+
+// 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is true.
+int attr_true(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v.get() == nullptr ? -1 : PyObject_IsTrue(v.get());
+}
+
+// The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping), any
+// RuntimeError handed to tree.raise_replay_error as TreeManager.call hands it.
+PyObject* replay_node(PyObject* const* plan, PyObject* leaves, Names* s) {
+  PyObject *tree = plan[kTree], *node = plan[kNode];
+  Ref n(PyLong_FromSsize_t(PySequence_Size(leaves)));
+  Ref out;
+  [&] {
+    if (n.get() == nullptr) return;
+    Ref inputs(PyObject_GetAttr(node, s->inputs));
+    Ref copies(inputs.get() ? PyObject_GetAttr(inputs.get(), s->native) : nullptr);
+    if (copies.get() == nullptr) return;
+    bool copied = false;
+    PyObject* stream_of = plan[kRawStream];
+    if (copies.get() != Py_None && stream_of != Py_None && PyTuple_Check(copies.get()) &&
+        PyTuple_GET_SIZE(copies.get()) == 3 && PySequence_Size(PyTuple_GET_ITEM(copies.get(), 0)) == 0) {
+      Ref stream(PyObject_CallOneArg(stream_of, plan[kDevice]));
+      if (stream.get() == nullptr) return;
+      PyObject* a[4] = {stream.get(), leaves, PyTuple_GET_ITEM(copies.get(), 1), PyTuple_GET_ITEM(copies.get(), 2)};
+      Ref done(copy_in_now(a));
+      if (done.get() == nullptr) return;
+      copied = done.get() == Py_True;
+    }
+    if (!copied) {  // (host fills, a leaf the plan does not expect, no CUDA runtime: the Python twin)
+      Ref r(PyObject_CallMethodObjArgs(inputs.get(), s->copy_in, leaves, n.get(), nullptr));
+      if (r.get() == nullptr) return;
+    }
+    Ref launch(PyObject_GetAttr(node, s->launch));
+    Ref launched(launch.get() ? PyObject_CallNoArgs(launch.get()) : nullptr);
+    if (launched.get() == nullptr) return;
+    const int writes = attr_true(node, s->writes), grads = writes ? attr_true(node, s->grads) : 0;
+    if (writes < 0 || grads < 0) return;
+    if (writes || grads) {  // (what the call writes besides its outputs: Node.hand_out)
+      out.reset(PyObject_CallMethodObjArgs(node, s->hand_out, leaves, n.get(), nullptr));
+      return;
+    }
+    Ref count(PyObject_GetAttr(node, s->replays));
+    Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
+    if (more.get() == nullptr || PyObject_SetAttr(node, s->replays, more.get()) < 0) return;
+    Ref live(PyObject_GetAttr(node, s->live));
+    out.reset(live.get() ? PyObject_CallMethodObjArgs(live.get(), s->hand_out, leaves, n.get(), nullptr) : nullptr);
+  }();
+  if (out.get() == nullptr && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != nullptr) PyException_SetTraceback(value, tb);
+    Ref t(type), v(value), b(tb);
+    Ref raised(PyObject_CallMethodObjArgs(tree, s->raise_replay_error, plan[kGc], node, value, nullptr));
+    if (raised.get() != nullptr) {  // (it always raises)
+      PyErr_SetString(PyExc_RuntimeError, "graphtree: raise_replay_error returned");
+    }
+    return nullptr;
+  }
+  return out.release();
+}
+
+}  // namespace
+
+namespace graphtree_native {
+
+// fast_replay(plan, leaves, needs_grad) -> outputs | plan[0] (MISS): FastHit.replay's checks and, where
+// every one holds, TreeManager.call's writes in its order (see tree/fast_hit.py). Nothing is
+// changed before the last check; the Python path, the reference, runs the call on MISS.
+PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != kPlanSize) {
+    PyErr_SetString(PyExc_TypeError, "fast_replay(plan: tuple, leaves, needs_grad)");
+    return nullptr;
+  }
+  Names* s = names();
+  if (s == nullptr) return nullptr;
+  PyObject* const* plan = &PyTuple_GET_ITEM(args[0], 0);
+  PyObject *leaves = args[1], *miss = plan[kMiss], *gc = plan[kGc], *node = plan[kNode];
+  auto missed = [&]() {
+    Py_INCREF(miss);
+    return miss;
+  };
+  // What the callable answers (debug, disabled, buckets, closure tensors, a training step, autograd).
+  Ref off(PyObject_CallMethodOneArg(gc, s->takes_python_path, args[2]));
+  if (off.get() == nullptr) return nullptr;
+  if (off.get() != Py_False) return missed();
+  // Hooks registered or parameters registered since (tree/hooks.py decides again), the models it calls.
+  Ref made(PyObject_GetAttr(plan[kHandleClass], s->next_id));
+  if (made.get() == nullptr) return nullptr;
+  int same = PyObject_RichCompareBool(made.get(), plan[kHandles], Py_EQ);
+  if (same <= 0) return same < 0 ? nullptr : missed();
+  PyObject* cell = plan[kEpochCell];
+  if (!PyList_Check(cell) || PyList_GET_SIZE(cell) < 1) return missed();
+  same = PyObject_RichCompareBool(PyList_GET_ITEM(cell, 0), plan[kEpoch], Py_EQ);
+  if (same <= 0) return same < 0 ? nullptr : missed();
+  Ref models(PyObject_GetAttr(plan[kFree], s->models));
+  if (models.get() == nullptr) return nullptr;
+  if (models.get() != plan[kModels]) return missed();
+  // The ambient state, the module's mode, the values its code reads.
+  Ref now(ambient_now());
+  if (now.get() == nullptr) {  // (torch's fp32_precision API in use: ambient.py reads it in Python)
+    PyErr_Clear();
+    return missed();
+  }
+  same = PyObject_RichCompareBool(now.get(), plan[kAmbient], Py_EQ);
+  if (same <= 0) return same < 0 ? nullptr : missed();
+  if (plan[kModule] != Py_None) {
+    Ref training(PyObject_GetAttr(plan[kModule], s->training));
+    if (training.get() == nullptr) return nullptr;
+    if (training.get() != plan[kTraining]) return missed();
+  }
+  const int active = attr_true(plan[kFree], s->active);
+  if (active < 0) return nullptr;
+  Ref reads(active ? PyObject_CallMethodNoArgs(plan[kFree], s->part) : Py_NewRef(Py_None));
+  if (reads.get() == nullptr) return nullptr;
+  if (reads.get() != plan[kReads]) return missed();
+  // This thread's tree, and whether it may start a step by itself.
+  Ref here(PyObject_GetAttr(plan[kThreadState], s->dict));
+  if (here.get() == nullptr || !PyDict_Check(here.get())) return here.get() ? missed() : nullptr;
+  PyObject* managers = PyDict_GetItemWithError(here.get(), s->managers);
+  if (managers == nullptr || !PyDict_Check(managers)) return PyErr_Occurred() ? nullptr : missed();
+  PyObject* tree = PyDict_GetItemWithError(managers, plan[kDevice]);
+  if (tree != plan[kTree]) return PyErr_Occurred() ? nullptr : missed();
+  PyObject* depth = PyDict_GetItemWithError(here.get(), s->one_step);
+  if (depth == nullptr && PyErr_Occurred()) return nullptr;
+  const int inside = depth == nullptr ? 0 : PyObject_IsTrue(depth);
+  if (inside < 0) return nullptr;
+  Ref lock(PyObject_GetAttr(tree, s->lock));
+  if (lock.get() == nullptr) return nullptr;
+  Ref taken(PyObject_CallMethodNoArgs(lock.get(), s->acquire));
+  if (taken.get() == nullptr) return nullptr;
+  struct Unlock {
+    PyObject* lock;
+    PyObject* name;
+    ~Unlock() {
+      PyObject *t, *v, *b;
+      PyErr_Fetch(&t, &v, &b);
+      Py_XDECREF(PyObject_CallMethodNoArgs(lock, name));
+      PyErr_Restore(t, v, b);
+    }
+  } unlock{lock.get(), s->release};
+  // The step, the node's place, the node first among its key's recordings, its checks, the stream.
+  Ref walk(PyObject_GetAttr(tree, s->walk));
+  Ref path(walk.get() ? PyObject_GetAttr(walk.get(), s->path) : nullptr);
+  if (path.get() == nullptr) return nullptr;
+  if (!PyList_Check(path.get())) return missed();
+  const Py_ssize_t max_depth = PyLong_AsSsize_t(plan[kMaxPath]);
+  if (max_depth < 0 && PyErr_Occurred()) return nullptr;
+  if (PyList_GET_SIZE(path.get()) >= max_depth) return missed();
+  const int requested = attr_true(walk.get(), s->step_requested), users = attr_true(tree, s->user_steps);
+  if (requested < 0 || users < 0) return nullptr;
+  Ref called(PyObject_GetAttr(walk.get(), s->called));
+  if (called.get() == nullptr) return nullptr;
+  if (!PySet_Check(called.get())) return missed();
+  const int in_step = PySet_Contains(called.get(), plan[kGcId]);
+  if (in_step < 0) return nullptr;
+  const bool new_step = requested || (!users && in_step && !inside);
+  Ref parent;
+  if (new_step) {
+    parent.reset(PyObject_GetAttr(walk.get(), s->root));
+  } else {
+    const int warming = attr_true(walk.get(), s->warming);
+    if (warming != 0) return warming < 0 ? nullptr : missed();
+    parent.reset(PyObject_GetAttr(walk.get(), s->current));
+  }
+  if (parent.get() == nullptr) return nullptr;
+  if (parent.get() != plan[kParent]) return missed();
+  Ref first(PyObject_GetAttr(node, s->first));
+  if (first.get() == nullptr) return nullptr;
+  if (first.get() != Py_None) return missed();
+  Ref children(PyObject_GetAttr(parent.get(), s->children));
+  if (children.get() == nullptr) return nullptr;
+  if (!PyDict_Check(children.get())) return missed();
+  PyObject* kids = PyDict_GetItemWithError(children.get(), plan[kChildKey]);
+  if (kids == nullptr || !PyList_Check(kids) || PyList_GET_SIZE(kids) == 0 || PyList_GET_ITEM(kids, 0) != node) {
+    return PyErr_Occurred() ? nullptr : missed();
+  }
+  Ref order(PyObject_GetAttr(tree, s->order));
+  Ref unchanged(order.get() ? PyObject_CallMethodNoArgs(order.get(), s->unchanged) : nullptr);
+  if (unchanged.get() == nullptr) return nullptr;
+  if (unchanged.get() != Py_True) return missed();
+  const int unconditional = attr_true(node, s->unconditional);
+  if (unconditional < 0) return nullptr;
+  if (!unconditional) {
+    const int statics_only = attr_true(node, s->statics_only);
+    if (statics_only <= 0) return statics_only < 0 ? nullptr : missed();
+    Ref epoch(PyObject_GetAttr(node, s->epoch));
+    if (epoch.get() == nullptr) return nullptr;
+    same = PyObject_RichCompareBool(epoch.get(), plan[kEpoch], Py_EQ);
+    if (same <= 0) return same < 0 ? nullptr : missed();
+    Ref statics(PyObject_GetAttr(node, s->statics)), packed(PyObject_GetAttr(node, s->static_packed));
+    if (statics.get() == nullptr || packed.get() == nullptr) return nullptr;
+    PyObject* a[2] = {statics.get(), packed.get()};
+    Ref fits(addresses_unchanged_now(a));
+    if (fits.get() == nullptr) return nullptr;
+    if (fits.get() != Py_True) return missed();
+  }
+  // From here on, what TreeManager.call writes, in its order.
+  Ref stepped;
+  if (new_step) {
+    stepped.reset(PyObject_CallMethodOneArg(tree, s->new_step, leaves));
+    if (stepped.get() == nullptr) return nullptr;
+    leaves = stepped.get();
+  }
+  if (PySet_Add(called.get(), plan[kGcId]) < 0) return nullptr;
+  Ref memory(PyObject_GetAttr(tree, s->memory));
+  if (memory.get() == nullptr || PyObject_SetAttr(memory.get(), s->live, Py_False) < 0) return nullptr;
+  Ref out(replay_node(plan, leaves, s));
+  if (out.get() == nullptr) return nullptr;
+  Ref entered(PyObject_GetAttr(walk.get(), s->path));  // (a new list when the step began)
+  if (entered.get() == nullptr || PyList_Append(entered.get(), node) < 0) return nullptr;
+  if (PyObject_SetAttr(walk.get(), s->current, node) < 0) return nullptr;
+  Ref counters(PyObject_GetAttr(tree, s->counters));
+  Ref count(counters.get() ? PyObject_GetAttr(counters.get(), s->replays) : nullptr);
+  Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
+  if (more.get() == nullptr || PyObject_SetAttr(counters.get(), s->replays, more.get()) < 0) return nullptr;
+  if (PyObject_SetAttr(tree, s->hit, node) < 0) return nullptr;
+  return out.release();
+}
+
+}  // namespace graphtree_native

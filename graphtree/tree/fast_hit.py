@@ -1,0 +1,217 @@
+"""Replaying again what a graphed callable's last call replayed, without the Python path's steps.
+
+In a loop, a graphed call replays the same recording call after call. The Python path
+(``GraphedCallable._run`` → ``TreeManager.call``) reaches that recording through 23 Python frames:
+it reads the call, keys it, checks the hooks, the module arguments, the numbers, the ambient state,
+decides the step, looks the recording up and checks it. Most answers never change in a steady
+loop. :class:`FastHit` keeps, after a replay by the Python path, what those answers depended on;
+the next call with the same tensors' signature checks those inputs alone (the native signature,
+the hook counters, the ambient state, the module's mode, the values its code reads, the step,
+the recording still in place)
+and does what the Python path would do from there, in its order: end the step, replay, enter the
+node, count. Anything else it does not decide: it answers :data:`MISS` before it changes any state,
+and the Python path, the reference, runs the call. Issue 47: the Python reference of the native
+entry (``graphtree/_native/DESIGN.md``, "The whole replay in one native entry").
+
+What a :class:`FastHit` covers: a call of CUDA tensors only (no keywords, no numbers, no objects),
+of a callable with no debug dumps, no buckets, no closure tensors followed per call, no training
+step, and a recording that is unconditional or checks only its statics. The values its code reads
+(``reach.FreeValues``) are keyed as on the Python path: the same part object, or a miss.
+Several signatures of one callable each keep theirs (:data:`KEEP` at most); a signature whose
+fast hit keeps missing (:data:`MAX_REPLACED`) is left to the Python path.
+
+Example (what ``GraphedCallable.__call__`` does)::
+
+    hits = gc.fast_hits
+    if hits and not kwargs:
+        out = replay_again(gc, hits, args)
+        if out is not MISS:
+            return out
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphtree import _native, _torch
+from graphtree.tree import inputs as _inputs
+from graphtree.tree import manager as _manager
+from graphtree.tree.ambient import state as _ambient
+from graphtree.tree.inputs import PLAIN_TYPES, Call
+from graphtree.tree.manager import MAX_PATH_DEPTH, TreeManager
+from graphtree.tree.node import Node
+
+MISS = object()
+"""The answer of a call :class:`FastHit` does not decide: the Python path runs it."""
+
+KEEP = 8
+"""Signatures remembered per callable; past it, the oldest is forgotten."""
+
+MAX_REPLACED = 3
+"""Times a signature's :class:`FastHit` may be made again (it missed where the Python path then
+replayed: another recording, place, ambient state, parameter epoch...) before the signature is
+left to the Python path: two recordings of one signature in turn (a call under autocast and one
+without) would otherwise make one on every call."""
+
+_GAVE_UP = object()  # (in a callable's hits: this signature goes the Python path)
+_PLAIN = frozenset(PLAIN_TYPES)
+
+
+class FastHit:
+    """What a replay of ``node`` for calls of signature ``sig`` depended on (see the module)."""
+
+    __slots__ = (
+        "ambient",
+        "child_key",
+        "device",
+        "epoch",
+        "gc",
+        "handles",
+        "models",
+        "module",
+        "node",
+        "parent",
+        "plan",
+        "reads",
+        "replaced",
+        "training",
+        "tree",
+    )
+
+    def __init__(
+        self, gc: Any, tree: TreeManager, node: Node, device: int, ambient: Any, reads: Any, replaced: int
+    ) -> None:
+        self.gc = gc
+        self.tree = tree
+        self.node = node
+        self.parent = node.parent
+        self.child_key = node.key
+        self.device = device
+        self.ambient = ambient
+        self.reads = reads
+        self.module: torch.nn.Module | None = gc.module()
+        self.training = self.module.training if self.module is not None else None
+        self.handles = _torch.hook_handles_made()  # (hooks registered since: tree/hooks.py decides again)
+        self.epoch = _inputs.param_epoch()
+        self.models = gc.free.models
+        self.replaced = replaced
+        # What the native twin of replay() reads (graphtree/_native: fast_replay), in its order.
+        self.plan = (
+            MISS, gc, tree, node, self.parent, self.child_key, device, ambient, self.module, self.training,
+            _torch.hook_handle_class(), self.handles, _inputs.param_epoch_cell(), self.epoch, gc.free, self.models,
+            reads, _manager.thread_state(), gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
+        )  # fmt: skip
+
+    def replay(self, args: tuple[Any, ...], needs_grad: bool) -> Any:
+        """The replay the Python path would make of ``args``, or :data:`MISS` (nothing changed)."""
+        gc = self.gc
+        if gc.takes_python_path(needs_grad) or _torch.hook_handles_made() != self.handles:
+            return MISS
+        if _inputs.param_epoch() != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
+            return MISS
+        module = self.module
+        if module is not None and module.training != self.training:
+            return MISS
+        free = gc.free  # the values its code reads: the same part object while none changed (reach.py)
+        if (free.part() if free.active else None) is not self.reads:
+            return MISS
+        tree, steps_itself = _manager.tree_here(self.device)
+        if tree is not self.tree:  # (another thread: its own tree)
+            return MISS
+        with tree.lock:
+            walk = tree.walk
+            path = walk.path
+            if len(path) >= MAX_PATH_DEPTH:
+                return MISS
+            new_step = walk.step_requested or (not tree.user_steps and gc.id in walk.called and steps_itself)
+            if new_step:
+                parent: Any = walk.root
+            elif walk.warming:
+                return MISS
+            else:
+                parent = walk.current
+            node = self.node
+            if parent is not self.parent or node.first is not None:
+                return MISS
+            kids = parent.children.get(self.child_key)
+            if not kids or kids[0] is not node or not tree.order.unchanged():
+                return MISS
+            if not node.unconditional:
+                native = _native.loaded
+                if not (
+                    node.statics_only
+                    and native is not None
+                    and node.epoch == self.epoch
+                    and native.addresses_unchanged(node.statics, node.static_packed)
+                ):
+                    return MISS
+            # What TreeManager.call does from here, in its order.
+            leaves: Sequence[Any] = tree.new_step(args) if new_step else args
+            walk.called.add(gc.id)
+            tree.memory.live = False
+            try:
+                out = node.replay(leaves, len(leaves))
+            except RuntimeError as e:
+                tree.raise_replay_error(gc, node, e)
+            walk.path.append(node)
+            walk.current = node
+            tree.counters.replays += 1
+            tree.hit = node
+            return out
+
+
+def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
+    """A call ``gc(*args)`` replayed as its signature's last replay was, or :data:`MISS`."""
+    native = _native.loaded
+    if native is None:
+        return MISS
+    sig = native.signature(args, _PLAIN)
+    if sig is None:
+        return MISS
+    hit = hits.get(sig[0])
+    if hit is None or hit is _GAVE_UP:
+        return MISS
+    fast = getattr(native, "fast_replay", None)  # (a build from before it: the Python twin)
+    result: Any = fast(hit.plan, args, sig[2]) if fast is not None else hit.replay(args, sig[2])
+    return result
+
+
+def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
+    """After a call the Python path ran: keep its replay for the next call of its signature, where
+    the replay was one :class:`FastHit` covers (see the module). The cheap answers come first: a
+    call that replays a recording no fast hit covers, or a signature given up, pays only those."""
+    tree, _ = _manager.tree_here(device)
+    node = tree.hit if tree is not None else None
+    if tree is None or node is None or node.key[0] != gc.id or node.first is not None:
+        return
+    if not (node.unconditional or node.statics_only) or call.spec is not None or call.bucket >= 0:
+        return
+    args = call.leaves
+    n = len(args)
+    sig = call.key[:n]  # (the tensors' parts: what replay_again looks a hit up by, from either read)
+    old = hits.get(sig)
+    if old is _GAVE_UP or not all(type(a) is torch.Tensor for a in args):
+        return
+    if not all(len(part) == 3 and part[2] is not None for part in sig):
+        return  # (a host scalar's part has no strides, a lazy view's four items: the native signature leaves both)
+    if gc.takes_python_path(call.needs_grad) or _torch.hook_handles_made() < 0:
+        return
+    ambient = _ambient()
+    module = gc.module()
+    rest: tuple[Any, ...] = (ambient, ("training", module.training)) if module is not None else (ambient,)
+    free = gc.free
+    reads = free.part() if free.active else None
+    if reads is not None:
+        rest = (*rest, reads)
+    if call.key[n:] != rest or node.key[1] != call.key:
+        return  # (its key holds more than the tensors, the ambient state and the values read: a step, numbers)
+    replaced = old.replaced + 1 if old is not None else 0  # (it missed, and the Python path replayed)
+    if replaced > MAX_REPLACED:
+        hits[sig] = _GAVE_UP
+        return
+    if old is None and len(hits) >= KEEP:
+        del hits[next(iter(hits))]
+    hits[sig] = FastHit(gc, tree, node, device, ambient, reads, replaced)

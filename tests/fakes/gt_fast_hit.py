@@ -1,0 +1,57 @@
+"""Shared by the fast hit's tests and ``benchmarks/probes/replay_hit_cpu*.py``: stand-ins for the
+native helpers that let a replay hit run on CPU tensors, and a count of the calls a fast hit took.
+
+Example::
+
+    helpers = stand_in_helpers(ambient=lambda: (1, torch.float32, None))
+    seen = count_fast_replays(monkeypatch)  # 1 per call a fast hit replayed, 0 per call it missed
+"""
+
+from __future__ import annotations
+
+import array
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from graphtree.tree import fast_hit
+
+
+def stand_in_signature(args: tuple[Any, ...], plain: Any) -> Any:
+    """The native signature's answer for CPU tensors (the real one leaves them to Python)."""
+    parts = []
+    for x in args:
+        if type(x) is not torch.Tensor:
+            return None
+        parts.append((tuple(x.shape), x.dtype, x.stride()))
+    return tuple(parts), 0, any(x.requires_grad for x in args)
+
+
+def stand_in_helpers(ambient: Callable[[], Any]) -> types.SimpleNamespace:
+    """What a replay hit asks of ``graphtree._native``, for CPU tensors: the signature above, the
+    ambient state from ``ambient``, a copy-in that copies nothing and the address checks in Python."""
+    return types.SimpleNamespace(
+        signature=stand_in_signature,
+        ambient=ambient,
+        copy_in=lambda stream, leaves, copies, writes: True,
+        addresses_unchanged=lambda ts, packed: array.array("Q", [t.data_ptr() for t in ts]).tobytes() == packed,
+        ptrs_equal=lambda ts, ptrs, idx: all(ts[k].data_ptr() == ptrs[k] for k in idx),
+    )
+
+
+def count_fast_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now until the test ends: 1 for each call a fast hit replayed, 0 for each it left to the
+    Python path (``fast_hit.replay_again`` counted, restored by ``monkeypatch``)."""
+    seen: list[int] = []
+    original = fast_hit.replay_again
+
+    def counted(gc: Any, hits: Any, args: Any) -> Any:
+        out = original(gc, hits, args)
+        seen.append(0 if out is fast_hit.MISS else 1)
+        return out
+
+    monkeypatch.setattr(fast_hit, "replay_again", counted)
+    return seen

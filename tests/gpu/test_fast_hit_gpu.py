@@ -1,0 +1,85 @@
+"""tree/fast_hit.py on the GPU: loops replay through a callable's fast hit, with eager's results, and
+whatever changes the Python path's answer (grad, a hook, the module's mode, autocast, a value the
+code reads, a held output) still changes it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gt_fast_hit import count_fast_replays
+
+import graphtree
+from graphtree import _native
+
+DEV = "cuda"
+SCALE = 2.0
+
+
+@pytest.fixture
+def fast_replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """1 for each call a fast hit replayed (natively: the helpers are built first), 0 for each it
+    left to the Python path."""
+    native = _native.wait(600)
+    assert native is not None and hasattr(native, "fast_replay"), _native.status()
+    seen = count_fast_replays(monkeypatch)
+    graphtree.reset()
+    yield seen
+    graphtree.reset()
+
+
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE + 1
+
+
+def test_a_loop_of_fresh_inputs_replays_through_the_fast_hit_with_eagers_results(fast_replays):
+    step = graphtree.graphed(scaled)
+    for _ in range(20):
+        x = torch.randn(64, 64, device=DEV)
+        torch.testing.assert_close(step(x), scaled(x), rtol=0, atol=0)
+    s = graphtree.stats()
+    assert s.replays >= 17, s
+    assert sum(fast_replays) >= 15, fast_replays
+
+
+def test_a_value_the_code_reads_changed_mid_loop_is_not_replayed_stale(fast_replays):
+    global SCALE
+    step = graphtree.graphed(scaled)
+    x = torch.randn(64, 64, device=DEV)
+    for _ in range(8):  # a warm-up, the recording, a replay by the Python path, then fast hits
+        step(x)
+    try:
+        SCALE = 3.0
+        torch.testing.assert_close(step(x), x * 3.0 + 1, rtol=0, atol=0)
+    finally:
+        SCALE = 2.0
+    torch.testing.assert_close(step(x), scaled(x), rtol=0, atol=0)
+    assert sum(fast_replays[:-2]) >= 3 and fast_replays[-2:] == [0, 0], fast_replays  # (both changes missed)
+
+
+def test_a_module_in_a_loop_keeps_every_check_of_the_python_path(fast_replays):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5)).to(DEV).eval()
+    gm = graphtree.graphed(model)
+    x = torch.randn(8, 32, device=DEV)
+    calls: list[int] = []
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+        assert sum(fast_replays) >= 3, fast_replays
+        handle = model[0].register_forward_hook(lambda m, i, o: calls.append(1))
+        gm(x)
+        assert calls == [1], "a hook registered mid-loop runs"
+        handle.remove()
+        model.train()  # dropout on: never the eval recording
+        out = gm(x)
+        assert (out == 0).any(), "train mode's dropout ran"
+        model.eval()
+        with torch.autocast("cuda", torch.bfloat16):
+            assert gm(x).dtype == torch.bfloat16
+        assert gm(x).dtype == torch.float32
+        held = gm(x)
+        gm(x)  # a new step: the held output of the last one is invalidated, as on the Python path
+    with pytest.raises(RuntimeError):
+        held + 1

@@ -1,0 +1,263 @@
+"""tree/fast_hit.py on the CPU: a replay hit made again without the Python path, against the Python
+path itself. The recordings are built by hand (one copied input, one output from the pool) and the
+native helpers, the stream and the launch are stand-ins, as ``benchmarks/probes/replay_hit_cpu.py``
+does: the tree, the walk, the liveness of outputs and the counters are graphtree's own."""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from gt_fast_hit import count_fast_replays, stand_in_helpers, stand_in_signature
+
+import graphtree
+from graphtree import _native
+from graphtree._torch import meta_of, weak_ref
+from graphtree.tree import ambient, fast_hit, liveness, placement
+from graphtree.tree import graphed as graphed_mod
+from graphtree.tree import manager as manager_mod
+from graphtree.tree import node as node_mod
+from graphtree.tree import walk as walk_mod
+from graphtree.tree.inputs import param_epoch, read_call
+from graphtree.tree.outputs import FromPool, Group, OutputPlan
+from graphtree.tree.placement import InputPlan
+
+
+class _Launches:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> None:
+        self.n += 1
+
+
+@pytest.fixture(params=["python twin", "native"])
+def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
+    """Stand-ins for the native helpers; the fast hit's replay is its Python twin, or the native
+    ``fast_replay`` where the helpers build (their CUDA calls fall back to the Python twins here)."""
+    fake = stand_in_helpers(ambient=ambient._python_state)  # (the real state, read in Python)
+    if request.param == "native":
+        real = _native.wait(600)
+        if real is None:
+            pytest.skip(f"no native helpers: {_native.status()}")
+        fake.fast_replay = real.fast_replay
+    monkeypatch.setattr(_native, "loaded", fake)
+    monkeypatch.setattr(ambient, "_checked", fake)
+    monkeypatch.setattr(graphed_mod, "_cuda_ok", True)
+    monkeypatch.setattr(placement, "_current_stream", abs)
+    monkeypatch.setattr(liveness, "_storage_at", lambda ptr, dev, n: torch.UntypedStorage(n))
+    monkeypatch.setattr(liveness, "_tensor_on", lambda m, s: torch.empty(0).set_(s, 0, m["size"], m["stride"]))
+    before = set(manager_mod.managers())
+    _fresh()
+    yield fake
+    _fresh()
+    for tree in set(manager_mod.managers()) - before:  # (graphtree.reset() would synchronize their device)
+        manager_mod._all_managers.discard(tree)
+
+
+def _replay(hit: Any, args: tuple[Any, ...], needs_grad: bool) -> Any:
+    """``hit``'s replay as ``replay_again`` makes it (the native one where the stand-ins have it)."""
+    fast = getattr(_native.loaded, "fast_replay", None)
+    return fast(hit.plan, args, needs_grad) if fast is not None else hit.replay(args, needs_grad)
+
+
+def _fresh() -> None:
+    """This thread without trees (``graphtree.reset()`` would synchronize a CUDA device), its steps
+    automatic (an earlier test's ``mark_step()`` made them the caller's)."""
+    getattr(manager_mod._tls, "managers", {}).clear()
+    manager_mod._tls.__dict__.pop("user_steps", None)
+
+
+def _record(gc: Any, x: torch.Tensor) -> tuple[Any, Any, _Launches]:
+    """A recording of ``gc(x)`` at the tree's root, as if captured: the tree, the node, its launches."""
+    call = read_call((x,), {}, None)
+    graphed_mod._key_state(call, gc.module(), gc.free.part() if gc.free.active else None, None)
+    tree = manager_mod.tree_for(0)
+    out = torch.empty_like(x)
+    storage = out.untyped_storage()
+    inputs = InputPlan(
+        inplace_idx=[], inplace_ptrs=[0], copy_idx=[0], placeholders=[torch.empty_like(x)],
+        padded=(), pad_dim=0, bucket=-1, device=0,
+    )  # fmt: skip
+    groups = [Group(storage.data_ptr(), storage.nbytes(), "stale")]
+    plan = OutputPlan(None, [FromPool(0, meta_of(out))], groups, [], 0, -1)
+    node = node_mod.Node(
+        id="n", parent=tree.walk.root, key=(gc.id, call.key), name=gc.name, depth=0,
+        graph=types.SimpleNamespace(replay=int), inputs=inputs, outputs=plan, refs=[weak_ref(storage)],
+        checkpoint=None, alive_at_checkpoint=[], dead_before=[], statics=gc.static_tensors(), epoch=param_epoch(),
+        capture_seconds=0.0, input_refs=[], externals=[],
+    )  # fmt: skip
+    launches = _Launches()
+    node._launch = launches
+    tree.walk.root.children[(gc.id, call.key)] = [node]
+    return tree, node, launches
+
+
+def _state(tree: Any, node: Any) -> tuple[Any, ...]:
+    """What a call leaves in the tree, comparable across trees (the node and its callable by role)."""
+    walk = tree.walk
+    return (
+        walk.generation, [n is node for n in walk.path], walk.current is node, walk.called == {node.key[0]},
+        walk.step_requested, tree.counters.replays, tree.counters.warmups, node.replays,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["automatic steps", "mark_step"])
+def test_a_loop_replays_through_the_fast_hit_and_leaves_what_the_python_path_leaves(stand_ins, monkeypatch, marked):
+    x = torch.randn(8, 8)
+    walks = []
+    for fast in (False, True):
+        _fresh()
+        step = graphtree.graphed(lambda t: t * 2 + 1)
+        tree, node, launches = _record(step, x)
+        seen = count_fast_replays(monkeypatch)
+        states = []
+        for _ in range(6):
+            if not fast:
+                step.fast_hits.clear()  # (the Python path on every call)
+            if marked:
+                graphtree.mark_step()
+            out = step(x)
+            assert out.shape == x.shape
+            del out
+            states.append(_state(tree, node))
+        walks.append(states)
+        assert launches.n == 6
+        if fast:
+            assert seen == [1] * 5, seen  # the first call went the Python path and left its FastHit
+        else:
+            assert seen == []
+    assert walks[0] == walks[1]
+
+
+def test_a_held_output_is_invalidated_at_the_next_step_as_on_the_python_path(stand_ins, monkeypatch):
+    x = torch.randn(8, 8)
+    results = []
+    for fast in (False, True):
+        _fresh()
+        invalidated: list[str] = []
+        monkeypatch.setattr(walk_mod._torch, "invalidate_storage", lambda ref, msg, seen=invalidated: seen.append(msg))
+        step = graphtree.graphed(lambda t: t * 2 + 1)
+        tree, node, _ = _record(step, x)
+        step(x)
+        seen = count_fast_replays(monkeypatch)
+        if not fast:
+            step.fast_hits.clear()
+        held = step(x)  # kept by the caller
+        if not fast:
+            step.fast_hits.clear()
+        again = step(x)  # a new step: the held output is invalidated
+        assert seen == ([1, 1] if fast else [])
+        results.append((invalidated, _state(tree, node), held.shape, again.shape))
+    assert results[0] == results[1]
+    assert len(results[0][0]) == 1, results
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["grad of the input", "a forward hook", "eval mode", "default dtype", "disabled", "another thread", "a new shape"],
+)
+def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(stand_ins, monkeypatch, change):
+    model = torch.nn.Linear(8, 8)
+    model.train()
+    x = torch.randn(8, 8)
+    gm = graphtree.graphed(model)
+    gc = gm._graphtree_call
+    with torch.no_grad():
+        tree, node, launches = _record(gc, x)
+        gm(x)
+        gm(x)
+    seen = count_fast_replays(monkeypatch)
+    with torch.no_grad():
+        gm(x)
+    assert seen == [1], "the fast hit replays first"
+    before = _state(tree, node)
+    arg = x
+    if change == "grad of the input":
+        arg = x.clone().requires_grad_()
+    elif change == "a forward hook":
+        model.register_forward_hook(lambda m, i, o: None)
+    elif change == "eval mode":
+        model.eval()
+    elif change == "disabled":
+        gc.disable("for the test")
+    elif change == "a new shape":
+        arg = torch.randn(4, 8)
+    hit = gc.fast_hits[next(iter(gc.fast_hits))]
+    if change == "another thread":
+        answers = []
+
+        def other() -> None:
+            manager_mod.tree_for(0)  # (a tree of its own on the device)
+            with torch.no_grad():  # (the same ambient state: only the thread differs)
+                answers.append(_replay(hit, (x,), False))
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert answers == [fast_hit.MISS]
+    elif change == "default dtype":
+        torch.set_default_dtype(torch.float64)
+        try:
+            with torch.no_grad():
+                assert _replay(hit, (x,), False) is fast_hit.MISS
+        finally:
+            torch.set_default_dtype(torch.float32)
+    elif change == "a new shape":
+        assert stand_in_signature((arg,), None)[0] not in gc.fast_hits
+    else:
+        grad = change == "grad of the input"
+        with torch.set_grad_enabled(grad):
+            assert _replay(hit, (arg,), grad) is fast_hit.MISS
+    assert _state(tree, node) == before, "a MISS changes nothing"
+    assert launches.n == 3
+
+
+SCALE = 2.0
+
+
+def scaled(t: torch.Tensor) -> torch.Tensor:
+    return t * SCALE
+
+
+def test_a_value_the_code_reads_keys_the_fast_hit_as_the_python_path(stand_ins, monkeypatch):
+    global SCALE
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(scaled)
+    tree, node, launches = _record(step, x)
+    step(x)
+    seen = count_fast_replays(monkeypatch)
+    step(x)
+    assert seen == [1], "a function reading a global replays through its fast hit"
+    (hit,) = step.fast_hits.values()
+    before = _state(tree, node)
+    SCALE = 3.0
+    try:
+        assert _replay(hit, (x,), False) is fast_hit.MISS
+    finally:
+        SCALE = 2.0
+    assert _state(tree, node) == before and launches.n == 2
+
+
+def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_it_keeps_missing(stand_ins, monkeypatch):
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _record(step, x)
+    step(x)
+    seen = count_fast_replays(monkeypatch)
+    step(x)
+    torch.nn.Linear(2, 2)  # a parameter registered anywhere: the epoch every recording's check keys moves
+    step(x)  # the fast hit misses, the Python path replays and makes it again
+    step(x)
+    assert seen == [1, 0, 1], seen
+    for _ in range(fast_hit.MAX_REPLACED):
+        torch.nn.Linear(2, 2)
+        step(x)
+    (kept,) = step.fast_hits.values()
+    assert kept is fast_hit._GAVE_UP
+    step(x)
+    assert seen[-1] == 0 and list(step.fast_hits.values()) == [fast_hit._GAVE_UP], "given up: the Python path"
