@@ -13,9 +13,10 @@ import sys
 import torch
 
 import graphtree
+from graphtree.tree import fast_hit
 
 
-def walk(fn, *args):
+def walk(call):
     root = os.path.dirname(os.path.abspath(graphtree.__file__)) + os.sep
     seq: list[str] = []
 
@@ -34,7 +35,7 @@ def walk(fn, *args):
 
     sys.setprofile(prof)
     try:
-        fn(*args)
+        call()
     finally:
         sys.setprofile(None)
     seen: set[str] = set()
@@ -46,23 +47,30 @@ def walk(fn, *args):
     return seq, back
 
 
+def _report(what: str, gc, call) -> None:
+    """Walk ``call()`` twice: as it runs (a fast hit once one is kept), and by the Python path
+    (its signatures left to it, as after a fast hit gave up: ``TreeManager.call``, the reference)."""
+    for path in ("as it runs", "Python path"):
+        if path == "Python path":
+            gc.fast_hits.update(dict.fromkeys(gc.fast_hits, fast_hit._GAVE_UP))
+        seq, back = walk(call)
+        print(f"{what}, {path}: {len(seq)} stops in {len(set(seq))} modules, {back} returning to a module already left")
+        print("  " + " -> ".join(seq))
+
+
 def main() -> None:
     step = graphtree.graphed(lambda x: x * 2 + 1, name="two")
     x = torch.randn(1024, device="cuda")
     for _ in range(4):
         step(x)
-    seq, back = walk(step, x)
-    print(f"replay call: {len(seq)} stops in {len(set(seq))} modules, {back} returning to a module already left")
-    print("  " + " -> ".join(seq))
+    _report("replay call", step, lambda: step(x))
     lin = torch.nn.Linear(64, 64).cuda()
     gm = graphtree.graphed(lin)
     y = torch.randn(8, 64, device="cuda")
     with torch.no_grad():
         for _ in range(4):
             gm(y)
-        seq, back = walk(gm, y)
-    print(f"module replay: {len(seq)} stops in {len(set(seq))} modules, {back} returning to a module already left")
-    print("  " + " -> ".join(seq))
+        _report("module replay", gm.graphed_callable, lambda: gm(y))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -255,6 +255,9 @@ for stage in $stages; do
       for _ in $(seq ${WAIT_S:-540}); do [ -f /tmp/bg/rc ] && break; sleep 1; done
       cp /tmp/bg/suite.log "$OUT/suite.log" 2>/dev/null; cp /tmp/bg/test-times.txt "$OUT/suite-test-times.txt" 2>/dev/null
       echo "suite rc: $(cat /tmp/bg/rc 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite.log"
+      ;;
+    pack)  # last: everything under $OUT in one logs.tgz (at most 8 files come back from a call)
+      tar czf /tmp/logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/logs.tgz "$OUT/" && ls -l "$OUT"
       ;;
     own)
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m "gpu and own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 | tee "$OUT/own.log" | tail -15

@@ -104,12 +104,6 @@ def is_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
 
 
-MAX_VALUES = 8
-"""Distinct values one read may give before the call's signature runs eagerly: the default of
-``graphed(..., max_break_values=)``. A bool has two, a float loss read for logging a new one on
-every call: a few recordings, then eager with the reason."""
-
-
 def value_key(value: Any) -> Any:
     """The key of a read's value: its type and value (``True`` and ``1`` differ; NaN equals NaN; a
     tensor copied to the host by its dtype, shape and contents).

@@ -68,7 +68,9 @@ class FastHit:
         "child_key",
         "device",
         "epoch",
+        "epoch_cell",
         "gc",
+        "handle_class",
         "handles",
         "models",
         "module",
@@ -94,23 +96,27 @@ class FastHit:
         self.reads = reads
         self.module: torch.nn.Module | None = gc.module()
         self.training = self.module.training if self.module is not None else None
-        self.handles = _torch.hook_handles_made()  # (hooks registered since: tree/hooks.py decides again)
-        self.epoch = _inputs.param_epoch()
+        # hooks registered since (tree/hooks.py decides again), parameters registered since: the
+        # counters read where they live, as the native twin reads them (no call into their modules)
+        self.handle_class: Any = _torch.hook_handle_class()
+        self.handles = _torch.hook_handles_made()
+        self.epoch_cell = _inputs.param_epoch_cell()
+        self.epoch = self.epoch_cell[0]
         self.models = gc.free.models
         self.replaced = replaced
         # What the native twin of replay() reads (graphtree/_native: fast_replay), in its order.
         self.plan = (
             MISS, gc, tree, node, self.parent, self.child_key, device, ambient, self.module, self.training,
-            _torch.hook_handle_class(), self.handles, _inputs.param_epoch_cell(), self.epoch, gc.free, self.models,
+            self.handle_class, self.handles, self.epoch_cell, self.epoch, gc.free, self.models,
             reads, _manager.thread_state(), gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
         )  # fmt: skip
 
     def replay(self, args: tuple[Any, ...], needs_grad: bool) -> Any:
         """The replay the Python path would make of ``args``, or :data:`MISS` (nothing changed)."""
         gc = self.gc
-        if gc.takes_python_path(needs_grad) or _torch.hook_handles_made() != self.handles:
+        if gc.takes_python_path(needs_grad) or self.handle_class.next_id != self.handles:
             return MISS
-        if _inputs.param_epoch() != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
+        if self.epoch_cell[0] != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
             return MISS
         module = self.module
         if module is not None and module.training != self.training:

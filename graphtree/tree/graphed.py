@@ -17,7 +17,6 @@ from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import manager as _manager
-from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.bucket_warmup import record_buckets
 from graphtree.tree.callee import user_code
 from graphtree.tree.churn import Churn
@@ -36,7 +35,7 @@ from graphtree.tree.inputs import (
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
-from graphtree.tree.options import Options
+from graphtree.tree.options import MAX_VALUES, Options
 from graphtree.tree.parts import MIN_PART_OPS, Parts, own_copies
 from graphtree.tree.reach import FreeValues, ModuleArguments, Reach
 from graphtree.tree.stats import count_eager
@@ -524,7 +523,7 @@ def graphed(
         name: a name for logs, ``stats()`` and error messages (default: the function's).
         max_break_values: breakable recordings (``graphtree.tree.breaks``): distinct values one
             host read may give (each gets recordings of its own for what follows it) before the
-            signature runs eagerly (default 8, ``graphtree.tree.breaks.MAX_VALUES``); 0 runs a
+            signature runs eagerly (default 8, ``graphtree.tree.options.MAX_VALUES``); 0 runs a
             call that reads a value on the host eagerly, as before breaks.
         lockstep_timeout: for a function that calls ``torch.distributed`` collectives, seconds a
             rank waits for the other ranks of their groups to agree to record it or to run it

@@ -18,9 +18,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from graphtree.tree.breaks import MAX_VALUES
 from graphtree.tree.inputs import Bucketing
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT
+
+MAX_VALUES = 8
+"""Distinct values one host read may give (``tree/breaks.py``) before the call's signature runs
+eagerly: the default of ``graphed(..., max_break_values=)``. A bool has two, a float loss read for
+logging a new one on every call: a few recordings, then eager with the reason."""
 
 
 @dataclasses.dataclass(frozen=True)
