@@ -261,3 +261,15 @@ def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_i
     assert kept is fast_hit._GAVE_UP
     step(x)
     assert seen[-1] == 0 and list(step.fast_hits.values()) == [fast_hit._GAVE_UP], "given up: the Python path"
+
+
+def test_replay_again_calls_the_real_native_signature_as_it_takes_its_arguments(monkeypatch):
+    """The stand-ins take anything; the built helpers' ``signature`` takes a tuple of plain types
+    (given a frozenset it raised ``TypeError`` on every CUDA call that had a fast hit)."""
+    real = _native.wait(600)
+    if real is None:
+        pytest.skip(f"no native helpers: {_native.status()}")
+    monkeypatch.setattr(_native, "loaded", real)
+    step = graphtree.graphed(lambda t: t + 1)
+    # (CPU tensors: the real signature leaves them to Python, so the fast hit misses)
+    assert fast_hit.replay_again(step, {"any": object()}, (torch.randn(2),)) is fast_hit.MISS

@@ -57,7 +57,7 @@ left to the Python path: two recordings of one signature in turn (a call under a
 without) would otherwise make one on every call."""
 
 _GAVE_UP = object()  # (in a callable's hits: this signature goes the Python path)
-_PLAIN = frozenset(PLAIN_TYPES)
+_PLAIN = PLAIN_TYPES  # (a tuple: what the native signature takes)
 
 
 class FastHit:
