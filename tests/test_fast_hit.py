@@ -5,8 +5,10 @@ does: the tree, the walk, the liveness of outputs and the counters are graphtree
 
 from __future__ import annotations
 
+import gc
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,12 +59,6 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     _fresh()
     for tree in set(manager_mod.managers()) - before:  # (graphtree.reset() would synchronize their device)
         manager_mod._all_managers.discard(tree)
-
-
-def _replay(hit: Any, args: tuple[Any, ...], needs_grad: bool) -> Any:
-    """``hit``'s replay as ``replay_again`` makes it (the native one where the stand-ins have it)."""
-    fast = getattr(_native.loaded, "fast_replay", None)
-    return fast(hit.plan, args, needs_grad) if fast is not None else hit.replay(args, needs_grad)
 
 
 def _fresh() -> None:
@@ -194,7 +190,7 @@ def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(sta
         def other() -> None:
             manager_mod.tree_for(0)  # (a tree of its own on the device)
             with torch.no_grad():  # (the same ambient state: only the thread differs)
-                answers.append(_replay(hit, (x,), False))
+                answers.append(fast_hit.replay_hit(gc, hit, (x,), False))
 
         thread = threading.Thread(target=other)
         thread.start()
@@ -204,15 +200,15 @@ def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(sta
         torch.set_default_dtype(torch.float64)
         try:
             with torch.no_grad():
-                assert _replay(hit, (x,), False) is fast_hit.MISS
+                assert fast_hit.replay_hit(gc, hit, (x,), False) is fast_hit.MISS
         finally:
             torch.set_default_dtype(torch.float32)
     elif change == "a new shape":
-        assert stand_in_signature((arg,), None)[0] not in gc.fast_hits
+        assert (stand_in_signature((arg,), None)[0], 0) not in gc.fast_hits
     else:
         grad = change == "grad of the input"
         with torch.set_grad_enabled(grad):
-            assert _replay(hit, (arg,), grad) is fast_hit.MISS
+            assert fast_hit.replay_hit(gc, hit, (arg,), grad) is fast_hit.MISS
     assert _state(tree, node) == before, "a MISS changes nothing"
     assert launches.n == 3
 
@@ -237,7 +233,7 @@ def test_a_value_the_code_reads_keys_the_fast_hit_as_the_python_path(stand_ins, 
     before = _state(tree, node)
     SCALE = 3.0
     try:
-        assert _replay(hit, (x,), False) is fast_hit.MISS
+        assert fast_hit.replay_hit(step, hit, (x,), False) is fast_hit.MISS
     finally:
         SCALE = 2.0
     assert _state(tree, node) == before and launches.n == 2
@@ -261,6 +257,68 @@ def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_i
     assert kept is fast_hit._GAVE_UP
     step(x)
     assert seen[-1] == 0 and list(step.fast_hits.values()) == [fast_hit._GAVE_UP], "given up: the Python path"
+
+
+def test_the_same_tensors_on_another_device_are_not_replayed_from_this_devices_hit(stand_ins, monkeypatch):
+    """Hits are keyed by the tensors' parts and their device: the same shapes on a second GPU met
+    the first GPU's hit and replayed its recording (outputs on the wrong device)."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _, _, launches = _record(step, x)
+    step(x)
+    seen = count_fast_replays(monkeypatch)
+    step(x)
+    assert seen == [1]
+    on_device_1 = lambda args, plain: (stand_in_signature(args, plain)[0], 1, False)  # noqa: E731
+    monkeypatch.setattr(stand_ins, "signature", on_device_1)
+    assert fast_hit.replay_again(step, step.fast_hits, (x,)) is fast_hit.MISS
+    assert launches.n == 2
+
+
+def test_a_fast_hit_keeps_neither_its_recording_nor_its_callable_alive(stand_ins, monkeypatch):
+    """A recording dropped (``graphtree.reset()``: ``TreeManager.drop``) is freed with its pool
+    memory though a fast hit remembers it, and a dropped callable is freed at once (no cycle
+    through its hits): both kept memory after reset on the GPU."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    tree, node, _ = _record(step, x)
+    step(x)
+    step(x)
+    (hit,) = step.fast_hits.values()
+    assert fast_hit.replay_hit(step, hit, (x,), False) is not fast_hit.MISS
+    recording, callable_ = weakref.ref(node), weakref.ref(step)
+    del node
+    tree.drop("the test dropped it")
+    gc.collect()
+    assert recording() is None, gc.get_referrers(recording())
+    assert fast_hit.replay_hit(step, hit, (x,), False) is fast_hit.MISS
+    del hit
+    gc.disable()
+    try:
+        del step
+        assert callable_() is None, "a cycle keeps the graphed callable alive"
+    finally:
+        gc.enable()
+
+
+def test_python_path_calls_that_replay_the_same_way_do_not_give_the_fast_hit_up(stand_ins, monkeypatch):
+    """Calls the Python path runs though the fast hit holds (no helpers for them: per_call.py's
+    Python-path row on the same callable) replay as it would: they must not count as its misses,
+    which gave the signature up for every later call."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _record(step, x)
+    step(x)
+    tried = fast_hit.replay_again
+    fast_hit.replay_again = lambda gc, hits, args: fast_hit.MISS  # type: ignore[assignment]
+    try:
+        for _ in range(fast_hit.MAX_REPLACED + 2):
+            step(x)
+    finally:
+        fast_hit.replay_again = tried
+    seen = count_fast_replays(monkeypatch)
+    step(x)
+    assert seen == [1], (seen, step.fast_hits)
 
 
 def test_replay_again_calls_the_real_native_signature_as_it_takes_its_arguments(monkeypatch):

@@ -75,7 +75,7 @@ Names* names() {
 
 // The plan FastHit builds once (fast_hit.py: FastHit.plan), by index.
 enum PlanItem {
-  kMiss, kGc, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
+  kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
   kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kRawStream, kPlanSize
 };
 
@@ -83,6 +83,17 @@ enum PlanItem {
 PyObject* one() {
   static PyObject* value = PyLong_FromLong(1);
   return value;
+}
+
+// What the weak reference `ref` points to (a new reference), or nullptr where it died.
+PyObject* alive(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  return PyWeakref_GetRef(ref, &obj) > 0 ? obj : nullptr;
+#else
+  PyObject* obj = PyWeakref_GetObject(ref);  // (borrowed; None once dead)
+  return obj == nullptr || obj == Py_None ? nullptr : Py_NewRef(obj);
+#endif
 }
 
 // 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is true.
@@ -93,8 +104,8 @@ int attr_true(PyObject* obj, PyObject* name) {
 
 // The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping), any
 // RuntimeError handed to tree.raise_replay_error as TreeManager.call hands it.
-PyObject* replay_node(PyObject* const* plan, PyObject* leaves, Names* s) {
-  PyObject *tree = plan[kTree], *node = plan[kNode];
+PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* const* plan, PyObject* leaves,
+                      Names* s) {
   Ref n(PyLong_FromSsize_t(PySequence_Size(leaves)));
   Ref out;
   [&] {
@@ -138,7 +149,7 @@ PyObject* replay_node(PyObject* const* plan, PyObject* leaves, Names* s) {
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != nullptr) PyException_SetTraceback(value, tb);
     Ref t(type), v(value), b(tb);
-    Ref raised(PyObject_CallMethodObjArgs(tree, s->raise_replay_error, plan[kGc], node, value, nullptr));
+    Ref raised(PyObject_CallMethodObjArgs(tree, s->raise_replay_error, gc, node, value, nullptr));
     if (raised.get() != nullptr) {  // (it always raises)
       PyErr_SetString(PyExc_RuntimeError, "graphtree: raise_replay_error returned");
     }
@@ -151,24 +162,28 @@ PyObject* replay_node(PyObject* const* plan, PyObject* leaves, Names* s) {
 
 namespace graphtree_native {
 
-// fast_replay(plan, leaves, needs_grad) -> outputs | plan[0] (MISS): FastHit.replay's checks and, where
-// every one holds, TreeManager.call's writes in its order (see tree/fast_hit.py). Nothing is
-// changed before the last check; the Python path, the reference, runs the call on MISS.
+// fast_replay(gc, plan, leaves, needs_grad) -> outputs | plan[0] (MISS): FastHit.replay's checks
+// and, where every one holds, TreeManager.call's writes in its order (see tree/fast_hit.py).
+// Nothing is changed before the last check; the Python path, the reference, runs the call on MISS.
+// The plan holds the tree, the node and its parent weakly: one gone is a MISS.
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != kPlanSize) {
-    PyErr_SetString(PyExc_TypeError, "fast_replay(plan: tuple, leaves, needs_grad)");
+  if (nargs != 4 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != kPlanSize) {
+    PyErr_SetString(PyExc_TypeError, "fast_replay(gc, plan: tuple, leaves, needs_grad)");
     return nullptr;
   }
   Names* s = names();
   if (s == nullptr) return nullptr;
-  PyObject* const* plan = &PyTuple_GET_ITEM(args[0], 0);
-  PyObject *leaves = args[1], *miss = plan[kMiss], *gc = plan[kGc], *node = plan[kNode];
+  PyObject* const* plan = &PyTuple_GET_ITEM(args[1], 0);
+  PyObject *gc = args[0], *leaves = args[2], *miss = plan[kMiss];
   auto missed = [&]() {
     Py_INCREF(miss);
     return miss;
   };
+  Ref node_ref(alive(plan[kNode]));
+  PyObject* node = node_ref.get();
+  if (node == nullptr) return missed();
   // What the callable answers (debug, disabled, buckets, closure tensors, a training step, autograd).
-  Ref off(PyObject_CallMethodOneArg(gc, s->takes_python_path, args[2]));
+  Ref off(PyObject_CallMethodOneArg(gc, s->takes_python_path, args[3]));
   if (off.get() == nullptr) return nullptr;
   if (off.get() != Py_False) return missed();
   // Hooks registered or parameters registered since (tree/hooks.py decides again), the models it calls.
@@ -207,7 +222,9 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* managers = PyDict_GetItemWithError(here.get(), s->managers);
   if (managers == nullptr || !PyDict_Check(managers)) return PyErr_Occurred() ? nullptr : missed();
   PyObject* tree = PyDict_GetItemWithError(managers, plan[kDevice]);
-  if (tree != plan[kTree]) return PyErr_Occurred() ? nullptr : missed();
+  if (tree == nullptr) return PyErr_Occurred() ? nullptr : missed();
+  Ref tree_then(alive(plan[kTree]));
+  if (tree != tree_then.get()) return missed();
   PyObject* depth = PyDict_GetItemWithError(here.get(), s->one_step);
   if (depth == nullptr && PyErr_Occurred()) return nullptr;
   const int inside = depth == nullptr ? 0 : PyObject_IsTrue(depth);
@@ -251,7 +268,8 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     parent.reset(PyObject_GetAttr(walk.get(), s->current));
   }
   if (parent.get() == nullptr) return nullptr;
-  if (parent.get() != plan[kParent]) return missed();
+  Ref parent_then(alive(plan[kParent]));
+  if (parent.get() != parent_then.get()) return missed();
   Ref first(PyObject_GetAttr(node, s->first));
   if (first.get() == nullptr) return nullptr;
   if (first.get() != Py_None) return missed();
@@ -292,7 +310,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PySet_Add(called.get(), plan[kGcId]) < 0) return nullptr;
   Ref memory(PyObject_GetAttr(tree, s->memory));
   if (memory.get() == nullptr || PyObject_SetAttr(memory.get(), s->live, Py_False) < 0) return nullptr;
-  Ref out(replay_node(plan, leaves, s));
+  Ref out(replay_node(gc, tree, node, plan, leaves, s));
   if (out.get() == nullptr) return nullptr;
   Ref entered(PyObject_GetAttr(walk.get(), s->path));  // (a new list when the step began)
   if (entered.get() == nullptr || PyList_Append(entered.get(), node) < 0) return nullptr;

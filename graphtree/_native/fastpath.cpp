@@ -1277,7 +1277,7 @@ PyMethodDef methods[] = {
     {"ambient", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ambient)), METH_FASTCALL,
      "ambient() -> (bits, default dtype, autocast dtype | None)"},
     {"fast_replay", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_replay)), METH_FASTCALL,
-     "fast_replay(plan, leaves, needs_grad) -> outputs | plan[0]"},
+     "fast_replay(gc, plan, leaves, needs_grad) -> outputs | plan[0]"},
 #ifdef GRAPHTREE_CUDA
     {"capture_begin_isolated",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(capture_begin_isolated)), METH_FASTCALL,

@@ -31,6 +31,7 @@ Example (what ``GraphedCallable.__call__`` does)::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,7 +70,6 @@ class FastHit:
         "device",
         "epoch",
         "epoch_cell",
-        "gc",
         "handle_class",
         "handles",
         "models",
@@ -86,10 +86,11 @@ class FastHit:
     def __init__(
         self, gc: Any, tree: TreeManager, node: Node, device: int, ambient: Any, reads: Any, replaced: int
     ) -> None:
-        self.gc = gc
-        self.tree = tree
-        self.node = node
-        self.parent = node.parent
+        # The tree and the recording, weakly: a fast hit keeps no recording (nor its pool memory)
+        # alive after graphtree.reset() or a dropped tree; the callable is not kept (it keeps this).
+        self.tree = weakref.ref(tree)
+        self.node = weakref.ref(node)
+        self.parent = weakref.ref(node.parent)
         self.child_key = node.key
         self.device = device
         self.ambient = ambient
@@ -106,14 +107,20 @@ class FastHit:
         self.replaced = replaced
         # What the native twin of replay() reads (graphtree/_native: fast_replay), in its order.
         self.plan = (
-            MISS, gc, tree, node, self.parent, self.child_key, device, ambient, self.module, self.training,
+            MISS, self.tree, self.node, self.parent, self.child_key, device, ambient, self.module, self.training,
             self.handle_class, self.handles, self.epoch_cell, self.epoch, gc.free, self.models,
             reads, _manager.thread_state(), gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
         )  # fmt: skip
 
-    def replay(self, args: tuple[Any, ...], needs_grad: bool) -> Any:
-        """The replay the Python path would make of ``args``, or :data:`MISS` (nothing changed)."""
-        gc = self.gc
+    def same_as(self, other: FastHit) -> bool:
+        """Whether ``other`` depends on the same answers (made again, it was not replaced)."""
+        mine = (self.node(), self.parent(), self.tree(), self.models, self.reads, self.ambient, self.epoch)
+        theirs = (other.node(), other.parent(), other.tree(), other.models, other.reads, other.ambient, other.epoch)
+        same = all(a is b or a == b for a, b in zip(mine, theirs))
+        return same and self.handles == other.handles and self.training == other.training
+
+    def replay(self, gc: Any, args: tuple[Any, ...], needs_grad: bool) -> Any:
+        """The replay the Python path would make of ``gc(*args)``, or :data:`MISS` (nothing changed)."""
         if gc.takes_python_path(needs_grad) or self.handle_class.next_id != self.handles:
             return MISS
         if self.epoch_cell[0] != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
@@ -125,7 +132,8 @@ class FastHit:
         if (free.part() if free.active else None) is not self.reads:
             return MISS
         tree, steps_itself = _manager.tree_here(self.device)
-        if tree is not self.tree:  # (another thread: its own tree)
+        node = self.node()
+        if tree is None or tree is not self.tree() or node is None:  # (another thread: its own tree)
             return MISS
         with tree.lock:
             walk = tree.walk
@@ -139,10 +147,10 @@ class FastHit:
                 return MISS
             else:
                 parent = walk.current
-            node = self.node
-            if parent is not self.parent or node.first is not None:
+            then = self.parent()  # (None: the recording's parent was dropped)
+            if then is None or parent is not then or node.first is not None:
                 return MISS
-            kids = parent.children.get(self.child_key)
+            kids = then.children.get(self.child_key)
             if not kids or kids[0] is not node or not tree.order.unchanged():
                 return MISS
             if not node.unconditional:
@@ -177,11 +185,17 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     sig = native.signature(args, _PLAIN)
     if sig is None:
         return MISS
-    hit = hits.get(sig[0])
+    hit = hits.get((sig[0], sig[1]))  # (the tensors' parts and their device)
     if hit is None or hit is _GAVE_UP:
         return MISS
-    fast = getattr(native, "fast_replay", None)  # (a build from before it: the Python twin)
-    result: Any = fast(hit.plan, args, sig[2]) if fast is not None else hit.replay(args, sig[2])
+    return replay_hit(gc, hit, args, sig[2])
+
+
+def replay_hit(gc: Any, hit: FastHit, args: tuple[Any, ...], needs_grad: bool) -> Any:
+    """``hit`` made again for ``gc(*args)`` natively, or by its Python twin where the helpers are a
+    build from before ``fast_replay``; :data:`MISS` where an answer it depended on changed."""
+    fast = getattr(_native.loaded, "fast_replay", None)
+    result: Any = fast(gc, hit.plan, args, needs_grad) if fast is not None else hit.replay(gc, args, needs_grad)
     return result
 
 
@@ -189,6 +203,8 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     """After a call the Python path ran: keep its replay for the next call of its signature, where
     the replay was one :class:`FastHit` covers (see the module). The cheap answers come first: a
     call that replays a recording no fast hit covers, or a signature given up, pays only those."""
+    if _native.loaded is None:  # (no signature read: no fast hit is looked up)
+        return
     tree, _ = _manager.tree_here(device)
     node = tree.hit if tree is not None else None
     if tree is None or node is None or node.key[0] != gc.id or node.first is not None:
@@ -197,11 +213,12 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
         return
     args = call.leaves
     n = len(args)
-    sig = call.key[:n]  # (the tensors' parts: what replay_again looks a hit up by, from either read)
+    parts = call.key[:n]  # (the tensors' parts, from either read, and their device: replay_again's key)
+    sig = (parts, device)
     old = hits.get(sig)
     if old is _GAVE_UP or not all(type(a) is torch.Tensor for a in args):
         return
-    if not all(len(part) == 3 and part[2] is not None for part in sig):
+    if not all(len(part) == 3 and part[2] is not None for part in parts):
         return  # (a host scalar's part has no strides, a lazy view's four items: the native signature leaves both)
     if gc.takes_python_path(call.needs_grad) or _torch.hook_handles_made() < 0:
         return
@@ -214,10 +231,12 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
         rest = (*rest, reads)
     if call.key[n:] != rest or node.key[1] != call.key:
         return  # (its key holds more than the tensors, the ambient state and the values read: a step, numbers)
-    replaced = old.replaced + 1 if old is not None else 0  # (it missed, and the Python path replayed)
-    if replaced > MAX_REPLACED:
-        hits[sig] = _GAVE_UP
-        return
     if old is None and len(hits) >= KEEP:
         del hits[next(iter(hits))]
-    hits[sig] = FastHit(gc, tree, node, device, ambient, reads, replaced)
+    hit = FastHit(gc, tree, node, device, ambient, reads, 0)
+    if old is not None and old.node() is not None:  # (its recording dropped since: a fresh start)
+        hit.replaced = old.replaced + (not old.same_as(hit))  # (it missed: the Python path replayed another way)
+        if hit.replaced > MAX_REPLACED:
+            hits[sig] = _GAVE_UP
+            return
+    hits[sig] = hit

@@ -347,6 +347,7 @@ class TreeManager:
             for r, msg in self.walk.held_outputs():
                 _torch.invalidate_storage(r, msg.replace("a new step began", why))
             self.walk.clear()
+            self.hit = None
             self.memory.release()
             self.warmed.clear()  # (a group torn down mid-program: its next calls warm up again, agreeing)
             _collector.collect()  # dropped recordings link to each other: only the collector frees them (and the pool)
