@@ -13,6 +13,7 @@ import sys
 import torch
 
 import graphtree
+from graphtree import _native
 from graphtree.tree import fast_hit
 
 
@@ -59,16 +60,19 @@ def _report(what: str, gc, call) -> None:
 
 
 def main() -> None:
+    # graphtree's C++ helpers, as a long-running process has them (they load in the background:
+    # without the wait the calls below run before they are there, and only the Python path is walked)
+    print(f"native helpers: {_native.wait(600) is not None} ({_native.status()})")
     step = graphtree.graphed(lambda x: x * 2 + 1, name="two")
     x = torch.randn(1024, device="cuda")
-    for _ in range(4):
+    for _ in range(8):
         step(x)
     _report("replay call", step, lambda: step(x))
     lin = torch.nn.Linear(64, 64).cuda()
     gm = graphtree.graphed(lin)
     y = torch.randn(8, 64, device="cuda")
     with torch.no_grad():
-        for _ in range(4):
+        for _ in range(8):
             gm(y)
         _report("module replay", gm.graphed_callable, lambda: gm(y))
 
