@@ -14,19 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-from gt_fast_hit import count_fast_replays, stand_in_helpers, stand_in_signature
+from gt_fast_hit import count_fast_replays, plant_recording, stand_in_helpers, stand_in_signature
 
 import graphtree
 from graphtree import _native
-from graphtree._torch import meta_of, weak_ref
 from graphtree.tree import ambient, fast_hit, liveness, placement
 from graphtree.tree import graphed as graphed_mod
 from graphtree.tree import manager as manager_mod
-from graphtree.tree import node as node_mod
 from graphtree.tree import walk as walk_mod
-from graphtree.tree.inputs import param_epoch, read_call
-from graphtree.tree.outputs import FromPool, Group, OutputPlan
-from graphtree.tree.placement import InputPlan
+from graphtree.tree.inputs import read_call
 
 
 class _Launches:
@@ -73,23 +69,8 @@ def _record(gc: Any, x: torch.Tensor) -> tuple[Any, Any, _Launches]:
     call = read_call((x,), {}, None)
     graphed_mod._key_state(call, gc.module(), gc.free.part() if gc.free.active else None, None)
     tree = manager_mod.tree_for(0)
-    out = torch.empty_like(x)
-    storage = out.untyped_storage()
-    inputs = InputPlan(
-        inplace_idx=[], inplace_ptrs=[0], copy_idx=[0], placeholders=[torch.empty_like(x)],
-        padded=(), pad_dim=0, bucket=-1, device=0,
-    )  # fmt: skip
-    groups = [Group(storage.data_ptr(), storage.nbytes(), "stale")]
-    plan = OutputPlan(None, [FromPool(0, meta_of(out))], groups, [], 0, -1)
-    node = node_mod.Node(
-        id="n", parent=tree.walk.root, key=(gc.id, call.key), name=gc.name, depth=0,
-        graph=types.SimpleNamespace(replay=int), inputs=inputs, outputs=plan, refs=[weak_ref(storage)],
-        checkpoint=None, alive_at_checkpoint=[], dead_before=[], statics=gc.static_tensors(), epoch=param_epoch(),
-        capture_seconds=0.0, input_refs=[], externals=[],
-    )  # fmt: skip
     launches = _Launches()
-    node._launch = launches
-    tree.walk.root.children[(gc.id, call.key)] = [node]
+    node = plant_recording(tree, gc, call.key, x, launches)
     return tree, node, launches
 
 

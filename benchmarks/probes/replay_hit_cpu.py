@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import types
 from typing import Any
 
 os.environ["GRAPHTREE_NATIVE"] = "0"  # (the stand-ins below are installed instead)
@@ -24,18 +23,14 @@ import torch
 
 import graphtree
 from graphtree import _native
-from graphtree._torch import meta_of, weak_ref
 from graphtree.tree import ambient, liveness, placement
 from graphtree.tree import graphed as graphed_mod
 from graphtree.tree import manager as manager_mod
-from graphtree.tree import node as node_mod
-from graphtree.tree.inputs import param_epoch, read_call
-from graphtree.tree.outputs import FromPool, Group, OutputPlan
-from graphtree.tree.placement import InputPlan
+from graphtree.tree.inputs import read_call
 
 # the stand-ins the fast hit's tests use (tests/fakes/gt_fast_hit.py)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fakes"))
-from gt_fast_hit import stand_in_helpers
+from gt_fast_hit import plant_recording, stand_in_helpers
 
 STAND_INS = stand_in_helpers(ambient=lambda: (1, torch.float32, None))
 
@@ -60,23 +55,7 @@ def _recording(gc: Any, x: torch.Tensor, grad: bool) -> tuple[Any, Any]:
     tree = manager_mod.tree_for(0)
     tree.order._raw_stream = abs
     tree.order._last_raw = 0
-    out = torch.empty_like(x)
-    storage = out.untyped_storage()
-    inputs = InputPlan(
-        inplace_idx=[], inplace_ptrs=[0], copy_idx=[0], placeholders=[torch.empty_like(x)],
-        padded=(), pad_dim=0, bucket=-1, device=0,
-    )  # fmt: skip
-    outputs = OutputPlan(
-        None, [FromPool(0, meta_of(out))], [Group(storage.data_ptr(), storage.nbytes(), "stale")], [], 0, -1
-    )
-    node = node_mod.Node(
-        id="n1", parent=tree.walk.root, key=(gc.id, call.key), name=gc.name, depth=0,
-        graph=types.SimpleNamespace(replay=int), inputs=inputs, outputs=outputs, refs=[weak_ref(storage)],
-        checkpoint=None, alive_at_checkpoint=[], dead_before=[], statics=gc.static_tensors(), epoch=param_epoch(),
-        capture_seconds=0.0, input_refs=[], externals=[],
-    )  # fmt: skip
-    node._launch = int
-    tree.walk.root.children[(gc.id, call.key)] = [node]
+    node = plant_recording(tree, gc, call.key, x, int)
     return tree, node
 
 

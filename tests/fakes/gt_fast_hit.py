@@ -1,5 +1,6 @@
 """Shared by the fast hit's tests and ``benchmarks/probes/replay_hit_cpu*.py``: stand-ins for the
-native helpers that let a replay hit run on CPU tensors, and a count of the calls a fast hit took.
+native helpers that let a replay hit run on CPU tensors, a recording planted by hand (one copied
+input, one output from the pool) and a count of the calls a fast hit took.
 
 Example::
 
@@ -17,7 +18,12 @@ from typing import Any
 import pytest
 import torch
 
+from graphtree._torch import meta_of, weak_ref
 from graphtree.tree import fast_hit
+from graphtree.tree import node as node_mod
+from graphtree.tree.inputs import param_epoch
+from graphtree.tree.outputs import FromPool, Group, OutputPlan
+from graphtree.tree.placement import InputPlan
 
 
 def stand_in_signature(args: tuple[Any, ...], plain: Any) -> Any:
@@ -55,3 +61,25 @@ def count_fast_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(fast_hit, "replay_again", counted)
     return seen
+
+
+def plant_recording(tree: Any, gc: Any, key: Any, x: torch.Tensor, launch: Callable[[], Any]) -> Any:
+    """A recording of ``gc(x)`` keyed ``key``, at ``tree``'s root as if captured, launching
+    ``launch``: one input copied into a placeholder, one output from the pool. Returns its node."""
+    out = torch.empty_like(x)
+    storage = out.untyped_storage()
+    inputs = InputPlan(
+        inplace_idx=[], inplace_ptrs=[0], copy_idx=[0], placeholders=[torch.empty_like(x)],
+        padded=(), pad_dim=0, bucket=-1, device=0,
+    )  # fmt: skip
+    groups = [Group(storage.data_ptr(), storage.nbytes(), "stale")]
+    plan = OutputPlan(None, [FromPool(0, meta_of(out))], groups, [], 0, -1)
+    node = node_mod.Node(
+        id="n", parent=tree.walk.root, key=(gc.id, key), name=gc.name, depth=0,
+        graph=types.SimpleNamespace(replay=int), inputs=inputs, outputs=plan, refs=[weak_ref(storage)],
+        checkpoint=None, alive_at_checkpoint=[], dead_before=[], statics=gc.static_tensors(), epoch=param_epoch(),
+        capture_seconds=0.0, input_refs=[], externals=[],
+    )  # fmt: skip
+    node._launch = launch
+    tree.walk.root.children[(gc.id, key)] = [node]
+    return node
