@@ -28,6 +28,11 @@ import torch
 import graphtree
 from graphtree import _native, _torch
 
+try:
+    from graphtree.tree import fast_hit
+except ImportError:  # (graphtree before the fast hit: per_call_before in gpu_session.sh)
+    fast_hit = None  # type: ignore[assignment]
+
 
 def two_kernels(x: torch.Tensor) -> torch.Tensor:
     return x * 2 + 1  # a mul and an add: two kernels
@@ -173,6 +178,37 @@ MODULE_RO = "reduce-overhead, 100-param module"
 MODULE0_GT = "graphtree, module without parameters"
 
 
+def _fast_hit_shares(cs: dict, native: object, calls: int = 50) -> dict:
+    """After the timed runs, untimed: the share of each graphtree row's calls that took the fast hit
+    (``tree/fast_hit.py``: the native replay of a signature's last recording), 0 where every call
+    went the Python path."""
+    shares: dict[str, float] = {}
+    if fast_hit is None:
+        return shares
+    original = fast_hit.replay_again
+    for name, fn in cs.items():
+        if not name.startswith("graphtree"):
+            continue
+        seen: list[bool] = []
+
+        def counted(gc, hits, args, seen=seen):
+            out = original(gc, hits, args)
+            seen.append(out is not fast_hit.MISS)
+            return out
+
+        _native.loaded = None if name.endswith(PYTHON_PATH) else native
+        fast_hit.replay_again = counted
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            fast_hit.replay_again = original
+        shares[name] = sum(seen) / calls
+    _native.loaded = native
+    torch.cuda.synchronize()
+    return shares
+
+
 def measure(calls: int, repeats: int) -> dict:
     x = torch.randn(1024, device="cuda")
     native = _native.wait(600)
@@ -192,6 +228,7 @@ def measure(calls: int, repeats: int) -> dict:
             t2 = time.perf_counter()
             cpu[name].append((t1 - t0) / calls * 1e6)
             wall[name].append((t2 - t0) / calls * 1e6)
+    shares = _fast_hit_shares(cs, native)
     res = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -201,6 +238,7 @@ def measure(calls: int, repeats: int) -> dict:
         "cpu_us": {k: statistics.median(v) for k, v in cpu.items()},
         "wall_us": {k: statistics.median(v) for k, v in wall.items()},
         "stats": graphtree.stats().as_dict(),
+        "fast_hit_share": shares,
     }
     w = res["wall_us"]
     raw = w["raw CUDAGraph.replay + copy"]
@@ -233,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'contender':32} {'cpu us/call':>12} {'wall us/call':>13} {'wall / raw':>11}")  # raw: copy_ + replay
     for k in res["wall_us"]:
         print(f"{k:32} {res['cpu_us'][k]:12.2f} {res['wall_us'][k]:13.2f} {res['ratio_to_raw'][k]:11.2f}")
+    if res["fast_hit_share"]:
+        print("calls that took the fast hit: " + ", ".join(f"{k} {v:.0%}" for k, v in res["fast_hit_share"].items()))
     check = res["param_check_us_100"]
     ro = res["param_check_us_100_reduce_overhead"]
     print(f"100 parameters cost graphtree {check:.2f} us/call (the module with them against it without them;")
