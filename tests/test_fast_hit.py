@@ -240,6 +240,23 @@ def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_i
     assert seen[-1] == 0 and list(step.fast_hits.values()) == [fast_hit._GAVE_UP], "given up: the Python path"
 
 
+def test_misses_far_apart_do_not_give_the_signature_up(stand_ins, monkeypatch):
+    """A module made now and then (a new adapter, a model loaded) moves the parameter epoch: each
+    time, one miss. Misses SETTLED replays apart start the count again, so a long-running loop keeps
+    its fast hit; misses in a row still give it up (the test above)."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _record(step, x)
+    step(x)
+    seen = count_fast_replays(monkeypatch)
+    for _ in range(fast_hit.MAX_REPLACED + 2):
+        torch.nn.Linear(2, 2)
+        for _ in range(fast_hit.SETTLED + 2):
+            step(x)
+    assert seen.count(0) == fast_hit.MAX_REPLACED + 2 and seen[-fast_hit.SETTLED :] == [1] * fast_hit.SETTLED, seen
+    assert fast_hit._GAVE_UP not in step.fast_hits.values()
+
+
 def test_the_same_tensors_on_another_device_are_not_replayed_from_this_devices_hit(stand_ins, monkeypatch):
     """Hits are keyed by the tensors' parts and their device: the same shapes on a second GPU met
     the first GPU's hit and replayed its recording (outputs on the wrong device)."""

@@ -55,7 +55,13 @@ MAX_REPLACED = 3
 """Times a signature's :class:`FastHit` may be made again (it missed where the Python path then
 replayed: another recording, place, ambient state, parameter epoch...) before the signature is
 left to the Python path: two recordings of one signature in turn (a call under autocast and one
-without) would otherwise make one on every call."""
+without) would otherwise make one on every call. Misses :data:`SETTLED` replays apart are not a
+see-saw (a module made somewhere moves the parameter epoch every recording of parameters checks):
+such a miss starts the count again."""
+
+SETTLED = 64
+"""Replays of a fast hit's recording since it was made after which a miss starts the count of
+:data:`MAX_REPLACED` again."""
 
 _GAVE_UP = object()  # (in a callable's hits: this signature goes the Python path)
 _PLAIN = PLAIN_TYPES  # (a tuple: what the native signature takes)
@@ -79,6 +85,7 @@ class FastHit:
         "plan",
         "reads",
         "replaced",
+        "replays_at",
         "training",
         "tree",
     )
@@ -105,6 +112,7 @@ class FastHit:
         self.epoch = self.epoch_cell[0]
         self.models = gc.free.models
         self.replaced = replaced
+        self.replays_at = node.replays  # (its recording's replays when it was made: settled())
         # What the native twin of replay() reads (graphtree/_native: fast_replay), in its order.
         self.plan = (
             MISS, self.tree, self.node, self.parent, self.child_key, device, ambient, self.module, self.training,
@@ -118,6 +126,12 @@ class FastHit:
         theirs = (other.node(), other.parent(), other.tree(), other.models, other.reads, other.ambient, other.epoch)
         same = all(a is b or a == b for a, b in zip(mine, theirs))
         return same and self.handles == other.handles and self.training == other.training
+
+    def settled(self) -> bool:
+        """Whether its recording replayed :data:`SETTLED` times since it was made (a miss now is a
+        rare one: it does not count towards giving the signature up)."""
+        node = self.node()
+        return node is not None and node.replays - self.replays_at >= SETTLED
 
     def replay(self, gc: Any, args: tuple[Any, ...], needs_grad: bool) -> Any:
         """The replay the Python path would make of ``gc(*args)``, or :data:`MISS` (nothing changed)."""
@@ -234,7 +248,7 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     if old is None and len(hits) >= KEEP:
         del hits[next(iter(hits))]
     hit = FastHit(gc, tree, node, device, ambient, reads, 0)
-    if old is not None and old.node() is not None:  # (its recording dropped since: a fresh start)
+    if old is not None and old.node() is not None and not old.settled():  # (else: a fresh start)
         hit.replaced = old.replaced + (not old.same_as(hit))  # (it missed: the Python path replayed another way)
         if hit.replaced > MAX_REPLACED:
             hits[sig] = _GAVE_UP
