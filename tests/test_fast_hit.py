@@ -43,6 +43,8 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         if real is None:
             pytest.skip(f"no native helpers: {_native.status()}")
         fake.fast_replay = real.fast_replay
+        # replay_again's native whole (signature, lookup, replay), with the stand-in signature
+        fake.fast_call = lambda gc, hits, args, plain, miss: real.fast_call(gc, hits, args, plain, miss, fake.signature)
     monkeypatch.setattr(_native, "loaded", fake)
     monkeypatch.setattr(ambient, "_checked", fake)
     monkeypatch.setattr(graphed_mod, "_cuda_ok", True)

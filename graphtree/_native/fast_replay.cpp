@@ -11,12 +11,15 @@ namespace graphtree_native {
 PyObject* ambient_now();
 PyObject* copy_in_now(PyObject* const* args);
 PyObject* addresses_unchanged_now(PyObject* const* args);
+PyObject* signature_now(PyObject* const* args);
+PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
 
 namespace {
 
 using graphtree_native::addresses_unchanged_now;
 using graphtree_native::ambient_now;
+using graphtree_native::signature_now;
 using graphtree_native::copy_in_now;
 
 // A new reference, released at the end of its scope.
@@ -44,7 +47,7 @@ struct Names {
       *acquire, *release, *walk, *path, *step_requested, *user_steps, *called, *root, *warming, *current, *first,
       *children, *order, *unchanged, *unconditional, *statics_only, *epoch, *statics, *static_packed, *new_step,
       *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
-      *hand_out, *counters, *hit;
+      *hand_out, *counters, *hit, *plan;
   bool ok = false;
 };
 
@@ -56,17 +59,17 @@ Names* names() {
                        "user_steps", "called", "root", "warming", "current", "first", "children", "order",
                        "unchanged", "unconditional", "statics_only", "epoch", "statics", "static_packed",
                        "new_step", "memory", "live", "inputs", "_native", "copy_in", "_launch",
-                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit"};
+                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit", "plan"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
                         &n.children, &n.order, &n.unchanged, &n.unconditional, &n.statics_only, &n.epoch,
                         &n.statics, &n.static_packed, &n.new_step, &n.memory, &n.live, &n.inputs, &n.native,
                         &n.copy_in, &n.launch, &n.raise_replay_error, &n.replays, &n.writes, &n.grads, &n.hand_out,
-                        &n.counters, &n.hit};
+                        &n.counters, &n.hit, &n.plan};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
-    *slots[i] = PyUnicode_InternFromString(all[i]);
+    *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
     if (*slots[i] == nullptr) return nullptr;
   }
   n.ok = true;
@@ -321,6 +324,39 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (more.get() == nullptr || PyObject_SetAttr(counters.get(), s->replays, more.get()) < 0) return nullptr;
   if (PyObject_SetAttr(tree, s->hit, node) < 0) return nullptr;
   return out.release();
+}
+
+// fast_call(gc, hits, args, plain_types, miss[, signature]) -> outputs | miss: tree/fast_hit.py's
+// replay_again in one call: the call's signature (the same `signature` graphtree.tree.inputs keys
+// by; `signature`, where given, a stand-in for it: tests on CPU tensors), its fast hit in `hits`
+// by the tensors' parts and their device, and that hit's fast_replay. `miss` where the call is
+// not one of tensors alone, no hit is kept for it, or the hit's replay missed.
+PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if ((nargs != 5 && nargs != 6) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "fast_call(gc, hits: dict, args: tuple, plain_types: tuple, miss[, signature])");
+    return nullptr;
+  }
+  PyObject* miss = args[4];
+  PyObject* sig_args[2] = {args[2], args[3]};
+  Ref sig(nargs == 6 && args[5] != Py_None ? PyObject_Vectorcall(args[5], sig_args, 2, nullptr)
+                                           : signature_now(sig_args));
+  if (sig.get() == nullptr) return nullptr;
+  if (sig.get() == Py_None || !PyTuple_Check(sig.get()) || PyTuple_GET_SIZE(sig.get()) != 3) return Py_NewRef(miss);
+  Ref key(PyTuple_Pack(2, PyTuple_GET_ITEM(sig.get(), 0), PyTuple_GET_ITEM(sig.get(), 1)));
+  if (key.get() == nullptr) return nullptr;
+  PyObject* hit = PyDict_GetItemWithError(args[1], key.get());  // (borrowed)
+  if (hit == nullptr) return PyErr_Occurred() ? nullptr : Py_NewRef(miss);
+  Names* s = names();
+  if (s == nullptr) return nullptr;
+  Ref held(Py_NewRef(hit));  // (the dict may lose it while the replay runs Python)
+  Ref plan(PyObject_GetAttr(hit, s->plan));
+  if (plan.get() == nullptr) {  // (a signature given up: no plan)
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
+    PyErr_Clear();
+    return Py_NewRef(miss);
+  }
+  PyObject* replay_args[4] = {args[0], plan.get(), args[2], PyTuple_GET_ITEM(sig.get(), 2)};
+  return fast_replay(nullptr, replay_args, 4);
 }
 
 }  // namespace graphtree_native

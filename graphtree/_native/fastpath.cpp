@@ -1248,6 +1248,7 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 namespace graphtree_native {
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
+PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);    // fast_replay.cpp
 }  // namespace graphtree_native
 
 namespace {
@@ -1278,6 +1279,8 @@ PyMethodDef methods[] = {
      "ambient() -> (bits, default dtype, autocast dtype | None)"},
     {"fast_replay", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_replay)), METH_FASTCALL,
      "fast_replay(gc, plan, leaves, needs_grad) -> outputs | plan[0]"},
+    {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_call)), METH_FASTCALL,
+     "fast_call(gc, hits, args, plain_types, miss[, signature]) -> outputs | miss"},
 #ifdef GRAPHTREE_CUDA
     {"capture_begin_isolated",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(capture_begin_isolated)), METH_FASTCALL,
@@ -1308,6 +1311,7 @@ namespace graphtree_native {
 PyObject* ambient_now() { return ambient(nullptr, nullptr, 0); }
 PyObject* copy_in_now(PyObject* const* args) { return copy_in(nullptr, args, 4); }
 PyObject* addresses_unchanged_now(PyObject* const* args) { return addresses_unchanged(nullptr, args, 2); }
+PyObject* signature_now(PyObject* const* args) { return signature(nullptr, args, 2); }
 }  // namespace graphtree_native
 
 PyMODINIT_FUNC GT_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }

@@ -74,7 +74,7 @@ class Walk:
         held: list[tuple[int, str]] = []  # invalidated below; the weak refs of the path's are freed too
         for node in self.path:
             node.live.release(held)
-        release = [r for r, _ in held]
+        release = [r for r, _ in held] if held else ()  # (the common case: the caller kept nothing)
         if self.retired:  # their nodes release their own refs when they are dropped
             for _pool, path in self.retired:
                 held.extend(held_in(path))
