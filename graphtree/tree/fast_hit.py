@@ -5,20 +5,23 @@ In a loop, a graphed call replays the same recording call after call. The Python
 it reads the call, keys it, checks the hooks, the module arguments, the numbers, the ambient state,
 decides the step, looks the recording up and checks it. Most answers never change in a steady
 loop. :class:`FastHit` keeps, after a replay by the Python path, what those answers depended on;
-the next call with the same tensors' signature checks those inputs alone (the native signature,
-the hook counters, the ambient state, the module's mode, the values its code reads, the step,
-the recording still in place)
-and does what the Python path would do from there, in its order: end the step, replay, enter the
-node, count. Anything else it does not decide: it answers :data:`MISS` before it changes any state,
-and the Python path, the reference, runs the call. Issue 47: the Python reference of the native
-entry (``graphtree/_native/DESIGN.md``, "The whole replay in one native entry").
+the next call with the same tensors' signature on the same device checks those inputs alone (the
+hook counters, the ambient state, the module's mode, the values its code reads, the step, the
+recording still in place) and does what the Python path would do from there, in its order: end
+the step, replay, enter the node, count. Anything else it does not decide: it answers
+:data:`MISS` before it changes any state, and the Python path, the reference, runs the call.
+With the native helpers, ``_native.fast_call`` reads the signature, finds the hit and replays it
+in one call; :meth:`FastHit.replay` is the Python twin of its replay (issue 47;
+``graphtree/_native/DESIGN.md``). Without the helpers no fast hit is made or looked up.
 
 What a :class:`FastHit` covers: a call of CUDA tensors only (no keywords, no numbers, no objects),
 of a callable with no debug dumps, no buckets, no closure tensors followed per call, no training
 step, and a recording that is unconditional or checks only its statics. The values its code reads
 (``reach.FreeValues``) are keyed as on the Python path: the same part object, or a miss.
 Several signatures of one callable each keep theirs (:data:`KEEP` at most); a signature whose
-fast hit keeps missing (:data:`MAX_REPLACED`) is left to the Python path.
+fast hit keeps missing (:data:`MAX_REPLACED` times, less than :data:`SETTLED` replays apart) is
+left to the Python path. A fast hit holds its tree and recording weakly: ``graphtree.reset()``
+frees them as before.
 
 Example (what ``GraphedCallable.__call__`` does)::
 
