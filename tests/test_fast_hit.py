@@ -6,6 +6,8 @@ does: the tree, the walk, the liveness of outputs and the counters are graphtree
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import threading
 import types
 import weakref
@@ -319,6 +321,37 @@ def test_python_path_calls_that_replay_the_same_way_do_not_give_the_fast_hit_up(
     seen = count_fast_replays(monkeypatch)
     step(x)
     assert seen == [1], (seen, step.fast_hits)
+
+
+MOST_FRAMES = 13
+"""Python frames a native fast hit of a graphed function runs (twenty-first session: 13; issue 47
+wants fewer). A change that adds one to the hot path should say why, here."""
+
+
+def test_a_native_fast_hit_runs_few_python_frames(stand_ins, request):
+    if request.node.callspec.params["stand_ins"] != "native":
+        pytest.skip("the native fast hit's count")
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _, _, launches = _record(step, x)
+    for _ in range(3):
+        step(x)
+    fakes = os.path.dirname(os.path.abspath(stand_in_helpers.__code__.co_filename))
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        path = frame.f_code.co_filename
+        if event == "call" and not path.startswith(fakes) and path != __file__:
+            frames.append(f"{os.path.basename(path)}:{frame.f_code.co_name}")
+
+    before = launches.n
+    sys.setprofile(profile)
+    try:
+        step(x)
+    finally:
+        sys.setprofile(None)
+    assert launches.n == before + 1
+    assert len(frames) <= MOST_FRAMES, frames
 
 
 def test_replay_again_calls_the_real_native_signature_as_it_takes_its_arguments(monkeypatch):
