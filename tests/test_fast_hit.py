@@ -5,6 +5,7 @@ does: the tree, the walk, the liveness of outputs and the counters are graphtree
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import sys
@@ -46,7 +47,9 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
             pytest.skip(f"no native helpers: {_native.status()}")
         fake.fast_replay = real.fast_replay
         # replay_again's native whole (signature, lookup, replay), with the stand-in signature
-        fake.fast_call = lambda gc, hits, args, plain, miss: real.fast_call(gc, hits, args, plain, miss, fake.signature)
+        fake.fast_call = lambda gc, hits, args, plain, miss, threads: real.fast_call(
+            gc, hits, args, plain, miss, threads, fake.signature
+        )
     monkeypatch.setattr(_native, "loaded", fake)
     monkeypatch.setattr(ambient, "_checked", fake)
     monkeypatch.setattr(graphed_mod, "_cuda_ok", True)
@@ -189,7 +192,7 @@ def test_what_changes_the_python_paths_answer_sends_the_call_there_untouched(sta
         finally:
             torch.set_default_dtype(torch.float32)
     elif change == "a new shape":
-        assert (stand_in_signature((arg,), None)[0], 0) not in gc.fast_hits
+        assert not any(key[0] == stand_in_signature((arg,), None)[0] for key in gc.fast_hits)
     else:
         grad = change == "grad of the input"
         with torch.set_grad_enabled(grad):
@@ -259,6 +262,25 @@ def test_misses_far_apart_do_not_give_the_signature_up(stand_ins, monkeypatch):
             step(x)
     assert seen.count(0) == fast_hit.MAX_REPLACED + 2 and seen[-fast_hit.SETTLED :] == [1] * fast_hit.SETTLED, seen
     assert fast_hit._GAVE_UP not in step.fast_hits.values()
+
+
+def test_two_threads_calling_one_callable_each_replay_through_a_fast_hit_of_their_own(stand_ins, monkeypatch):
+    """Each thread has a tree of its own: its calls keep a fast hit of their own. Kept by signature
+    alone, the threads' calls in turn made each other's miss, and the signature was given up."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    rounds = fast_hit.MAX_REPLACED + 3
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as other:  # (one thread, always the same)
+        _record(step, x)
+        step(x)
+        other.submit(_record, step, x).result()  # (in the other thread's tree)
+        other.submit(step, x).result()
+        seen = count_fast_replays(monkeypatch)
+        for _ in range(rounds):
+            step(x)
+            other.submit(step, x).result()
+    assert seen == [1] * (2 * rounds), seen
+    assert fast_hit._GAVE_UP not in step.fast_hits.values() and len(step.fast_hits) == 2
 
 
 def test_the_same_tensors_on_another_device_are_not_replayed_from_this_devices_hit(stand_ins, monkeypatch):

@@ -326,28 +326,38 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out.release();
 }
 
-// fast_call(gc, hits, args, plain_types, miss[, signature]) -> outputs | miss: tree/fast_hit.py's
-// replay_again in one call: the call's signature (the same `signature` graphtree.tree.inputs keys
-// by; `signature`, where given, a stand-in for it: tests on CPU tensors), its fast hit in `hits`
-// by the tensors' parts and their device, and that hit's fast_replay. `miss` where the call is
-// not one of tensors alone, no hit is kept for it, or the hit's replay missed.
+// fast_call(gc, hits, args, plain_types, miss, threads[, signature]) -> outputs | miss:
+// tree/fast_hit.py's replay_again in one call: the call's signature (the same `signature`
+// graphtree.tree.inputs keys by; `signature`, where given, a stand-in for it: tests on CPU
+// tensors), its fast hit in `hits` by the tensors' parts, their device and the calling thread's
+// tree there (`threads`: manager.thread_state(), as tree_here reads it), and that hit's
+// fast_replay. `miss` where the call is not one of tensors alone, the thread has no tree on the
+// device, no hit is kept for it, or the hit's replay missed.
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if ((nargs != 5 && nargs != 6) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
-    PyErr_SetString(PyExc_TypeError, "fast_call(gc, hits: dict, args: tuple, plain_types: tuple, miss[, signature])");
+  if ((nargs != 6 && nargs != 7) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "fast_call(gc, hits: dict, args: tuple, plain_types: tuple, miss, threads[, signature])");
     return nullptr;
   }
   PyObject* miss = args[4];
+  Names* s = names();
+  if (s == nullptr) return nullptr;
   PyObject* sig_args[2] = {args[2], args[3]};
-  Ref sig(nargs == 6 && args[5] != Py_None ? PyObject_Vectorcall(args[5], sig_args, 2, nullptr)
+  Ref sig(nargs == 7 && args[6] != Py_None ? PyObject_Vectorcall(args[6], sig_args, 2, nullptr)
                                            : signature_now(sig_args));
   if (sig.get() == nullptr) return nullptr;
   if (sig.get() == Py_None || !PyTuple_Check(sig.get()) || PyTuple_GET_SIZE(sig.get()) != 3) return Py_NewRef(miss);
-  Ref key(PyTuple_Pack(2, PyTuple_GET_ITEM(sig.get(), 0), PyTuple_GET_ITEM(sig.get(), 1)));
+  PyObject* device = PyTuple_GET_ITEM(sig.get(), 1);
+  Ref here(PyObject_GetAttr(args[5], s->dict));
+  if (here.get() == nullptr) return nullptr;
+  PyObject* managers = PyDict_Check(here.get()) ? PyDict_GetItemWithError(here.get(), s->managers) : nullptr;
+  PyObject* tree = managers != nullptr && PyDict_Check(managers) ? PyDict_GetItemWithError(managers, device) : nullptr;
+  if (tree == nullptr) return PyErr_Occurred() ? nullptr : Py_NewRef(miss);
+  Ref tree_id(PyLong_FromVoidPtr(tree));  // (id(tree), as fast_hit.remember keys it)
+  Ref key(tree_id.get() ? PyTuple_Pack(3, PyTuple_GET_ITEM(sig.get(), 0), device, tree_id.get()) : nullptr);
   if (key.get() == nullptr) return nullptr;
   PyObject* hit = PyDict_GetItemWithError(args[1], key.get());  // (borrowed)
   if (hit == nullptr) return PyErr_Occurred() ? nullptr : Py_NewRef(miss);
-  Names* s = names();
-  if (s == nullptr) return nullptr;
   Ref held(Py_NewRef(hit));  // (the dict may lose it while the replay runs Python)
   Ref plan(PyObject_GetAttr(hit, s->plan));
   if (plan.get() == nullptr) {  // (a signature given up: no plan)

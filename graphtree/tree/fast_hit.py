@@ -5,7 +5,8 @@ In a loop, a graphed call replays the same recording call after call. The Python
 it reads the call, keys it, checks the hooks, the module arguments, the numbers, the ambient state,
 decides the step, looks the recording up and checks it. Most answers never change in a steady
 loop. :class:`FastHit` keeps, after a replay by the Python path, what those answers depended on;
-the next call with the same tensors' signature on the same device checks those inputs alone (the
+the next call of the same thread with the same tensors' signature on the same device (each
+thread has its own tree, so its own fast hits) checks those inputs alone (the
 hook counters, the ambient state, the module's mode, the values its code reads, the step, the
 recording still in place) and does what the Python path would do from there, in its order: end
 the step, replay, enter the node, count. Anything else it does not decide: it answers
@@ -68,6 +69,7 @@ SETTLED = 64
 
 _GAVE_UP = object()  # (in a callable's hits: this signature goes the Python path)
 _PLAIN = PLAIN_TYPES  # (a tuple: what the native signature takes)
+_THREADS = _manager.thread_state()  # (where fast_call finds the calling thread's trees)
 
 
 class FastHit:
@@ -201,11 +203,12 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
         return MISS
     whole = getattr(native, "fast_call", None)  # (this function and replay_hit in one native call)
     if whole is not None:
-        return whole(gc, hits, args, _PLAIN, MISS)
+        return whole(gc, hits, args, _PLAIN, MISS, _THREADS)
     sig = native.signature(args, _PLAIN)
     if sig is None:
         return MISS
-    hit = hits.get((sig[0], sig[1]))  # (the tensors' parts and their device)
+    tree, _ = _manager.tree_here(sig[1])
+    hit = hits.get((sig[0], sig[1], id(tree)))  # (the tensors' parts, their device, this thread's tree)
     if hit is None or hit is _GAVE_UP:
         return MISS
     return replay_hit(gc, hit, args, sig[2])
@@ -234,7 +237,7 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     args = call.leaves
     n = len(args)
     parts = call.key[:n]  # (the tensors' parts, from either read, and their device: replay_again's key)
-    sig = (parts, device)
+    sig = (parts, device, id(tree))  # (each thread's tree its own: threads calling one callable)
     old = hits.get(sig)
     if old is _GAVE_UP or not all(type(a) is torch.Tensor for a in args):
         return
