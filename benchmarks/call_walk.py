@@ -49,12 +49,18 @@ def walk(call):
 
 
 def _report(what: str, gc, call) -> None:
-    """Walk ``call()`` twice: as it runs (a fast hit once one is kept), and by the Python path
-    (its signatures left to it, as after a fast hit gave up: ``TreeManager.call``, the reference)."""
-    for path in ("as it runs", "Python path"):
+    """Walk ``call()`` three times: as it runs (the native fast hit once one is kept); without the
+    native helpers (``GRAPHTREE_NATIVE=0``: the fast hit's Python twin); and by the Python path
+    proper (its signatures left to it, as after a fast hit gave up: ``TreeManager.call``)."""
+    native = _native.loaded
+    for path in ("as it runs", "helpers off", "Python path"):
+        _native.loaded = None if path == "helpers off" else native
         if path == "Python path":
             gc.fast_hits.update(dict.fromkeys(gc.fast_hits, fast_hit._GAVE_UP))
-        seq, back = walk(call)
+        try:
+            seq, back = walk(call)
+        finally:
+            _native.loaded = native
         print(f"{what}, {path}: {len(seq)} stops in {len(set(seq))} modules, {back} returning to a module already left")
         print("  " + " -> ".join(seq))
 

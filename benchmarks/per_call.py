@@ -10,9 +10,10 @@ previous output. For each contender it reports the median over repeats of (time 
 measured two ways: CPU time (no synchronisation: what the Python thread pays) and wall time
 (synchronised before and after the N calls).
 
-graphtree's rows run with its native helpers (``graphtree/_native``: the call's signature and
-the address checks in C++), which this script waits for; the rows marked ``(Python path)`` run
-the same recordings with the helpers switched off, as a process without a C++ compiler would.
+graphtree's rows run with its native helpers (``graphtree/_native``: the call's signature, the
+address checks and a replay hit's whole check and launch in C++), which this script waits for;
+the rows marked ``(Python path)`` run the same recordings with the helpers switched off, as a
+process without a C++ compiler would (a replay hit then takes the fast hit's Python twin).
 """
 
 from __future__ import annotations

@@ -376,6 +376,46 @@ def test_a_native_fast_hit_runs_few_python_frames(stand_ins, request):
     assert len(frames) <= MOST_FRAMES, frames
 
 
+def test_the_python_signature_keys_a_call_as_read_call_does(monkeypatch):
+    """Without the native helpers a fast hit is looked up by ``tensor_signature``: its parts must
+    equal ``read_call``'s key parts, which ``remember`` keeps it by (CPU tensors made to pass as
+    CUDA ones here)."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    base = torch.randn(4, 6)
+    calls = [
+        (base,),
+        (base.t(), torch.randn(3)),
+        (base[:, ::2], torch.zeros((), dtype=torch.int64)),
+        (base.expand(2, 4, 6), base.requires_grad_(False)),
+        (torch.randn(5, requires_grad=True),),
+    ]
+    for args in calls:
+        sig = fast_hit.tensor_signature(args)
+        assert sig is not None
+        assert sig[0] == read_call(args, {}, None).key[: len(args)], args
+        assert sig[1] == 0 and sig[2] == any(a.requires_grad for a in args)
+    assert fast_hit.tensor_signature((base, 2.0)) is None  # (a number: the fast hit keeps no such call)
+    assert fast_hit.tensor_signature((base.conj(),)) is None or not base.is_complex()
+    assert fast_hit.tensor_signature((torch.randn(2, dtype=torch.complex64).conj(),)) is None
+    assert fast_hit.tensor_signature(()) is None
+
+
+def test_without_the_native_helpers_a_loop_replays_through_the_python_twin(stand_ins, monkeypatch):
+    """GRAPHTREE_NATIVE=0: the fast hit is made and replayed in Python (its signature too)."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _, _, launches = _record(step, x)
+    monkeypatch.setattr(_native, "loaded", None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # (CPU tensors pass as CUDA's)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    step(x)
+    seen = count_fast_replays(monkeypatch)
+    for _ in range(4):
+        step(x)
+    assert seen == [1] * 4 and launches.n == 5, seen
+
+
 def test_replay_again_calls_the_real_native_signature_as_it_takes_its_arguments(monkeypatch):
     """The stand-ins take anything; the built helpers' ``signature`` takes a tuple of plain types
     (given a frozenset it raised ``TypeError`` on every CUDA call that had a fast hit)."""

@@ -12,8 +12,9 @@ recording still in place) and does what the Python path would do from there, in 
 the step, replay, enter the node, count. Anything else it does not decide: it answers
 :data:`MISS` before it changes any state, and the Python path, the reference, runs the call.
 With the native helpers, ``_native.fast_call`` reads the signature, finds the hit and replays it
-in one call; :meth:`FastHit.replay` is the Python twin of its replay (issue 47;
-``graphtree/_native/DESIGN.md``). Without the helpers no fast hit is made or looked up.
+in one call; without them (``GRAPHTREE_NATIVE=0``) :func:`tensor_signature` and
+:meth:`FastHit.replay` are its Python twins, the Python path of a replay hit (issue 47;
+``graphtree/_native/DESIGN.md``).
 
 What a :class:`FastHit` covers: a call of CUDA tensors only (no keywords, no numbers, no objects),
 of a callable with no debug dumps, no buckets, no closure tensors followed per call, no training
@@ -138,8 +139,11 @@ class FastHit:
         node = self.node()
         return node is not None and node.replays - self.replays_at >= SETTLED
 
-    def replay(self, gc: Any, args: tuple[Any, ...], needs_grad: bool) -> Any:
-        """The replay the Python path would make of ``gc(*args)``, or :data:`MISS` (nothing changed)."""
+    def replay(
+        self, gc: Any, args: tuple[Any, ...], needs_grad: bool, here: tuple[TreeManager | None, bool] | None = None
+    ) -> Any:
+        """The replay the Python path would make of ``gc(*args)``, or :data:`MISS` (nothing changed);
+        ``here``: ``manager.tree_here(device)`` where the caller read it already."""
         if gc.takes_python_path(needs_grad) or self.handle_class.next_id != self.handles:
             return MISS
         if self.epoch_cell[0] != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
@@ -150,7 +154,7 @@ class FastHit:
         free = gc.free  # the values its code reads: the same part object while none changed (reach.py)
         if (free.part() if free.active else None) is not self.reads:
             return MISS
-        tree, steps_itself = _manager.tree_here(self.device)
+        tree, steps_itself = here if here is not None else _manager.tree_here(self.device)
         node = self.node()
         if tree is None or tree is not self.tree() or node is None:  # (another thread: its own tree)
             return MISS
@@ -172,15 +176,9 @@ class FastHit:
             kids = then.children.get(self.child_key)
             if not kids or kids[0] is not node or not tree.order.unchanged():
                 return MISS
-            if not node.unconditional:
-                native = _native.loaded
-                if not (
-                    node.statics_only
-                    and native is not None
-                    and node.epoch == self.epoch
-                    and native.addresses_unchanged(node.statics, node.static_packed)
-                ):
-                    return MISS
+            checked = node.statics_only and node.epoch == self.epoch and _statics_in_place(node)
+            if not (node.unconditional or checked):  # (a module's recording: its parameters in place)
+                return MISS
             # What TreeManager.call does from here, in its order.
             leaves: Sequence[Any] = tree.new_step(args) if new_step else args
             walk.called.add(gc.id)
@@ -199,35 +197,63 @@ class FastHit:
 def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     """A call ``gc(*args)`` replayed as its signature's last replay was, or :data:`MISS`."""
     native = _native.loaded
-    if native is None:
-        return MISS
     whole = getattr(native, "fast_call", None)  # (this function and replay_hit in one native call)
     if whole is not None:
         return whole(gc, hits, args, _PLAIN, MISS, _THREADS)
-    sig = native.signature(args, _PLAIN)
+    sig = native.signature(args, _PLAIN) if native is not None else tensor_signature(args)
     if sig is None:
         return MISS
-    tree, _ = _manager.tree_here(sig[1])
-    hit = hits.get((sig[0], sig[1], id(tree)))  # (the tensors' parts, their device, this thread's tree)
+    here = _manager.tree_here(sig[1])
+    hit = hits.get((sig[0], sig[1], id(here[0])))  # (the tensors' parts, their device, this thread's tree)
     if hit is None or hit is _GAVE_UP:
         return MISS
-    return replay_hit(gc, hit, args, sig[2])
+    return replay_hit(gc, hit, args, sig[2], here)
 
 
-def replay_hit(gc: Any, hit: FastHit, args: tuple[Any, ...], needs_grad: bool) -> Any:
-    """``hit`` made again for ``gc(*args)`` natively, or by its Python twin where the helpers are a
-    build from before ``fast_replay``; :data:`MISS` where an answer it depended on changed."""
+def tensor_signature(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, bool] | None:
+    """The native ``signature`` of a call of CUDA tensors alone, read in Python (without the native
+    helpers: ``GRAPHTREE_NATIVE=0``, or before they have loaded): each tensor's (shape, dtype,
+    stride), as ``inputs.read_call`` keys it, their one device, and whether one requires grad.
+    None for anything else (a Python value, an object, a tensor subclass, a CPU tensor, a lazy
+    conjugate or negative view, tensors on several devices): the fast hit keeps none of those."""
+    parts = []
+    device = -1
+    needs_grad = False
+    for x in args:
+        if type(x) is not torch.Tensor or not x.is_cuda or x.layout is not torch.strided or x.is_conj() or x.is_neg():
+            return None
+        d = x.get_device()
+        if d != device and device >= 0:
+            return None
+        device = d
+        parts.append((tuple(x.shape), x.dtype, x.stride()))
+        needs_grad = needs_grad or x.requires_grad
+    return (tuple(parts), device, needs_grad) if device >= 0 else None
+
+
+def _statics_in_place(node: Node) -> bool:
+    """Whether the state a recording reads in place (a module's parameters) is where it was."""
+    native = _native.loaded
+    if native is not None:
+        return bool(native.addresses_unchanged(node.statics, node.static_packed))
+    return all(t.data_ptr() == ptr for t, ptr in zip(node.statics, node.static_ptrs))
+
+
+def replay_hit(
+    gc: Any, hit: FastHit, args: tuple[Any, ...], needs_grad: bool, here: tuple[TreeManager | None, bool] | None = None
+) -> Any:
+    """``hit`` made again for ``gc(*args)`` natively, or by its Python twin without the helpers (or
+    with a build from before ``fast_replay``); :data:`MISS` where an answer it depended on changed."""
     fast = getattr(_native.loaded, "fast_replay", None)
-    result: Any = fast(gc, hit.plan, args, needs_grad) if fast is not None else hit.replay(gc, args, needs_grad)
-    return result
+    if fast is not None:
+        return fast(gc, hit.plan, args, needs_grad)
+    return hit.replay(gc, args, needs_grad, here)
 
 
 def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     """After a call the Python path ran: keep its replay for the next call of its signature, where
     the replay was one :class:`FastHit` covers (see the module). The cheap answers come first: a
     call that replays a recording no fast hit covers, or a signature given up, pays only those."""
-    if _native.loaded is None:  # (no signature read: no fast hit is looked up)
-        return
     tree, _ = _manager.tree_here(device)
     node = tree.hit if tree is not None else None
     if tree is None or node is None or node.key[0] != gc.id or node.first is not None:
