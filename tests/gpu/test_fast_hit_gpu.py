@@ -17,12 +17,15 @@ DEV = "cuda"
 SCALE = 2.0
 
 
-@pytest.fixture
-def fast_replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """1 for each call a fast hit replayed (natively: the helpers are built first), 0 for each it
-    left to the Python path."""
+@pytest.fixture(params=["native", "helpers off"])
+def fast_replays(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """1 for each call a fast hit replayed, 0 for each it left to the Python path: natively (the
+    helpers are built first), or with the helpers off (``GRAPHTREE_NATIVE=0``: the fast hit's
+    Python twin, and the Python path's own reads and checks)."""
     native = _native.wait(600)
-    assert native is not None and hasattr(native, "fast_replay"), _native.status()
+    assert native is not None and hasattr(native, "fast_call"), _native.status()
+    if request.param == "helpers off":
+        monkeypatch.setattr(_native, "loaded", None)
     seen = count_fast_replays(monkeypatch)
     graphtree.reset()
     yield seen
