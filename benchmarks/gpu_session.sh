@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [pack]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -243,18 +243,26 @@ for stage in $stages; do
     suite_bg)  # the one-process suite in the background, in a process session of its own, so that it
                # outlives this call (the machine stays warm 30 s between calls) and may run past 600 s;
                # `suite_wait` in the next call waits for it and brings its log back
-               # It runs from a snapshot of the tree (/tmp/bg-tree): a later call copies the working tree
+               # It runs from a snapshot of the tree ($BG-tree): a later call copies the working tree
                # again, and once a new module was missing under the running suite for a moment.
-      mkdir -p /tmp/bg && rm -f /tmp/bg/* && rm -rf /tmp/bg-tree && cp -a . /tmp/bg-tree
-      setsid nohup bash -c "cd /tmp/bg-tree && PYTHONPATH=/tmp/bg-tree:$PYTHONPATH GRAPHTREE_TEST_TIMES=/tmp/bg/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
-        python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > /tmp/bg/suite.log 2>&1; \
-        echo \$? > /tmp/bg/rc" > /dev/null 2>&1 < /dev/null &
-      echo "suite started in the background at $(date +%T)" | tee "$OUT/suite_bg.txt"
+               # BG (default /tmp/bg) names its folder: BG=/tmp/bg-off GRAPHTREE_NATIVE=0 runs a second
+               # suite, with the native helpers off, beside or after the first.
+      BG=${BG:-/tmp/bg}
+      mkdir -p "$BG" && rm -f "$BG"/* && rm -rf "$BG-tree" && cp -a . "$BG-tree"
+      setsid nohup bash -c "cd $BG-tree && PYTHONPATH=$BG-tree:$PYTHONPATH GRAPHTREE_TEST_TIMES=$BG/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
+        python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > $BG/suite.log 2>&1; \
+        echo \$? > $BG/rc" > /dev/null 2>&1 < /dev/null &
+      echo "suite ($BG, GRAPHTREE_NATIVE=${GRAPHTREE_NATIVE:-}) started in the background at $(date +%T)" | tee "$OUT/suite_bg$(basename "$BG" | sed 's/^bg//').txt"
       ;;
-    suite_wait)  # wait for suite_bg's run (at most $WAIT_S seconds), then bring its log back
-      for _ in $(seq ${WAIT_S:-540}); do [ -f /tmp/bg/rc ] && break; sleep 1; done
-      cp /tmp/bg/suite.log "$OUT/suite.log" 2>/dev/null; cp /tmp/bg/test-times.txt "$OUT/suite-test-times.txt" 2>/dev/null
-      echo "suite rc: $(cat /tmp/bg/rc 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite.log"
+    suite_wait)  # wait for suite_bg's run in $BG (at most $WAIT_S seconds), then bring its log back
+      BG=${BG:-/tmp/bg}; tag=$(basename "$BG" | sed 's/^bg//')
+      for _ in $(seq ${WAIT_S:-540}); do [ -f "$BG/rc" ] && break; sleep 1; done
+      cp "$BG/suite.log" "$OUT/suite$tag.log" 2>/dev/null; cp "$BG/test-times.txt" "$OUT/suite$tag-test-times.txt" 2>/dev/null
+      echo "suite ($BG) rc: $(cat "$BG/rc" 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite$tag.log"
+      ;;
+    stop_bg)  # end background suites, each with its process group (setsid made each wrapper a group's
+              # leader); the pattern cannot match this command's own line
+      for pid in $(pgrep -f "cd /tmp/[b]g"); do kill -- "-$pid" 2>/dev/null || true; done
       ;;
     pack)  # last: everything under $OUT in one logs.tgz (at most 8 files come back from a call)
       tar czf /tmp/logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/logs.tgz "$OUT/" && ls -l "$OUT"
