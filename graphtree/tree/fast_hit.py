@@ -70,7 +70,12 @@ SETTLED = 64
 
 _GAVE_UP = object()  # (in a callable's hits: this signature goes the Python path)
 _PLAIN = PLAIN_TYPES  # (a tuple: what the native signature takes)
-_THREADS = _manager.thread_state()  # (where fast_call finds the calling thread's trees)
+# Where the process keeps what every fast hit reads, as the native twin reads it (no call into
+# their modules): the calling thread's trees, the hook handles made (tree/hooks.py decides again
+# after a new one) and the parameter epoch (parameters registered since).
+_THREADS = _manager.thread_state()
+_HANDLE_CLASS: Any = _torch.hook_handle_class()  # (its next_id)
+_EPOCH_CELL = _inputs.param_epoch_cell()  # (its item 0)
 
 
 class FastHit:
@@ -81,8 +86,6 @@ class FastHit:
         "child_key",
         "device",
         "epoch",
-        "epoch_cell",
-        "handle_class",
         "handles",
         "models",
         "module",
@@ -110,20 +113,16 @@ class FastHit:
         self.reads = reads
         self.module: torch.nn.Module | None = gc.module()
         self.training = self.module.training if self.module is not None else None
-        # hooks registered since (tree/hooks.py decides again), parameters registered since: the
-        # counters read where they live, as the native twin reads them (no call into their modules)
-        self.handle_class: Any = _torch.hook_handle_class()
-        self.handles = _torch.hook_handles_made()
-        self.epoch_cell = _inputs.param_epoch_cell()
-        self.epoch = self.epoch_cell[0]
+        self.handles = _HANDLE_CLASS.next_id
+        self.epoch = _EPOCH_CELL[0]
         self.models = gc.free.models
         self.replaced = replaced
         self.replays_at = node.replays  # (its recording's replays when it was made: settled())
         # What the native twin of replay() reads (graphtree/_native: fast_replay), in its order.
         self.plan = (
             MISS, self.tree, self.node, self.parent, self.child_key, device, ambient, self.module, self.training,
-            self.handle_class, self.handles, self.epoch_cell, self.epoch, gc.free, self.models,
-            reads, _manager.thread_state(), gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
+            _HANDLE_CLASS, self.handles, _EPOCH_CELL, self.epoch, gc.free, self.models,
+            reads, _THREADS, gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
         )  # fmt: skip
 
     def same_as(self, other: FastHit) -> bool:
@@ -144,9 +143,9 @@ class FastHit:
     ) -> Any:
         """The replay the Python path would make of ``gc(*args)``, or :data:`MISS` (nothing changed);
         ``here``: ``manager.tree_here(device)`` where the caller read it already."""
-        if gc.takes_python_path(needs_grad) or self.handle_class.next_id != self.handles:
+        if gc.takes_python_path(needs_grad) or _HANDLE_CLASS.next_id != self.handles:
             return MISS
-        if self.epoch_cell[0] != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
+        if _EPOCH_CELL[0] != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
             return MISS
         module = self.module
         if module is not None and module.training != self.training:
@@ -176,8 +175,9 @@ class FastHit:
             kids = then.children.get(self.child_key)
             if not kids or kids[0] is not node or not tree.order.unchanged():
                 return MISS
-            checked = node.statics_only and node.epoch == self.epoch and _statics_in_place(node)
-            if not (node.unconditional or checked):  # (a module's recording: its parameters in place)
+            if not node.unconditional and not (  # (a module's recording: its parameters in place)
+                node.statics_only and node.epoch == self.epoch and _statics_in_place(node)
+            ):
                 return MISS
             # What TreeManager.call does from here, in its order.
             leaves: Sequence[Any] = tree.new_step(args) if new_step else args

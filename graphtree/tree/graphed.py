@@ -244,6 +244,7 @@ class GraphedCallable:
         step = self._step
         off = self._snapshots is not None or self.disabled_reason is not None or self.bucketing is not None
         follows = bool(self._reach.cells) or (step is not None and step.trains)
+        # (grad mode first, though _builds_autograd reads it too: under no_grad, the common loop, no call)
         return off or follows or (torch.is_grad_enabled() and _builds_autograd(self, needs_grad))
 
     # --- eager paths ------------------------------------------------------------------------
