@@ -6,16 +6,17 @@ Example::
 
     helpers = stand_in_helpers(ambient=lambda: (1, torch.float32, None))
     seen = count_fast_replays(monkeypatch)  # 1 per call a fast hit replayed, 0 per call it missed
+    with counting_fast_replays() as seen: ...  # the same for a block, outside pytest
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-import pytest
 import torch
 
 from graphtree._torch import meta_of, weak_ref
@@ -24,6 +25,9 @@ from graphtree.tree import node as node_mod
 from graphtree.tree.inputs import param_epoch
 from graphtree.tree.outputs import FromPool, Group, OutputPlan
 from graphtree.tree.placement import InputPlan
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def stand_in_signature(args: tuple[Any, ...], plain: Any) -> Any:
@@ -52,15 +56,29 @@ def count_fast_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now until the test ends: 1 for each call a fast hit replayed, 0 for each it left to the
     Python path (``fast_hit.replay_again`` counted, restored by ``monkeypatch``)."""
     seen: list[int] = []
-    original = fast_hit.replay_again
+    monkeypatch.setattr(fast_hit, "replay_again", _counted(fast_hit.replay_again, seen))
+    return seen
 
+
+@contextlib.contextmanager
+def counting_fast_replays() -> Iterator[list[int]]:
+    """:func:`count_fast_replays` for a block, outside pytest (``benchmarks/per_call.py``)."""
+    seen: list[int] = []
+    original = fast_hit.replay_again
+    fast_hit.replay_again = _counted(original, seen)  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        fast_hit.replay_again = original  # type: ignore[assignment]
+
+
+def _counted(original: Callable[..., Any], seen: list[int]) -> Callable[..., Any]:
     def counted(gc: Any, hits: Any, args: Any) -> Any:
         out = original(gc, hits, args)
         seen.append(0 if out is fast_hit.MISS else 1)
         return out
 
-    monkeypatch.setattr(fast_hit, "replay_again", counted)
-    return seen
+    return counted
 
 
 def plant_recording(tree: Any, gc: Any, key: Any, x: torch.Tensor, launch: Callable[[], Any]) -> Any:
