@@ -6,6 +6,7 @@
 #include <Python.h>
 
 #include <cstddef>
+#include <initializer_list>
 
 namespace graphtree_native {
 PyObject* ambient_now();
@@ -45,9 +46,11 @@ struct Ref {
 struct Names {
   PyObject *takes_python_path, *next_id, *models, *training, *active, *part, *dict, *managers, *one_step, *lock,
       *acquire, *release, *walk, *path, *step_requested, *user_steps, *called, *root, *warming, *current, *first,
-      *children, *order, *unchanged, *unconditional, *statics_only, *epoch, *statics, *static_packed, *new_step,
+      *children, *order, *unconditional, *statics_only, *epoch, *statics, *static_packed, *new_step,
       *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
-      *hand_out, *counters, *hit, *plan;
+      *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
+      *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
+      *refs, *base_holders, *last_replayed, *generation, *detach;
   bool ok = false;
 };
 
@@ -57,16 +60,23 @@ Names* names() {
   const char* all[] = {"takes_python_path", "next_id", "models", "training", "active", "part", "__dict__",
                        "managers", "one_step", "lock", "acquire", "release", "walk", "path", "step_requested",
                        "user_steps", "called", "root", "warming", "current", "first", "children", "order",
-                       "unchanged", "unconditional", "statics_only", "epoch", "statics", "static_packed",
+                       "unconditional", "statics_only", "epoch", "statics", "static_packed",
                        "new_step", "memory", "live", "inputs", "_native", "copy_in", "_launch",
-                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit", "plan"};
+                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit", "plan",
+                       "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
+                       "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
+                       "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
+                       "generation", "detach"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
-                        &n.children, &n.order, &n.unchanged, &n.unconditional, &n.statics_only, &n.epoch,
+                        &n.children, &n.order, &n.unconditional, &n.statics_only, &n.epoch,
                         &n.statics, &n.static_packed, &n.new_step, &n.memory, &n.live, &n.inputs, &n.native,
                         &n.copy_in, &n.launch, &n.raise_replay_error, &n.replays, &n.writes, &n.grads, &n.hand_out,
-                        &n.counters, &n.hit, &n.plan};
+                        &n.counters, &n.hit, &n.plan, &n.snapshots, &n.disabled_reason, &n.bucketing, &n.reach,
+                        &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
+                        &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
+                        &n.base_holders, &n.last_replayed, &n.generation, &n.detach};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
     *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
@@ -79,7 +89,8 @@ Names* names() {
 // The plan FastHit builds once (fast_hit.py: FastHit.plan), by index.
 enum PlanItem {
   kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
-  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kRawStream, kPlanSize
+  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kRawStream, kGradEnabled,
+  kCollected, kUseCount, kPlanSize
 };
 
 // The int 1 (a borrowed reference, made once).
@@ -103,6 +114,120 @@ PyObject* alive(PyObject* ref) {
 int attr_true(PyObject* obj, PyObject* name) {
   Ref v(PyObject_GetAttr(obj, name));
   return v.get() == nullptr ? -1 : PyObject_IsTrue(v.get());
+}
+
+// 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is not None.
+int attr_set(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v.get() == nullptr ? -1 : v.get() != Py_None;
+}
+
+// GraphedCallable.takes_python_path(needs_grad), read here where its answer needs no Python: 1
+// where a call of tensors alone goes anywhere but its tree's replay (debug snapshots, disabled,
+// buckets, closure tensors followed, a training step, an autograd graph to build), 0 where it
+// does not, -1 a Python error. A module's call under grad mode with no input that needs grad asks
+// the method itself (its parameters' requires_grad).
+int takes_python_path(PyObject* gc, PyObject* needs_grad, PyObject* const* plan, Names* s) {
+  for (PyObject* name : {s->snapshots, s->disabled_reason, s->bucketing}) {
+    const int set = attr_set(gc, name);
+    if (set != 0) return set;
+  }
+  Ref reach(PyObject_GetAttr(gc, s->reach));
+  const int follows = reach.get() ? attr_true(reach.get(), s->cells) : -1;
+  if (follows != 0) return follows;
+  Ref step(PyObject_GetAttr(gc, s->step));
+  if (step.get() == nullptr) return -1;
+  if (step.get() != Py_None) {
+    const int trains = attr_true(step.get(), s->trains);
+    if (trains != 0) return trains;
+  }
+  Ref grad(PyObject_CallNoArgs(plan[kGradEnabled]));
+  if (grad.get() == nullptr) return -1;
+  if (grad.get() != Py_True) return 0;  // (no_grad, inference_mode: the common loop)
+  const int off_inside = attr_true(gc, s->grad_off_inside);
+  if (off_inside != 0) return off_inside < 0 ? -1 : 0;
+  if (needs_grad == Py_True) return 1;
+  const int forward = attr_true(gc, s->forward);
+  if (forward <= 0) return forward;
+  Ref off(PyObject_CallMethodOneArg(gc, s->takes_python_path, needs_grad));
+  return off.get() == nullptr ? -1 : off.get() != Py_False;
+}
+
+// LaunchOrder.unchanged: 1 where the current stream is the last call's (nothing to order), 0 where
+// it is another, -1 a Python error.
+int order_unchanged(PyObject* tree, Names* s) {
+  Ref order(PyObject_GetAttr(tree, s->order));
+  Ref stream_of(order.get() ? PyObject_GetAttr(order.get(), s->raw_stream) : nullptr);
+  if (stream_of.get() == nullptr) return -1;
+  if (stream_of.get() == Py_None) return 1;  // (a build without CUDA: no streams to order)
+  Ref device(PyObject_GetAttr(order.get(), s->device));
+  Ref now(device.get() ? PyObject_CallOneArg(stream_of.get(), device.get()) : nullptr);
+  Ref last(now.get() ? PyObject_GetAttr(order.get(), s->last_raw) : nullptr);
+  return last.get() == nullptr ? -1 : PyObject_RichCompareBool(now.get(), last.get(), Py_EQ);
+}
+
+// 1 where the caller no longer holds `node`'s output, a base OutputLiveness keeps between replays
+// (OutputLiveness._base_shared false: the storage's use count and the storage object's refcount
+// are those taken when the base was built), 0 where it may (or there is no base), -1 an error.
+int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
+  Ref live(PyObject_GetAttr(node, s->live));
+  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+  if (base.get() == nullptr) return -1;
+  if (base.get() == Py_None) return 0;
+  Ref storage(PyObject_GetAttr(live.get(), s->base_storage));  // (held once here, as the twin's stack holds it)
+  Ref refs(storage.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
+  Ref holders(refs.get() ? PyObject_GetAttr(live.get(), s->base_holders) : nullptr);
+  if (holders.get() == nullptr) return -1;
+  if (!PyList_Check(refs.get()) || PyList_GET_SIZE(refs.get()) < 1 || !PyTuple_Check(holders.get()) ||
+      PyTuple_GET_SIZE(holders.get()) != 2) {
+    return 0;
+  }
+  Ref uses(PyObject_CallOneArg(plan[kUseCount], PyList_GET_ITEM(refs.get(), 0)));
+  Ref count(uses.get() ? PyLong_FromSsize_t(Py_REFCNT(storage.get())) : nullptr);
+  if (count.get() == nullptr) return -1;
+  const int same = PyObject_RichCompareBool(uses.get(), PyTuple_GET_ITEM(holders.get(), 0), Py_EQ);
+  if (same <= 0) return same;
+  return PyObject_RichCompareBool(count.get(), PyTuple_GET_ITEM(holders.get(), 1), Py_EQ);
+}
+
+// TreeManager.new_step where the step that ends leaves nothing but a new start to make: no tree
+// retired in it, no graphed callable collected since the last step, and every output of its path a
+// base the caller dropped (Walk.end_step then releases nothing). Makes Walk.end_step's writes and
+// returns 1; 0 (nothing changed) where Python must end the step; -1 a Python error.
+int end_step_quietly(PyObject* tree, PyObject* walk, PyObject* const* plan, Names* s) {
+  Ref retired(PyObject_GetAttr(walk, s->retired));
+  Ref seen(retired.get() ? PyObject_GetAttr(tree, s->collected_seen) : nullptr);
+  if (seen.get() == nullptr) return -1;
+  if (!PyList_Check(retired.get()) || PyList_GET_SIZE(retired.get()) != 0 || !PyList_Check(plan[kCollected])) {
+    return 0;
+  }
+  const Py_ssize_t n = PyLong_AsSsize_t(seen.get());
+  if (n < 0 && PyErr_Occurred()) return -1;
+  if (n != PyList_GET_SIZE(plan[kCollected])) return 0;
+  Ref path(PyObject_GetAttr(walk, s->path));
+  if (path.get() == nullptr) return -1;
+  if (!PyList_Check(path.get())) return 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path.get()); ++i) {
+    const int dropped = base_dropped(PyList_GET_ITEM(path.get(), i), plan, s);
+    if (dropped <= 0) return dropped;
+  }
+  const Py_ssize_t depth = PyList_GET_SIZE(path.get());
+  if (depth > 0 && PyObject_SetAttr(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
+  Ref fresh(PyList_New(0));
+  Ref root(fresh.get() ? PyObject_GetAttr(walk, s->root) : nullptr);
+  if (root.get() == nullptr || PyObject_SetAttr(walk, s->path, fresh.get()) < 0 ||
+      PyObject_SetAttr(walk, s->current, root.get()) < 0 || PyObject_SetAttr(walk, s->warming, Py_False) < 0) {
+    return -1;
+  }
+  Ref called(PyObject_GetAttr(walk, s->called));
+  if (called.get() == nullptr || !PySet_Check(called.get()) || PySet_Clear(called.get()) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "graphtree: Walk.called is not a set");
+    return -1;
+  }
+  if (PyObject_SetAttr(walk, s->step_requested, Py_False) < 0) return -1;
+  Ref generation(PyObject_GetAttr(walk, s->generation));
+  Ref next(generation.get() ? PyNumber_Add(generation.get(), one()) : nullptr);
+  return next.get() == nullptr || PyObject_SetAttr(walk, s->generation, next.get()) < 0 ? -1 : 1;
 }
 
 // The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping), any
@@ -144,7 +269,13 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
     Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
     if (more.get() == nullptr || PyObject_SetAttr(node, s->replays, more.get()) < 0) return;
     Ref live(PyObject_GetAttr(node, s->live));
-    out.reset(live.get() ? PyObject_CallMethodObjArgs(live.get(), s->hand_out, leaves, n.get(), nullptr) : nullptr);
+    Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+    if (base.get() == nullptr) return;
+    if (base.get() != Py_None) {  // (OutputLiveness.hand_out's first case: a base the caller dropped)
+      out.reset(PyObject_CallMethodNoArgs(base.get(), s->detach));
+      return;
+    }
+    out.reset(PyObject_CallMethodObjArgs(live.get(), s->hand_out, leaves, n.get(), nullptr));
   }();
   if (out.get() == nullptr && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
     PyObject *type, *value, *tb;
@@ -186,9 +317,8 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* node = node_ref.get();
   if (node == nullptr) return missed();
   // What the callable answers (debug, disabled, buckets, closure tensors, a training step, autograd).
-  Ref off(PyObject_CallMethodOneArg(gc, s->takes_python_path, args[3]));
-  if (off.get() == nullptr) return nullptr;
-  if (off.get() != Py_False) return missed();
+  const int off = takes_python_path(gc, args[3], plan, s);
+  if (off != 0) return off < 0 ? nullptr : missed();
   // Hooks registered or parameters registered since (tree/hooks.py decides again), the models it calls.
   Ref made(PyObject_GetAttr(plan[kHandleClass], s->next_id));
   if (made.get() == nullptr) return nullptr;
@@ -283,10 +413,8 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (kids == nullptr || !PyList_Check(kids) || PyList_GET_SIZE(kids) == 0 || PyList_GET_ITEM(kids, 0) != node) {
     return PyErr_Occurred() ? nullptr : missed();
   }
-  Ref order(PyObject_GetAttr(tree, s->order));
-  Ref unchanged(order.get() ? PyObject_CallMethodNoArgs(order.get(), s->unchanged) : nullptr);
-  if (unchanged.get() == nullptr) return nullptr;
-  if (unchanged.get() != Py_True) return missed();
+  const int unchanged = order_unchanged(tree, s);
+  if (unchanged <= 0) return unchanged < 0 ? nullptr : missed();
   const int unconditional = attr_true(node, s->unconditional);
   if (unconditional < 0) return nullptr;
   if (!unconditional) {
@@ -306,9 +434,13 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // From here on, what TreeManager.call writes, in its order.
   Ref stepped;
   if (new_step) {
-    stepped.reset(PyObject_CallMethodOneArg(tree, s->new_step, leaves));
-    if (stepped.get() == nullptr) return nullptr;
-    leaves = stepped.get();
+    const int quiet = end_step_quietly(tree, walk.get(), plan, s);
+    if (quiet < 0) return nullptr;
+    if (quiet == 0) {  // (outputs held, a tree retired, a callable collected: TreeManager.new_step)
+      stepped.reset(PyObject_CallMethodOneArg(tree, s->new_step, leaves));
+      if (stepped.get() == nullptr) return nullptr;
+      leaves = stepped.get();
+    }
   }
   if (PySet_Add(called.get(), plan[kGcId]) < 0) return nullptr;
   Ref memory(PyObject_GetAttr(tree, s->memory));

@@ -76,6 +76,7 @@ _PLAIN = PLAIN_TYPES  # (a tuple: what the native signature takes)
 _THREADS = _manager.thread_state()
 _HANDLE_CLASS: Any = _torch.hook_handle_class()  # (its next_id)
 _EPOCH_CELL = _inputs.param_epoch_cell()  # (its item 0)
+_COLLECTED = _manager.collected_ids()  # (a step that ends with more ends in Python: TreeManager.new_step)
 
 
 class FastHit:
@@ -122,7 +123,8 @@ class FastHit:
         self.plan = (
             MISS, self.tree, self.node, self.parent, self.child_key, device, ambient, self.module, self.training,
             _HANDLE_CLASS, self.handles, _EPOCH_CELL, self.epoch, gc.free, self.models,
-            reads, _THREADS, gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(),
+            reads, _THREADS, gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(), torch.is_grad_enabled,
+            _COLLECTED, _torch.storage_use_count,
         )  # fmt: skip
 
     def same_as(self, other: FastHit) -> bool:

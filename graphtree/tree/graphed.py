@@ -46,6 +46,7 @@ from graphtree.tree.verdicts import Verdicts
 _ids = itertools.count(1)
 _cuda_ok: bool | None = None
 _is_compiling = torch.compiler.is_compiling
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling  # (one frame, not two: before the fast hit)
 _state = _ambient.state
 log = logging.getLogger("graphtree")
 
@@ -175,7 +176,7 @@ class GraphedCallable:
         return functools.partial(self.__call__, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():  # traced by torch.compile: graphtree's call runs outside the trace
+        if _is_dynamo_compiling():  # traced by torch.compile: graphtree's call runs outside the trace
             return _outside_compile(self, args, kwargs)
         if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
@@ -183,6 +184,8 @@ class GraphedCallable:
             out = _fast_hit.replay_again(self, self.fast_hits, args)
             if out is not _fast_hit.MISS:
                 return out
+        if _is_compiling():  # (torch.export's tracing too: its fake tensors are never a fast hit)
+            return _outside_compile(self, args, kwargs)
         try:  # costs nothing unless the call raises (Python 3.11+)
             if self._snapshots is not None:  # debug=: the inputs as they were, should the call fail
                 _take_snapshot(self, self._snapshots, args, kwargs)

@@ -56,6 +56,12 @@ def forget(gc_id: int) -> None:
     _collected.append(gc_id)
 
 
+def collected_ids() -> list[int]:
+    """The ids of the graphed callables collected so far (the list itself: it only grows); a tree
+    whose ``_collected_seen`` is its length has none to prune (what a fast hit's native step reads)."""
+    return _collected
+
+
 # --- the calling thread's trees ---------------------------------------------------------------------
 def tree_for(device: int) -> TreeManager:
     """The calling thread's tree on ``device`` (created on first use)."""
