@@ -41,7 +41,14 @@ _SOURCES = [Path(__file__).with_name("fastpath.cpp"), Path(__file__).with_name("
 _ENV = "GRAPHTREE_NATIVE"
 
 loaded: ModuleType | None = None
-"""The built module once it is ready (read on the hot path: a plain module attribute)."""
+"""The built module once it is ready (read on the hot path: a plain module attribute); None while
+it builds, where it cannot be built, and with ``GRAPHTREE_NATIVE=0``."""
+
+capture: ModuleType | None = None
+"""The built module where it has the CUDA part (torch before 2.12: captures that keep the
+generators out, so that other threads' random ops keep working, ``tree/draws.py``), whether or not
+``GRAPHTREE_NATIVE=0`` turns the call path's helpers off: that switch runs the call's Python path,
+and must not make another thread's random op fail during a capture."""
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -60,7 +67,7 @@ def start() -> None:
     with _lock:
         if _thread is not None or _done.is_set():
             return
-        if disabled():
+        if disabled() and _cuda_flags() is None:  # (nothing a capture needs: no build)
             _status = f"off ({_ENV}=0): address checks and call signatures run in Python"
             _done.set()
             return
@@ -76,13 +83,20 @@ def wait(timeout: float | None = None) -> ModuleType | None:
     return loaded
 
 
+def wait_capture(timeout: float | None = None) -> ModuleType | None:
+    """:func:`wait` for :data:`capture`: the module with its CUDA part, or ``None``."""
+    start()
+    _done.wait(timeout)
+    return capture
+
+
 def status() -> str:
     """One line: built (where, how long it took), building, off, or why it is unavailable."""
     return _status
 
 
 def _build() -> None:
-    global loaded, _status
+    global loaded, capture, _status
     t0 = time.perf_counter()
     try:
         path, compiled = _build_in_child()
@@ -103,8 +117,15 @@ def _build() -> None:
         _status = f"unavailable ({type(e).__name__}: {reason}): address checks and call signatures run in Python"
         log.info("graphtree: native helpers %s", _status)
     else:
-        loaded = module
-        _status = f"built ({Path(path).parent}, ready after {time.perf_counter() - t0:.1f} s)"
+        capture = module if hasattr(module, "capture_begin_isolated") else None
+        if disabled():
+            _status = (
+                f"off ({_ENV}=0): address checks and call signatures run in Python; its CUDA part, built "
+                f"({Path(path).parent}), keeps other threads' random ops working during captures"
+            )
+        else:
+            loaded = module
+            _status = f"built ({Path(path).parent}, ready after {time.perf_counter() - t0:.1f} s)"
         log.debug("graphtree: native helpers %s", _status)
     finally:
         _done.set()

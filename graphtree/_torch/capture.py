@@ -114,7 +114,7 @@ def begin_capture(
     """
     from graphtree import _native  # loaded after this module, in the background
 
-    begin = getattr(_native.loaded, "capture_begin_isolated", None)
+    begin = getattr(_native.capture, "capture_begin_isolated", None)
     if standin is None or begin is None:
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[arg-type]  # (int, int)
         return False

@@ -193,14 +193,14 @@ def _native_helpers() -> Any:
     capture made with other threads alive waits for it (once; their cached build loads in under a
     second): torch's own capture would make those threads' random ops fail while it runs."""
     global _waited
-    helpers = _native.loaded
+    helpers = _native.capture  # (built with GRAPHTREE_NATIVE=0 too: that switch is the call path's)
     if helpers is None and not _waited and _native.status() == "building" and _other_threads():
         _waited = True
         log.info(
             "graphtree: waiting for the first build of its native helpers (other threads' random "
             "draws keep working during its captures with them)"
         )
-        helpers = _native.wait(_NATIVE_WAIT_S)
+        helpers = _native.wait_capture(_NATIVE_WAIT_S)
     return helpers if hasattr(helpers, "replay_drawing") else None
 
 

@@ -3,6 +3,8 @@ call, what the user holds, tensor kinds a graph cannot take, ops that must not b
 callables, other threads drawing random numbers. Each test fails on the code before the fix."""
 
 import gc
+import os
+import subprocess
 import sys
 import threading
 import types
@@ -921,3 +923,40 @@ def test_a_global_models_train_and_eval_modes_are_never_replayed_stale():
         NET = None
     s = graphtree.stats()
     assert s.recordings == 2 and not s.eager, s
+
+
+_THREADS_WITH_HELPERS_OFF = """
+import threading, torch, graphtree
+from graphtree import _native
+from graphtree.tree import manager
+errors, replays, barrier = [], [], threading.Barrier(3)
+def worker(k):
+    try:
+        noisy = graphtree.graphed(lambda x: x + torch.randn_like(x), name=f"noisy{k}")
+        barrier.wait()
+        for _ in range(30):
+            graphtree.mark_step()
+            x = torch.randn(4096, device="cuda")  # drawn while another thread records
+            assert (noisy(x) - x).std() > 0.5
+        replays.append(manager.tree_for(0).counters.replays)
+    except Exception as e:
+        errors.append(f"thread {k}: {e!r}"[:300])
+threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+[t.start() for t in threads]
+[t.join(timeout=240) for t in threads]
+print("loaded", _native.loaded, "|", _native.status())
+print("errors", errors, "replays", replays)
+assert _native.loaded is None and not errors and len(replays) == 3 and min(replays) >= 20
+"""
+
+
+@pytest.mark.own_process
+def test_with_the_call_paths_helpers_off_other_threads_still_draw_random_numbers_while_one_records():
+    """GRAPHTREE_NATIVE=0 runs the call's Python path; on torch < 2.12 it turned the CUDA part off
+    too, and another thread's random op failed during a capture ("Offset increment outside graph
+    capture": twenty-second session, the helpers-off suite). The switch is the call path's alone."""
+    env = {**os.environ, "GRAPHTREE_NATIVE": "0"}
+    script = [sys.executable, "-c", _THREADS_WITH_HELPERS_OFF]
+    out = subprocess.run(script, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    assert "errors [] " in out.stdout, out.stdout
