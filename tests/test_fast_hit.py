@@ -226,6 +226,27 @@ def test_parameters_made_to_require_grad_send_a_call_under_grad_mode_to_the_pyth
     assert launches.n == 3
 
 
+class _EvictedMeanwhile(dict):
+    """A callable's hits whose oldest entry another thread evicts between the read and the delete."""
+
+    def __iter__(self) -> Iterator[Any]:
+        first = next(dict.__iter__(self))
+        dict.__delitem__(self, first)
+        yield first
+
+
+def test_a_signature_evicted_by_another_thread_first_does_not_fail_the_call(stand_ins):
+    """Two threads calling one callable with more than KEEP signatures evict its oldest at once: the
+    second delete met a missing key and raised KeyError from a call that had already replayed."""
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _, _, launches = _record(step, x)
+    step.fast_hits = _EvictedMeanwhile({("old", i): object() for i in range(fast_hit.KEEP)})
+    out = step(x)  # the Python path replays, then keeps the hit in the oldest one's place
+    assert out.shape == x.shape and launches.n == 1
+    assert len(step.fast_hits) == fast_hit.KEEP, step.fast_hits
+
+
 SCALE = 2.0
 
 

@@ -282,8 +282,8 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
         rest = (*rest, reads)
     if call.key[n:] != rest or node.key[1] != call.key:
         return  # (its key holds more than the tensors, the ambient state and the values read: a step, numbers)
-    if old is None and len(hits) >= KEEP:
-        del hits[next(iter(hits))]
+    if old is None and len(hits) >= KEEP:  # (the oldest goes; another thread calling it may have taken it)
+        hits.pop(next(iter(hits), None), None)
     hit = FastHit(gc, tree, node, device, ambient, reads, 0)
     if old is not None and old.node() is not None and not old.settled():  # (else: a fresh start)
         hit.replaced = old.replaced + (not old.same_as(hit))  # (it missed: the Python path replayed another way)
