@@ -29,6 +29,11 @@ few reads). A graph that drew nothing replays plainly.
 
 Without the native part (or on torch >= 2.12), torch's own capture: the default generator and the
 explicit ones are registered as they are; replays draw eager's numbers through torch's prologue.
+Known wrong on torch < 2.12 without the native part (no C++ compiler, no CUDA headers): a
+generator switched to another state with ``graphsafe_set_state`` between calls. The replay draws
+from the state registered at the capture, not eager's (twenty-second session, H200: torch's
+``test_graph_graphsafe_set_get_rng_state``, ported, differs from eager from its third call); and
+another thread's random op raises during a capture.
 
 Example (what :mod:`graphtree.tree.recorder` does)::
 
