@@ -67,10 +67,6 @@ def start() -> None:
     with _lock:
         if _thread is not None or _done.is_set():
             return
-        if disabled() and _cuda_flags() is None:  # (nothing a capture needs: no build)
-            _status = f"off ({_ENV}=0): address checks and call signatures run in Python"
-            _done.set()
-            return
         _status = "building"
         _thread = threading.Thread(target=_build, name="graphtree-native-build", daemon=True)
         _thread.start()
@@ -97,6 +93,13 @@ def status() -> str:
 
 def _build() -> None:
     global loaded, capture, _status
+    off = f"off ({_ENV}=0): address checks and call signatures run in Python"
+    # Nothing a capture needs: no build. Decided in this thread, not the caller's: _cuda_flags
+    # imports cpp_extension (~0.15 s on the CI machine).
+    if disabled() and _cuda_flags() is None:
+        _status = off
+        _done.set()
+        return
     t0 = time.perf_counter()
     try:
         path, compiled = _build_in_child()
@@ -120,8 +123,9 @@ def _build() -> None:
         capture = module if hasattr(module, "capture_begin_isolated") else None
         if disabled():
             _status = (
-                f"off ({_ENV}=0): address checks and call signatures run in Python; its CUDA part, built "
-                f"({Path(path).parent}), keeps other threads' random ops working during captures"
+                f"{off}; its CUDA part, built ({Path(path).parent}), keeps other threads' random ops working"
+                if capture is not None
+                else f"{off}; its CUDA part failed to build (the builder's stderr says why)"
             )
         else:
             loaded = module
