@@ -178,7 +178,7 @@ class FastHit:
             if not kids or kids[0] is not node or not tree.order.unchanged():
                 return MISS
             if not node.unconditional and not (  # (a module's recording: its parameters in place)
-                node.statics_only and node.epoch == self.epoch and _statics_in_place(node)
+                node.statics_only and node.epoch == self.epoch and node.statics_in_place(tree.check, _native.loaded)
             ):
                 return MISS
             # What TreeManager.call does from here, in its order.
@@ -231,14 +231,6 @@ def tensor_signature(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, bool]
         parts.append((tuple(x.shape), x.dtype, x.stride()))
         needs_grad = needs_grad or x.requires_grad
     return (tuple(parts), device, needs_grad) if device >= 0 else None
-
-
-def _statics_in_place(node: Node) -> bool:
-    """Whether the state a recording reads in place (a module's parameters) is where it was."""
-    native = _native.loaded
-    if native is not None:
-        return bool(native.addresses_unchanged(node.statics, node.static_packed))
-    return all(t.data_ptr() == ptr for t, ptr in zip(node.statics, node.static_ptrs))
 
 
 def replay_hit(

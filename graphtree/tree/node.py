@@ -198,13 +198,16 @@ class Node:
             return False
         return a.fits(leaves) and self._rest_fits(path, check, native)
 
+    def statics_in_place(self, check: Callable[..., bool], native: ModuleType | None) -> bool:
+        """Whether the state it reads in place (a module's parameters and buffers) is where it was
+        recorded: one native call where the helpers are built, else ``check`` (``ptrs_equal``'s)."""
+        if native is not None:
+            return bool(native.addresses_unchanged(self.statics, self.static_packed))
+        return bool(check(self.statics, self.static_ptrs, self.static_idx))
+
     def _rest_fits(self, path: list[Node], check: Callable[..., bool], native: ModuleType | None) -> bool:
-        if self.static_idx:
-            if native is not None:
-                if not native.addresses_unchanged(self.statics, self.static_packed):
-                    return False
-            elif not check(self.statics, self.static_ptrs, self.static_idx):
-                return False
+        if self.static_idx and not self.statics_in_place(check, native):
+            return False
         for d, g in self.dead_before:
             if path[d].live.is_held(g):
                 return False
