@@ -199,6 +199,16 @@ for stage in $stages; do
         timeout -s INT -k 20 240 python3 -m pytest -q -p no:cacheprovider --tb=short $TESTS 2>&1 | tee "$OUT/new19.log" | grep -v '^W1' | tail -20
       fi
       ;;
+    torch_capture)  # random numbers through torch's own capture (no native stand-ins), as on torch >= 2.12 or
+                    # without a C++ compiler: the files named in $FILES (default: the random and ported ones)
+                    # with _native.capture set to None once the helpers are built (tree/draws.py)
+      timeout -s INT -k 20 ${SUITE_TIMEOUT:-300} python3 -c "
+import sys, pytest, graphtree._native as n
+n.wait(300); n.capture = None
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rf', *sys.argv[1:]]))" \
+        ${FILES:-tests/gpu/test_random_gpu.py tests/gpu/test_ported_test_cuda_gpu.py tests/gpu/test_ported_cudagraph_trees_gpu.py} \
+        2>&1 | tee "$OUT/torch_capture.log" | tail -25
+      ;;
     some)  # the files named in $FILES, in one process
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${K:+-k "$K"} $FILES 2>&1 | tee "$OUT/some.log" | tail -30
       ;;

@@ -27,13 +27,21 @@ numbers are eager's at that point of the sequence, the generators end where eage
 and other threads' random ops never meet a generator in capture mode (they wait on a mutex for a
 few reads). A graph that drew nothing replays plainly.
 
-Without the native part (or on torch >= 2.12), torch's own capture: the default generator and the
-explicit ones are registered as they are; replays draw eager's numbers through torch's prologue.
-Known wrong on torch < 2.12 without the native part (no C++ compiler, no CUDA headers): a
-generator switched to another state with ``graphsafe_set_state`` between calls. The replay draws
-from the state registered at the capture, not eager's (twenty-second session, H200: torch's
-``test_graph_graphsafe_set_get_rng_state``, ported, differs from eager from its third call); and
-another thread's random op raises during a capture.
+Without the native part (torch >= 2.12, or no C++ compiler or CUDA headers), torch's own capture:
+the default generator and the explicit ones are registered as they are, and torch's replay
+prologue writes the registered *state's* seed and offset into the graph and advances that state.
+A generator switched to another state with ``graphsafe_set_state`` between calls no longer holds
+the registered one, and the replay would draw from the old state (torch's
+``test_graph_graphsafe_set_get_rng_state``, ported, differed from eager from its third call on an
+H200 in the twenty-second session). So each such recording keeps a generator on each state it
+registered (``graphsafe_get_state``, :class:`_Registered`), and a replay follows the switch
+(:func:`_replay_following`): where the generator's seed or offset differ from the registered
+state's, that state takes them for the replay and gets its own back after; where the generator did
+not move with the replay (another state of equal values, a ``clone_state()``), the generator is
+moved on and the registered state put back. Both are reads and writes of the generators' seeds
+and offsets without their mutexes, as torch's own prologue makes them. On torch < 2.12 without
+the native part, another thread's random op still raises while a capture runs (torch's capture
+puts the process's generator state in capture mode): the thread's error, not a wrong number.
 
 Example (what :mod:`graphtree.tree.recorder` does)::
 
@@ -114,9 +122,12 @@ class Draws:
                 graph.register_generator_state(standin)
             self.isolated = _torch.begin_capture(graph, pool_id, self.device, self.pairs[0][0])
         if not self.isolated:
+            # each generator's state as torch registers it (capture_begin: the default one's)
+            held = tuple((gen.graphsafe_get_state(), gen) for _, gen in self.pairs)
             for gen in self.explicit:
                 graph.register_generator_state(gen)
             _torch.begin_capture(graph, pool_id, self.device, None)
+            setattr(graph, _ATTR, _Registered(held))
             return False
         watch.standin_of = self.standin_of
         slots = tuple(helpers.standin_slots(standin) for standin, _ in self.pairs)  # (read while capturing)
@@ -147,6 +158,50 @@ class _Pending(NamedTuple):
     sealed: bool = False  # its replays move their offset slots on themselves (seal)
 
 
+class _Registered(NamedTuple):
+    """A graph torch captured its own way (no stand-ins), not yet replayed: its first replay finds
+    out which generators it draws from."""
+
+    pairs: tuple[tuple[torch.Generator, torch.Generator], ...]  # (on the state registered, the generator)
+
+
+def _first_replay(graph: torch.cuda.CUDAGraph, how: _Registered) -> None:
+    """Replay ``graph`` right after its capture (no generator switched since) and keep, for its
+    later replays, the generators it draws from with how far each moves per replay."""
+    before = [held.get_offset() for held, _ in how.pairs]
+    graph.replay()
+    drawing = tuple(
+        (held, gen, held.get_offset() - b) for (held, gen), b in zip(how.pairs, before) if held.get_offset() != b
+    )
+    setattr(graph, _ATTR, functools.partial(_replay_following, graph, drawing) if drawing else None)
+
+
+def _replay_following(
+    graph: torch.cuda.CUDAGraph, drawing: tuple[tuple[torch.Generator, torch.Generator, int], ...]
+) -> None:
+    """Replay a graph torch captured its own way so that it draws from each generator's state now,
+    as eager does, though ``graphsafe_set_state`` may have given the generator another state than
+    the one torch registered (``held`` shares that one)."""
+    moved = []
+    for held, gen, increment in drawing:
+        offset, seed = gen.get_offset(), gen.initial_seed()
+        own = None
+        if held.get_offset() != offset or held.initial_seed() != seed:  # another state: lend it gen's values
+            own = (held.initial_seed(), held.get_offset())
+            held.manual_seed(seed)  # (resets the offset: set after)
+            held.set_offset(offset)
+        moved.append((held, gen, increment, offset, own))
+    graph.replay()  # torch's prologue: the registered states' values into the graph, then advanced
+    for held, gen, increment, offset, own in moved:
+        if gen.get_offset() == offset:  # the replay advanced the registered state, not gen's
+            gen.set_offset(offset + increment)
+            if own is None:
+                held.set_offset(offset)
+            else:
+                held.manual_seed(own[0])
+                held.set_offset(own[1])
+
+
 def seal(graph: torch.cuda.CUDAGraph) -> None:
     """Right before ``graph.capture_end()`` (side streams joined), on the capturing stream: if the
     capture draws from stand-ins, capture as its last work an add that moves each stand-in's offset
@@ -169,6 +224,8 @@ def replay(graph: torch.cuda.CUDAGraph) -> None:
     how = getattr(graph, _ATTR, None)
     if how is None:
         graph.replay()
+    elif isinstance(how, _Registered):
+        _first_replay(graph, how)
     elif not isinstance(how, _Pending):
         how()
     else:
@@ -185,7 +242,7 @@ def launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], Any]:
     how = getattr(graph, _ATTR, None)
     if how is None:
         return _torch.graph_launcher(graph)
-    if isinstance(how, _Pending):  # (a segment made before its first replay: tree/breaks.py)
+    if isinstance(how, (_Pending, _Registered)):  # (a segment made before its first replay: tree/breaks.py)
         return functools.partial(replay, graph)
     return cast(Callable[[], Any], how)
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import graphtree
+from graphtree import _native
 from graphtree.tree import manager
 
 DEV = "cuda"
@@ -142,6 +143,46 @@ def test_graph_graphsafe_set_get_rng_state():
     assert _replays() - before >= 4
     _assert_same(got, want)
     assert torch.equal(other_got, other_want)
+
+
+@pytest.mark.parametrize("switch", ["other", "clone"])
+def test_a_switched_generator_state_is_followed_without_the_native_part(monkeypatch, switch):
+    # torch's own capture, as on torch >= 2.12 or without a C++ compiler: its replays read and
+    # advance the generator *state* registered at the capture. The default generator and an
+    # explicit one are switched between calls to another state ("other") or to a clone of their
+    # own ("clone": equal values, another state, so eager draws the same numbers again); each call
+    # must draw from the state the generator holds at that call, and every state end as eager's.
+    monkeypatch.setattr(_native, "capture", None)
+    default = torch.cuda.default_generators[0]
+    explicit = torch.Generator(device=DEV)
+    x = torch.zeros(1000, device=DEV)
+
+    def fn(t):
+        return t + torch.rand_like(t) + torch.rand(t.shape, device=DEV, generator=explicit)
+
+    def run(f):
+        torch.manual_seed(9)
+        explicit.manual_seed(5)
+        own, own_x = default.graphsafe_get_state(), explicit.graphsafe_get_state()
+        other = torch.Generator(device=DEV).manual_seed(77)
+        outs = []
+        for i in range(8):
+            graphtree.mark_step()
+            away = other.graphsafe_get_state() if switch == "other" else own.clone_state()
+            default.graphsafe_set_state(away if i % 2 else own)
+            explicit.graphsafe_set_state(own_x.clone_state() if i % 3 == 2 else own_x)
+            outs.append(f(x).clone())
+        default.graphsafe_set_state(own)
+        explicit.graphsafe_set_state(own_x)
+        return outs, [g.get_state() for g in (other, own, own_x)]
+
+    want, states_want = run(fn)
+    before = _replays()
+    got, states_got = run(graphtree.graphed(fn, name=f"switched_{switch}"))
+    assert _replays() - before >= 4
+    _assert_same(got, want)
+    for a, b in zip(states_got, states_want, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_rng_trees():
