@@ -226,8 +226,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rf', *sys.a
     new_before)  # the same new tests against the code before the change (.before/): each should fail, for its bug
       # run from .before/ so that its graphtree comes first on sys.path (python -m puts the cwd there)
       (cd .before && PYTHONPATH=$PWD:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout -s INT -k 20 ${NEW_TIMEOUT:-300} \
-        python3 -m pytest -q -p no:cacheprovider --tb=line -rf ../tests/gpu/test_random_gpu.py \
-        ../tests/gpu/test_real_paths_gpu.py 2>&1 | tee "$OUT/new_before.log" | tail -40)
+        python3 -m pytest -q -p no:cacheprovider --tb=line -rf ${K:+-k "$K"} \
+        ${NEW_TESTS:-../tests/gpu/test_random_gpu.py ../tests/gpu/test_real_paths_gpu.py} 2>&1 | tee "$OUT/new_before.log" | tail -40)
       ;;
     before45)  # issue 45's GPU tests on the code before it (.before/: git archive 7a5b4c7 graphtree benchmarks):
                # copied there with the conftest and helpers, so that the subprocesses they start import that code too

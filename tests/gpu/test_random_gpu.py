@@ -122,6 +122,7 @@ def test_graph_graphsafe_set_get_rng_state():
     # Between calls, the default generator is switched to another generator's state and back, as
     # torch's test switches the states a graph was captured with: each call draws from the state the
     # default generator holds at that call, as eager does.
+    torch.cuda.init()  # (default_generators is empty before, in a process whose first test this is)
     default = torch.cuda.default_generators[0]
     x = torch.zeros(1000, device=DEV)
 
@@ -153,6 +154,7 @@ def test_a_switched_generator_state_is_followed_without_the_native_part(monkeypa
     # own ("clone": equal values, another state, so eager draws the same numbers again); each call
     # must draw from the state the generator holds at that call, and every state end as eager's.
     monkeypatch.setattr(_native, "capture", None)
+    torch.cuda.init()  # (default_generators is empty before, in a process whose first test this is)
     default = torch.cuda.default_generators[0]
     explicit = torch.Generator(device=DEV)
     x = torch.zeros(1000, device=DEV)
@@ -427,6 +429,8 @@ def test_eight_threads_draw_and_replay_while_the_main_thread_records():
             torch.manual_seed(k)
             drop = graphtree.graphed(lambda t: F.dropout(t, 0.5) + t.sin(), name=f"drop{k}")
             for _ in range(200):
+                if stop.is_set():
+                    return
                 graphtree.mark_step()
                 x = torch.randn(2048, device=DEV)
                 out = drop(x)
@@ -440,17 +444,20 @@ def test_eight_threads_draw_and_replay_while_the_main_thread_records():
     for t in threads:
         t.start()
     n = 0
-    while any(t.is_alive() for t in threads) and not stop.is_set():  # new signatures recorded meanwhile
-        n += 1
-        g = graphtree.graphed(lambda t: t * torch.rand_like(t) + 1, name=f"main{n}")
-        x = torch.ones(100 + n, device=DEV)
-        for _ in range(3):
-            graphtree.mark_step()
-            assert bool(((g(x) >= 1) & (g(x) <= 2)).all())
-        if n > 400:
-            break
-    for t in threads:
-        t.join(timeout=300)
+    try:
+        while any(t.is_alive() for t in threads):  # new signatures recorded meanwhile
+            n += 1
+            g = graphtree.graphed(lambda t: t * torch.rand_like(t) + 1, name=f"main{n}")
+            x = torch.ones(100 + n, device=DEV)
+            for _ in range(3):
+                graphtree.mark_step()
+                assert bool(((g(x) >= 1) & (g(x) <= 2)).all())
+            if n > 400:
+                break
+    finally:  # (a failure here must not leave the threads drawing and recording under the next tests)
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
     assert not errors, errors
     assert n >= 2
     torch.randn(8, device=DEV)  # the process's generator still works
