@@ -47,8 +47,8 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
             pytest.skip(f"no native helpers: {_native.status()}")
         fake.fast_replay = real.fast_replay
         # replay_again's native whole (signature, lookup, replay), with the stand-in signature
-        fake.fast_call = lambda gc, hits, args, plain, miss, threads: real.fast_call(
-            gc, hits, args, plain, miss, threads, fake.signature
+        fake.fast_call = lambda gc, hits, args, plain, miss, threads, float_part: real.fast_call(
+            gc, hits, args, plain, miss, threads, float_part, fake.signature
         )
     monkeypatch.setattr(_native, "loaded", fake)
     monkeypatch.setattr(ambient, "_checked", fake)
@@ -245,6 +245,71 @@ def test_a_signature_evicted_by_another_thread_first_does_not_fail_the_call(stan
     out = step(x)  # the Python path replays, then keeps the hit in the oldest one's place
     assert out.shape == x.shape and launches.n == 1
     assert len(step.fast_hits) == fast_hit.KEEP, step.fast_hits
+
+
+def test_a_new_float_each_call_replays_through_the_fast_hit_and_leaves_what_the_python_path_leaves(
+    stand_ins, monkeypatch
+):
+    """A temperature per request (issue 45): a float read as a device scalar is keyed by its type,
+    so that every value replays one recording; the fast hit keys it so too."""
+    x = torch.randn(8, 8)
+    walks = []
+    for fast in (False, True):
+        _fresh()
+        sample = graphtree.graphed(lambda t, temperature: t / temperature)
+        call = read_call((x, 0.7), {}, None)
+        sample.numbers.rekey(call)
+        graphed_mod._key_state(call, None, None, None)
+        assert call.key[1] == fast_hit._FLOAT, call.key
+        tree = manager_mod.tree_for(0)
+        launches = _Launches()
+        node = plant_recording(tree, sample, call.key, x, launches)
+        seen = count_fast_replays(monkeypatch)
+        states = []
+        for k in range(6):
+            if not fast:
+                sample.fast_hits.clear()  # (the Python path on every call)
+            sample(x, 0.5 + k / 10)
+            states.append(_state(tree, node))
+        walks.append(states)
+        assert launches.n == 6
+        assert seen == ([1] * 5 if fast else []), seen
+    assert walks[0] == walks[1]
+
+
+def test_a_float_keyed_by_value_since_sends_the_call_to_the_python_path_untouched(stand_ins, monkeypatch):
+    """Once a float is found to reach Python (a branch on it, a size), the Python path keys it by its
+    value: the fast hit made while it was a device scalar must not replay another value's call."""
+    x = torch.randn(8, 8)
+    sample = graphtree.graphed(lambda t, temperature: t / temperature)
+    call = read_call((x, 0.7), {}, None)
+    sample.numbers.rekey(call)
+    graphed_mod._key_state(call, None, None, None)
+    tree = manager_mod.tree_for(0)
+    launches = _Launches()
+    node = plant_recording(tree, sample, call.key, x, launches)
+    sample(x, 0.7)
+    seen = count_fast_replays(monkeypatch)
+    sample(x, 0.8)
+    assert seen == [1]
+    before = _state(tree, node)
+    sample.numbers.keep_by_value([1], "for the test")
+    assert fast_hit.replay_again(sample, sample.fast_hits, (x, 0.9)) is fast_hit.MISS
+    assert _state(tree, node) == before and launches.n == 2
+
+
+def test_an_int_or_a_keyword_float_is_left_to_the_python_path(stand_ins, monkeypatch):
+    x = torch.randn(8, 8)
+    scale = graphtree.graphed(lambda t, k: t * k)
+    for arg in (3, 4):  # an int comes with a new value: a device scalar from then on, keyed int64
+        call = read_call((x, arg), {}, None)
+        scale.numbers.rekey(call)
+    graphed_mod._key_state(call, None, None, None)
+    tree = manager_mod.tree_for(0)
+    launches = _Launches()
+    plant_recording(tree, scale, call.key, x, launches)
+    scale(x, 5)
+    assert launches.n == 1 and not scale.fast_hits, "the Python path replayed; no fast hit is kept for an int"
 
 
 SCALE = 2.0
@@ -444,7 +509,9 @@ def test_the_python_signature_keys_a_call_as_read_call_does(monkeypatch):
         assert sig is not None
         assert sig[0] == read_call(args, {}, None).key[: len(args)], args
         assert sig[1] == 0 and sig[2] == any(a.requires_grad for a in args)
-    assert fast_hit.tensor_signature((base, 2.0)) is None  # (a number: the fast hit keeps no such call)
+    sig = fast_hit.tensor_signature((base, 2.0))  # a float: read_call's part, before Numbers.rekey
+    assert sig is not None and sig[0] == read_call((base, 2.0), {}, None).key[:2]
+    assert fast_hit.tensor_signature((base, 2)) is None  # (an int: the fast hit keeps no such call)
     assert fast_hit.tensor_signature((base.conj(),)) is None or not base.is_complex()
     assert fast_hit.tensor_signature((torch.randn(2, dtype=torch.complex64).conj(),)) is None
     assert fast_hit.tensor_signature(()) is None

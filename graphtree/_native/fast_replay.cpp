@@ -50,7 +50,7 @@ struct Names {
       *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
       *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
       *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
-      *refs, *base_holders, *last_replayed, *generation, *detach;
+      *refs, *base_holders, *last_replayed, *generation, *detach, *numbers, *by_value;
   bool ok = false;
 };
 
@@ -66,7 +66,7 @@ Names* names() {
                        "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
                        "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
                        "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
-                       "generation", "detach"};
+                       "generation", "detach", "numbers", "by_value"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
@@ -76,7 +76,7 @@ Names* names() {
                         &n.counters, &n.hit, &n.plan, &n.snapshots, &n.disabled_reason, &n.bucketing, &n.reach,
                         &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
                         &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
-                        &n.base_holders, &n.last_replayed, &n.generation, &n.detach};
+                        &n.base_holders, &n.last_replayed, &n.generation, &n.detach, &n.numbers, &n.by_value};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
     *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
@@ -458,35 +458,72 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out.release();
 }
 
-// fast_call(gc, hits, args, plain_types, miss, threads[, signature]) -> outputs | miss:
+// The signature's parts with each float keyed as graphtree.tree.numbers.Numbers.rekey keys it:
+// `float_part` (a device scalar's part) unless the callable keys that position by value
+// (gc.numbers.by_value, read only when a float is there). A new reference: `parts` itself where
+// nothing changed, nullptr on error.
+PyObject* floats_keyed(PyObject* gc, PyObject* parts, PyObject* float_part, Names* s) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(parts);
+  Ref out;
+  Ref by_value;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(parts, i);
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2 ||
+        PyTuple_GET_ITEM(p, 0) != reinterpret_cast<PyObject*>(&PyFloat_Type)) {
+      continue;
+    }
+    if (by_value.get() == nullptr) {
+      Ref numbers(PyObject_GetAttr(gc, s->numbers));
+      by_value.reset(numbers.get() ? PyObject_GetAttr(numbers.get(), s->by_value) : nullptr);
+      if (by_value.get() == nullptr) return nullptr;
+    }
+    Ref index(PyLong_FromSsize_t(i));
+    const int kept = index.get() ? PySequence_Contains(by_value.get(), index.get()) : -1;
+    if (kept < 0) return nullptr;
+    if (kept) continue;  // (keyed by its value, as the Python path keys it)
+    if (out.get() == nullptr) {  // (a copy: the parts are the signature's)
+      out.reset(PyTuple_New(n));
+      if (out.get() == nullptr) return nullptr;
+      for (Py_ssize_t k = 0; k < n; ++k) PyTuple_SET_ITEM(out.get(), k, Py_NewRef(PyTuple_GET_ITEM(parts, k)));
+    }
+    if (PyTuple_SetItem(out.get(), i, Py_NewRef(float_part)) < 0) return nullptr;  // (drops the float's part)
+  }
+  return out.get() != nullptr ? out.release() : Py_NewRef(parts);
+}
+
+// fast_call(gc, hits, args, plain_types, miss, threads, float_part[, signature]) -> outputs | miss:
 // tree/fast_hit.py's replay_again in one call: the call's signature (the same `signature`
 // graphtree.tree.inputs keys by; `signature`, where given, a stand-in for it: tests on CPU
-// tensors), its fast hit in `hits` by the tensors' parts, their device and the calling thread's
-// tree there (`threads`: manager.thread_state(), as tree_here reads it), and that hit's
-// fast_replay. `miss` where the call is not one of tensors alone, the thread has no tree on the
-// device, no hit is kept for it, or the hit's replay missed.
+// tensors) with its floats keyed as device scalars where the callable keys them so (`float_part`:
+// their part; None keeps them by value), its fast hit in `hits` by those parts, their device and
+// the calling thread's tree there (`threads`: manager.thread_state(), as tree_here reads it), and
+// that hit's fast_replay. `miss` where the call is not one of tensors and floats alone, the thread
+// has no tree on the device, no hit is kept for it, or the hit's replay missed.
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if ((nargs != 6 && nargs != 7) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
+  if ((nargs != 7 && nargs != 8) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
     PyErr_SetString(PyExc_TypeError,
-                    "fast_call(gc, hits: dict, args: tuple, plain_types: tuple, miss, threads[, signature])");
+                    "fast_call(gc, hits: dict, args: tuple, plain_types: tuple, miss, threads, float_part[, signature])");
     return nullptr;
   }
   PyObject* miss = args[4];
   Names* s = names();
   if (s == nullptr) return nullptr;
   PyObject* sig_args[2] = {args[2], args[3]};
-  Ref sig(nargs == 7 && args[6] != Py_None ? PyObject_Vectorcall(args[6], sig_args, 2, nullptr)
+  Ref sig(nargs == 8 && args[7] != Py_None ? PyObject_Vectorcall(args[7], sig_args, 2, nullptr)
                                            : signature_now(sig_args));
   if (sig.get() == nullptr) return nullptr;
   if (sig.get() == Py_None || !PyTuple_Check(sig.get()) || PyTuple_GET_SIZE(sig.get()) != 3) return Py_NewRef(miss);
   PyObject* device = PyTuple_GET_ITEM(sig.get(), 1);
+  PyObject* parts = PyTuple_GET_ITEM(sig.get(), 0);
+  Ref keyed(args[6] != Py_None && PyTuple_Check(parts) ? floats_keyed(args[0], parts, args[6], s) : Py_NewRef(parts));
+  if (keyed.get() == nullptr) return nullptr;
   Ref here(PyObject_GetAttr(args[5], s->dict));
   if (here.get() == nullptr) return nullptr;
   PyObject* managers = PyDict_Check(here.get()) ? PyDict_GetItemWithError(here.get(), s->managers) : nullptr;
   PyObject* tree = managers != nullptr && PyDict_Check(managers) ? PyDict_GetItemWithError(managers, device) : nullptr;
   if (tree == nullptr) return PyErr_Occurred() ? nullptr : Py_NewRef(miss);
   Ref tree_id(PyLong_FromVoidPtr(tree));  // (id(tree), as fast_hit.remember keys it)
-  Ref key(tree_id.get() ? PyTuple_Pack(3, PyTuple_GET_ITEM(sig.get(), 0), device, tree_id.get()) : nullptr);
+  Ref key(tree_id.get() ? PyTuple_Pack(3, keyed.get(), device, tree_id.get()) : nullptr);
   if (key.get() == nullptr) return nullptr;
   PyObject* hit = PyDict_GetItemWithError(args[1], key.get());  // (borrowed)
   if (hit == nullptr) return PyErr_Occurred() ? nullptr : Py_NewRef(miss);

@@ -1280,7 +1280,7 @@ PyMethodDef methods[] = {
     {"fast_replay", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_replay)), METH_FASTCALL,
      "fast_replay(gc, plan, leaves, needs_grad) -> outputs | plan[0]"},
     {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_call)), METH_FASTCALL,
-     "fast_call(gc, hits, args, plain_types, miss, threads[, signature]) -> outputs | miss"},
+     "fast_call(gc, hits, args, plain_types, miss, threads, float_part[, signature]) -> outputs | miss"},
 #ifdef GRAPHTREE_CUDA
     {"capture_begin_isolated",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(capture_begin_isolated)), METH_FASTCALL,

@@ -16,7 +16,8 @@ in one call; without them (``GRAPHTREE_NATIVE=0``) :func:`tensor_signature` and
 :meth:`FastHit.replay` are its Python twins, the Python path of a replay hit (issue 47;
 ``graphtree/_native/DESIGN.md``).
 
-What a :class:`FastHit` covers: a call of CUDA tensors only (no keywords, no numbers, no objects),
+What a :class:`FastHit` covers: a call of CUDA tensors and Python floats read as device scalars
+(a temperature per request; no keywords, no ints, no objects),
 of a callable with no debug dumps, no buckets, no closure tensors followed per call, no training
 step, and a recording that is unconditional or checks only its statics. The values its code reads
 (``reach.FreeValues``) are keyed as on the Python path: the same part object, or a miss.
@@ -49,6 +50,7 @@ from graphtree.tree.ambient import state as _ambient
 from graphtree.tree.inputs import PLAIN_TYPES, Call
 from graphtree.tree.manager import MAX_PATH_DEPTH, TreeManager
 from graphtree.tree.node import Node
+from graphtree.tree.numbers import number_part
 
 MISS = object()
 """The answer of a call :class:`FastHit` does not decide: the Python path runs it."""
@@ -70,6 +72,7 @@ SETTLED = 64
 
 _GAVE_UP = object()  # (in a callable's hits: this signature goes the Python path)
 _PLAIN = PLAIN_TYPES  # (a tuple: what the native signature takes)
+_FLOAT = number_part(0.0)  # (a float's key part where it is read as a device scalar: tree/numbers.py)
 # Where the process keeps what every fast hit reads, as the native twin reads it (no call into
 # their modules): the calling thread's trees, the hook handles made (tree/hooks.py decides again
 # after a new one) and the parameter epoch (parameters registered since).
@@ -201,27 +204,41 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     native = _native.loaded
     whole = getattr(native, "fast_call", None)  # (this function and replay_hit in one native call)
     if whole is not None:
-        return whole(gc, hits, args, _PLAIN, MISS, _THREADS)
+        return whole(gc, hits, args, _PLAIN, MISS, _THREADS, _FLOAT)
     sig = native.signature(args, _PLAIN) if native is not None else tensor_signature(args)
     if sig is None:
         return MISS
     here = _manager.tree_here(sig[1])
-    hit = hits.get((sig[0], sig[1], id(here[0])))  # (the tensors' parts, their device, this thread's tree)
+    parts = floats_keyed(gc, sig[0])
+    hit = hits.get((parts, sig[1], id(here[0])))  # (the arguments' parts, their device, this thread's tree)
     if hit is None or hit is _GAVE_UP:
         return MISS
     return replay_hit(gc, hit, args, sig[2], here)
 
 
+def floats_keyed(gc: Any, parts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A signature's ``parts`` with each float keyed as ``Numbers.rekey`` keys it: a device scalar's
+    part unless the callable keys that position by value (the native ``fast_call`` does the same)."""
+    if not any(len(p) == 2 and p[0] is float for p in parts):
+        return parts
+    by_value = gc.numbers.by_value
+    return tuple(_FLOAT if len(p) == 2 and p[0] is float and i not in by_value else p for i, p in enumerate(parts))
+
+
 def tensor_signature(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, bool] | None:
-    """The native ``signature`` of a call of CUDA tensors alone, read in Python (without the native
-    helpers: ``GRAPHTREE_NATIVE=0``, or before they have loaded): each tensor's (shape, dtype,
-    stride), as ``inputs.read_call`` keys it, their one device, and whether one requires grad.
-    None for anything else (a Python value, an object, a tensor subclass, a CPU tensor, a lazy
-    conjugate or negative view, tensors on several devices): the fast hit keeps none of those."""
-    parts = []
+    """The native ``signature`` of a call of CUDA tensors and floats, read in Python (without the
+    native helpers: ``GRAPHTREE_NATIVE=0``, or before they have loaded): each tensor's (shape,
+    dtype, stride), as ``inputs.read_call`` keys it, each float's ``(float, value)``, the tensors'
+    one device, and whether one requires grad. None for anything else (another Python value, an
+    object, a tensor subclass, a CPU tensor, a lazy conjugate or negative view, tensors on several
+    devices): the fast hit keeps none of those."""
+    parts: list[tuple[Any, ...]] = []
     device = -1
     needs_grad = False
     for x in args:
+        if type(x) is float:
+            parts.append((float, x))
+            continue
         if type(x) is not torch.Tensor or not x.is_cuda or x.layout is not torch.strided or x.is_conj() or x.is_neg():
             return None
         d = x.get_device()
@@ -259,8 +276,10 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     parts = call.key[:n]  # (the tensors' parts, from either read, and their device: replay_again's key)
     sig = (parts, device, id(tree))  # (each thread's tree its own: threads calling one callable)
     old = hits.get(sig)
-    if old is _GAVE_UP or not all(type(a) is torch.Tensor for a in args):
-        return
+    if old is _GAVE_UP or not all(
+        type(a) is torch.Tensor or (type(a) is float and p == _FLOAT) for a, p in zip(args, parts)
+    ):
+        return  # (a float keyed by value: its recording's key holds the value, which the fast hit does not read)
     if not all(len(part) == 3 and part[2] is not None for part in parts):
         return  # (a host scalar's part has no strides, a lazy view's four items: the native signature leaves both)
     if gc.takes_python_path(call.needs_grad) or _torch.hook_handles_made() < 0:

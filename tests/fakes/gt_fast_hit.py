@@ -31,13 +31,17 @@ if TYPE_CHECKING:
 
 
 def stand_in_signature(args: tuple[Any, ...], plain: Any) -> Any:
-    """The native signature's answer for CPU tensors (the real one leaves them to Python)."""
-    parts = []
+    """The native signature's answer for CPU tensors (the real one leaves them to Python) and
+    plain values (``(type, value)``, as the real one gives them: floats, ints, ...)."""
+    parts: list[tuple[Any, ...]] = []
     for x in args:
+        if type(x) is float or type(x) in (plain or ()):
+            parts.append((type(x), x))
+            continue
         if type(x) is not torch.Tensor:
             return None
         parts.append((tuple(x.shape), x.dtype, x.stride()))
-    return tuple(parts), 0, any(x.requires_grad for x in args)
+    return tuple(parts), 0, any(x.requires_grad for x in args if type(x) is torch.Tensor)
 
 
 def stand_in_helpers(ambient: Callable[[], Any]) -> types.SimpleNamespace:

@@ -50,6 +50,23 @@ def test_a_loop_of_fresh_inputs_replays_through_the_fast_hit_with_eagers_results
     assert sum(fast_replays) >= 15, fast_replays
 
 
+def sample(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def test_a_new_temperature_each_call_replays_through_the_fast_hit_with_eagers_results(fast_replays):
+    # a serving loop: a Python float that changes every call (issue 45) is a device scalar, one
+    # recording for every value, and each call's value reaches the replay
+    step = graphtree.graphed(sample)
+    logits = torch.randn(4, 1000, device=DEV)
+    for k in range(40):
+        temperature = 0.5 + k / 37
+        torch.testing.assert_close(step(logits, temperature), sample(logits, temperature), rtol=0, atol=0)
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 37, s
+    assert sum(fast_replays) >= 35, fast_replays
+
+
 def test_a_value_the_code_reads_changed_mid_loop_is_not_replayed_stale(fast_replays):
     global SCALE
     step = graphtree.graphed(scaled)
