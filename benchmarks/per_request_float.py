@@ -15,8 +15,11 @@ GPU::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -24,6 +27,12 @@ import torch
 
 import graphtree
 from graphtree.bench.contenders import HandGraph
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fakes"))
+try:
+    from gt_fast_hit import counting_fast_replays  # (the fast hit's tests count its calls the same way)
+except ImportError:  # (a tree without the fast hit)
+    counting_fast_replays = None  # type: ignore[assignment]
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k_mask: torch.Tensor) -> torch.Tensor:
@@ -57,7 +66,8 @@ def _loop(name: str, fn: Any, args_of: Any, calls: int) -> dict[str, Any]:
     eager_times: list[float] = []
     graphed_times: list[float] = []
     equal = True
-    with torch.inference_mode():
+    counting = counting_fast_replays() if counting_fast_replays is not None else contextlib.nullcontext([])
+    with torch.inference_mode(), counting as fast:
         for t in temperatures:
             for f, times in ((fn, eager_times), (graphed, graphed_times)):
                 graphtree.mark_step()
@@ -83,6 +93,7 @@ def _loop(name: str, fn: Any, args_of: Any, calls: int) -> dict[str, Any]:
         "ratio_total": sum(graphed_times) / sum(eager_times),
         "ratio_total_after_first_tenth": sum(graphed_times[steady]) / sum(eager_times[steady]),
         "replayed_fraction": s.replays / calls,
+        "fast_hit_fraction": sum(fast) / calls,  # (the native replay of the last recording: tree/fast_hit.py)
         "equal_to_eager": equal,
         "eager_reasons": dict(s.eager),
     }
