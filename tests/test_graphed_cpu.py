@@ -262,6 +262,43 @@ def test_graphed_module_is_the_module_it_wraps():
     assert "graphed(Sequential" in repr(g)
 
 
+def test_a_graphed_module_calls_graphtree_directly_and_nn_modules_call_where_that_would_do_more(monkeypatch):
+    """GraphedModule.__call__ skips nn.Module.__call__'s two frames where they would only call
+    forward; a hook on it, a global module hook, m.compile() and a torch.jit trace still get them."""
+    net = torch.nn.Linear(4, 3)
+    g = graphtree.graphed(net)
+    x = torch.randn(2, 4)
+    want = net(x)
+    module_calls = []
+    original = torch.nn.Module.__call__
+
+    def counted(self, *args, **kwargs):
+        module_calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", counted)
+    assert torch.equal(g(x), want)
+    assert module_calls == ["Linear"], "only the wrapped module's own call (the eager run's, on CPU)"
+    seen = []
+    handle = g.register_forward_hook(lambda m, i, o: seen.append("own") or o * 2)
+    assert torch.equal(g(x), want * 2) and seen == ["own"]
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, i: seen.append(type(m).__name__))
+    try:
+        g(x)
+    finally:
+        handle.remove()
+    assert seen == ["own", "GraphedModule", "Linear"]
+    g._compiled_call_impl = lambda *a, **k: "compiled"  # what m.compile() sets
+    assert g(x) == "compiled"
+    g._compiled_call_impl = None
+    module_calls.clear()
+    assert torch.equal(g(x), want) and module_calls == ["Linear"]
+    module_calls.clear()
+    torch.jit.trace(g, x, check_trace=False)  # (nn.Module._call_impl then calls _slow_forward, which records scopes)
+    assert module_calls[:1] == ["GraphedModule"], module_calls
+
+
 class _Scaled(torch.nn.Module):
     def __init__(self, k: float) -> None:
         super().__init__()

@@ -381,12 +381,25 @@ def torch_profiler_active() -> bool:
         return False
 
 
+_HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
+GLOBAL_MODULE_HOOKS: tuple[dict[int, Any], ...] = tuple(
+    getattr(torch.nn.modules.module, f"_global_{kind}", {None: "a torch without this dict: always there"})
+    for kind in _HOOK_KINDS
+)
+"""torch's global module hooks (``register_module_forward_hook`` and the like), the dicts themselves:
+torch adds to and removes from them in place and never binds new ones (2.11-2.13), so that
+``any(GLOBAL_MODULE_HOOKS)`` asks, with no Python frame, what ``nn.Module._call_impl`` asks (on a
+torch without one of them it is always true: every module call goes through ``nn.Module.__call__``)."""
+
+jit_tracing = torch._C._get_tracing_state
+"""The ``torch.jit.trace`` under way, or None (``nn.Module._call_impl`` calls ``_slow_forward`` then)."""
+
+
 def global_module_hooks() -> bool:
     """Whether a global module hook is registered (``register_module_forward_hook`` and the like):
     it runs around every module's call, which a replay of a module does not make."""
     m = torch.nn.modules.module
-    kinds = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
-    return any(getattr(m, f"_global_{kind}", None) for kind in kinds)
+    return any(getattr(m, f"_global_{kind}", None) for kind in _HOOK_KINDS)
 
 
 def hook_handle_class() -> type:

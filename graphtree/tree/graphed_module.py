@@ -14,6 +14,12 @@ from typing import Any
 
 import torch
 
+from graphtree import _torch
+
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_GLOBAL_HOOKS = _torch.GLOBAL_MODULE_HOOKS
+_jit_tracing = _torch.jit_tracing
+
 
 class GraphedModule(torch.nn.Module):
     """What :func:`graphed` returns for an ``nn.Module``: the same module, its calls recorded
@@ -43,6 +49,25 @@ class GraphedModule(torch.nn.Module):
         object.__setattr__(self, "__wrapped__", module)  # inspect.unwrap and signature see the original
         object.__setattr__(self, "_graphtree_call", call)
         object.__setattr__(self, "training", module.training)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module.__call__ reaches forward through two frames more (_wrapped_call_impl, _call_impl),
+        # about a microsecond of a replay. Where it would only call forward (what _call_impl asks:
+        # no hook on this module nor a global one, no torch.jit trace; not compiled by m.compile(),
+        # not traced by torch.compile, whose trace goes through it as for any module), graphtree's
+        # call is made here.
+        if not (
+            _is_dynamo_compiling()
+            or self._forward_hooks
+            or self._forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or any(_GLOBAL_HOOKS)
+            or self._compiled_call_impl is not None
+            or _jit_tracing()
+        ):
+            return self._graphtree_call(*args, **kwargs)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._graphtree_call(*args, **kwargs)
