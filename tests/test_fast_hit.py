@@ -490,6 +490,52 @@ def test_a_native_fast_hit_runs_few_python_frames(stand_ins, request):
     assert len(frames) <= MOST_FRAMES, frames
 
 
+MOST_RETURNS = {"function": 14, "module": 16}
+"""How often the Python path's replay of a call re-enters a graphtree module it had left (issue 47,
+item 4: read, key, match, replay and outputs, each once; ``benchmarks/call_walk.py`` walks it on a
+GPU). Twenty-second session, on this CPU walk: 22 and 28; the twenty-third read the hook counters
+and the thread's tree where they live, and asked the module arguments and the hooks only where a
+call has any. A change that adds one should say why, here."""
+
+
+def _returns(call: Any) -> tuple[int, list[str]]:
+    """The graphtree modules ``call()`` stops in, in order, and how many stops re-enter one left before."""
+    root = os.path.dirname(os.path.abspath(graphtree.__file__)) + os.sep
+    seq: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        f = frame if event == "call" else frame.f_back if event == "return" else None
+        path = os.path.abspath(f.f_code.co_filename) if f is not None else ""
+        if path.startswith(root):
+            mod = path[len(root) :].removesuffix(".py")
+            if not seq or seq[-1] != mod:
+                seq.append(mod)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return sum(m in seq[:i] for i, m in enumerate(seq)), seq
+
+
+@pytest.mark.parametrize("kind", ["function", "module"])
+def test_the_python_path_of_a_replay_returns_to_few_modules_it_left(stand_ins, request, kind):
+    if request.node.callspec.params["stand_ins"] != "python twin":
+        pytest.skip("one walk: the Python path is the same with the native fast hit")
+    x = torch.randn(8, 8)
+    fn = graphtree.graphed(lambda t: t * 2 + 1) if kind == "function" else graphtree.graphed(torch.nn.Linear(8, 8))
+    gc = fn._graphtree_call if kind == "module" else fn
+    with torch.no_grad():
+        _, _, launches = _record(gc, x)
+        for _ in range(3):
+            fn(x)
+        gc.fast_hits.update(dict.fromkeys(gc.fast_hits, fast_hit._GAVE_UP))  # (its signature left to the Python path)
+        back, seq = _returns(lambda: fn(x))
+    assert launches.n == 4
+    assert back <= MOST_RETURNS[kind], " -> ".join(seq)
+
+
 def test_the_python_signature_keys_a_call_as_read_call_does(monkeypatch):
     """Without the native helpers a fast hit is looked up by ``tensor_signature``: its parts must
     equal ``read_call``'s key parts, which ``remember`` keeps it by (CPU tensors made to pass as

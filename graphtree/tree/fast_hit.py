@@ -208,7 +208,7 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     sig = native.signature(args, _PLAIN) if native is not None else tensor_signature(args)
     if sig is None:
         return MISS
-    here = _manager.tree_here(sig[1])
+    here = _here(sig[1])
     parts = floats_keyed(gc, sig[0])
     hit = hits.get((parts, sig[1], id(here[0])))  # (the arguments' parts, their device, this thread's tree)
     if hit is None or hit is _GAVE_UP:
@@ -223,6 +223,14 @@ def floats_keyed(gc: Any, parts: tuple[Any, ...]) -> tuple[Any, ...]:
         return parts
     by_value = gc.numbers.by_value
     return tuple(_FLOAT if len(p) == 2 and p[0] is float and i not in by_value else p for i, p in enumerate(parts))
+
+
+def _here(device: int) -> tuple[TreeManager | None, bool]:
+    """``manager.tree_here(device)``, read from the threads' state this module keeps, as the native
+    ``fast_call`` reads it (one call of this module's where a call into the manager was two stops)."""
+    state = _THREADS.__dict__
+    trees = state.get("managers")
+    return (trees.get(device) if trees is not None else None), not state.get("one_step", 0)
 
 
 def tensor_signature(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, bool] | None:
@@ -265,7 +273,7 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
     """After a call the Python path ran: keep its replay for the next call of its signature, where
     the replay was one :class:`FastHit` covers (see the module). The cheap answers come first: a
     call that replays a recording no fast hit covers, or a signature given up, pays only those."""
-    tree, _ = _manager.tree_here(device)
+    tree = _here(device)[0]
     node = tree.hit if tree is not None else None
     if tree is None or node is None or node.key[0] != gc.id or node.first is not None:
         return

@@ -191,7 +191,8 @@ class GraphedCallable:
                 _take_snapshot(self, self._snapshots, args, kwargs)
             if self.disabled_reason is not None:
                 return self._eager(args, kwargs, self.disabled_reason)
-            hooked = self._hooks.reason(self.name, self.free.models)
+            models, hooks = self.free.models, self._hooks
+            hooked = None if hooks.idle and not models else hooks.reason(self.name, models)
             if hooked is not None:
                 return self._in_parts(args, kwargs, hooked)
             if not (_cuda_ok or _has_cuda()):
@@ -216,7 +217,8 @@ class GraphedCallable:
             return self._eager(args, kwargs, str(e))
         free = self.free  # plain values it reads besides its arguments: a graph's constants (reach.py)
         reads = free.part() if free.active else None
-        held = self._module_args.part(args, kwargs)  # (the settings of modules passed in, `step(model, x)`)
+        # (the settings of modules passed in, `step(model, x)`: a module is an object argument)
+        held = self._module_args.part(args, kwargs) if call.objects else None
         if held is not None:
             reads = (reads, held[0])
         if _builds_autograd(self, call.needs_grad):
@@ -225,7 +227,8 @@ class GraphedCallable:
             out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
             if free.follows_modules:
                 free.after_call()
-            self._module_args.after_call(held)
+            if held is not None:
+                self._module_args.after_call(held)
             return out
         self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
         _key_state(call, self._module, reads, self._step)
@@ -237,7 +240,8 @@ class GraphedCallable:
         out = _manager.run(self, call, device)
         if free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
             free.after_call()
-        self._module_args.after_call(held)
+        if held is not None:
+            self._module_args.after_call(held)
         if not kwargs and held is None:
             _fast_hit.remember(self, self.fast_hits, call, device)
         return out

@@ -33,9 +33,13 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import param_epoch, watch_parameter_changes
+from graphtree.tree.inputs import param_epoch, param_epoch_cell, watch_parameter_changes
 
 _KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# What every call reads, read where they live (no call into _torch or inputs on the common path):
+# torch's count of hook handles made (-1 where torch keeps none) and the parameter epoch.
+_HANDLE_CLASS = _torch.hook_handle_class()
+_EPOCH_CELL = param_epoch_cell()
 
 # (module, name) of the hooks graphtree knows to write only into the call's own outputs, and the
 # modules all of whose hooks do: tensor parallelism's (`parallelize_module`, `distribute_module`)
@@ -81,8 +85,8 @@ class ModuleHooks:
 
     def reason(self, name: str) -> str | None:
         """Why a call of ``name`` runs eagerly for the hooks it would run, or None."""
-        handles = _torch.hook_handles_made()
-        if handles == self._handles and self._found is None and handles >= 0 and param_epoch() == self._epoch:
+        handles = getattr(_HANDLE_CLASS, "next_id", -1)  # (_torch.hook_handles_made, without its frame)
+        if handles == self._handles and self._found is None and handles >= 0 and _EPOCH_CELL[0] == self._epoch:
             return None
         self._handles = handles
         found = self.found()
@@ -130,6 +134,7 @@ class CallHooks:
         self._own = ModuleHooks(module, include_self) if module is not None else None
         self._models: tuple[torch.nn.Module, ...] = ()
         self._named: list[ModuleHooks] = []
+        self.idle = self._own is None  # nothing watched: a call that names no model need not ask
 
     def reason(self, name: str, models: tuple[torch.nn.Module, ...]) -> str | None:
         """Why a call of ``name`` runs eagerly for the hooks it would run, or None."""
@@ -138,6 +143,7 @@ class CallHooks:
             kept = {id(h.module): h for h in self._named}
             self._named = [kept.get(id(m)) or ModuleHooks(m, include_self=True) for m in models]
             self._models = models
+            self.idle = self._own is None and not self._named
         for hooks in self._named:
             if found is not None:
                 break

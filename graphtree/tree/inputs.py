@@ -148,7 +148,7 @@ class Call:
     parameters, a cache's buffers), which the graph always reads in place.
     """
 
-    __slots__ = ("bucket", "device", "key", "leaves", "n", "n_args", "needs_grad", "padded", "spec")
+    __slots__ = ("bucket", "device", "key", "leaves", "n", "n_args", "needs_grad", "objects", "padded", "spec")
 
     def __init__(
         self,
@@ -161,6 +161,7 @@ class Call:
         bucket: int,
         padded: tuple[int, ...],
         n_args: int,
+        objects: bool = False,
     ) -> None:
         self.leaves = leaves
         self.spec = spec  # None: plain positional (see flatten)
@@ -171,6 +172,7 @@ class Call:
         self.bucket = bucket
         self.padded = padded  # indices of leaves padded to the bucket
         self.n_args = n_args
+        self.objects = objects  # an argument was read as an object (a module, a cache), not as a tensor or a value
 
     def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of this call, optionally with other leaves in place of its own."""
@@ -234,7 +236,7 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketin
                     held = HeldTensors()
                 parts.append(read_object(x, held))
         if not held:
-            return Call(leaves, spec, _key(parts, spec), device, needs_grad, -1, -1, (), len(leaves))
+            return Call(leaves, spec, _key(parts, spec), device, needs_grad, -1, -1, (), len(leaves), held is not None)
         return _with_held(leaves, spec, parts, device, needs_grad, -1, -1, (), held)
     held = HeldTensors()
     n = bucket = -1
@@ -360,6 +362,7 @@ def _with_held(
         bucket,
         padded,
         len(leaves),
+        True,  # (objects with tensors, or a bucketed call: read as if it had objects)
     )
 
 

@@ -32,7 +32,7 @@ import torch
 from graphtree import _native, _torch
 from graphtree.tree.callee import Callee
 from graphtree.tree.grow import Grower
-from graphtree.tree.inputs import Call, param_epoch
+from graphtree.tree.inputs import Call, param_epoch, param_epoch_cell
 from graphtree.tree.launch_order import LaunchOrder
 from graphtree.tree.memory import TreeMemory
 from graphtree.tree.node import Node, signature
@@ -44,6 +44,7 @@ MAX_PATH_DEPTH = 64
 """Calls in one step before graphtree starts a new step by itself (guards a missing mark_step)."""
 
 _tls = threading.local()
+_EPOCH_CELL = param_epoch_cell()  # (the parameter epoch, read on a module's replay as fast_hit.py reads it)
 _all_managers: weakref.WeakSet[TreeManager] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 # Ids of graphed callables collected (appended by their finalizers, from any thread: a list append
@@ -192,7 +193,7 @@ class TreeManager:
                         if not (
                             node.statics_only
                             and native is not None
-                            and node.epoch == param_epoch()
+                            and node.epoch == _EPOCH_CELL[0]  # (param_epoch(), read without its frame)
                             and native.addresses_unchanged(node.statics, node.static_packed)
                         ):
                             node = self._replayable(gc, kids, leaves)
