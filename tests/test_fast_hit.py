@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from gt_fast_hit import count_fast_replays, plant_recording, stand_in_helpers, stand_in_signature
+from gt_fast_hit import count_fast_replays, module_stops, plant_recording, stand_in_helpers, stand_in_signature
 
 import graphtree
 from graphtree import _native
@@ -498,27 +498,6 @@ and the thread's tree where they live, and asked the module arguments and the ho
 call has any. A change that adds one should say why, here."""
 
 
-def _returns(call: Any) -> tuple[int, list[str]]:
-    """The graphtree modules ``call()`` stops in, in order, and how many stops re-enter one left before."""
-    root = os.path.dirname(os.path.abspath(graphtree.__file__)) + os.sep
-    seq: list[str] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        f = frame if event == "call" else frame.f_back if event == "return" else None
-        path = os.path.abspath(f.f_code.co_filename) if f is not None else ""
-        if path.startswith(root):
-            mod = path[len(root) :].removesuffix(".py")
-            if not seq or seq[-1] != mod:
-                seq.append(mod)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return sum(m in seq[:i] for i, m in enumerate(seq)), seq
-
-
 @pytest.mark.parametrize("kind", ["function", "module"])
 def test_the_python_path_of_a_replay_returns_to_few_modules_it_left(stand_ins, request, kind):
     if request.node.callspec.params["stand_ins"] != "python twin":
@@ -531,7 +510,7 @@ def test_the_python_path_of_a_replay_returns_to_few_modules_it_left(stand_ins, r
         for _ in range(3):
             fn(x)
         gc.fast_hits.update(dict.fromkeys(gc.fast_hits, fast_hit._GAVE_UP))  # (its signature left to the Python path)
-        back, seq = _returns(lambda: fn(x))
+        seq, back = module_stops(lambda: fn(x))
     assert launches.n == 4
     assert back <= MOST_RETURNS[kind], " -> ".join(seq)
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import array
 import contextlib
+import os
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+import graphtree
 from graphtree._torch import meta_of, weak_ref
 from graphtree.tree import fast_hit
 from graphtree.tree import node as node_mod
@@ -105,3 +108,27 @@ def plant_recording(tree: Any, gc: Any, key: Any, x: torch.Tensor, launch: Calla
     node._launch = launch
     tree.walk.root.children[(gc.id, key)] = [node]
     return node
+
+
+def module_stops(call: Callable[[], Any]) -> tuple[list[str], int]:
+    """The graphtree modules ``call()`` stops in, in order, and how many of those stops re-enter a
+    module the walk had already left (issue 47, item 4). A *stop* is a change of the graphtree
+    module that runs, at a Python call or return; frames outside graphtree (torch's Python) are not
+    stops. ``benchmarks/call_walk.py`` walks a replay with it on a GPU, ``tests/test_fast_hit.py`` on CPU."""
+    root = os.path.dirname(os.path.abspath(graphtree.__file__)) + os.sep
+    seq: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        f = frame if event == "call" else frame.f_back if event == "return" else None
+        path = os.path.abspath(f.f_code.co_filename) if f is not None else ""
+        if path.startswith(root):
+            mod = path[len(root) :].removesuffix(".py").replace(os.sep, ".")
+            if not seq or seq[-1] != mod:
+                seq.append(mod)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seq, sum(m in seq[:i] for i, m in enumerate(seq))
