@@ -170,9 +170,8 @@ def _first_replay(graph: torch.cuda.CUDAGraph, how: _Registered) -> None:
     later replays, the generators it draws from with how far each moves per replay."""
     before = [held.get_offset() for held, _ in how.pairs]
     graph.replay()
-    drawing = tuple(
-        (held, gen, held.get_offset() - b) for (held, gen), b in zip(how.pairs, before) if held.get_offset() != b
-    )
+    after = [held.get_offset() for held, _ in how.pairs]
+    drawing = tuple((held, gen, a - b) for (held, gen), b, a in zip(how.pairs, before, after) if a != b)
     setattr(graph, _ATTR, functools.partial(_replay_following, graph, drawing) if drawing else None)
 
 
