@@ -230,7 +230,8 @@ class GraphedCallable:
             if held is not None:
                 self._module_args.after_call(held)
             return out
-        self.numbers.rekey(call)  # floats and ints keyed by type where they may be device scalars
+        if call.numbers:  # floats and ints keyed by type where they may be device scalars
+            self.numbers.rekey(call)
         _key_state(call, self._module, reads, self._step)
         device = call.device
         if device < 0:

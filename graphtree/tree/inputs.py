@@ -148,7 +148,9 @@ class Call:
     parameters, a cache's buffers), which the graph always reads in place.
     """
 
-    __slots__ = ("bucket", "device", "key", "leaves", "n", "n_args", "needs_grad", "objects", "padded", "spec")
+    __slots__ = (
+        "bucket", "device", "key", "leaves", "n", "n_args", "needs_grad", "numbers", "objects", "padded", "spec",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -173,11 +175,22 @@ class Call:
         self.padded = padded  # indices of leaves padded to the bucket
         self.n_args = n_args
         self.objects = objects  # an argument was read as an object (a module, a cache), not as a tensor or a value
+        # a float or int among its own leaves (tree/numbers.py keys them: device scalars or values)
+        self.numbers = _has_numbers(leaves if len(leaves) == n_args else leaves[:n_args])
 
     def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of this call, optionally with other leaves in place of its own."""
         leaves = self.leaves if leaves is None else leaves
         return unflatten(leaves if len(leaves) == self.n_args else leaves[: self.n_args], self.spec)
+
+
+def _has_numbers(leaves: Sequence[Any]) -> bool:
+    """Whether a float or an int (not a bool) is among ``leaves``: ~0.2 µs for a call of tensors."""
+    for x in leaves:
+        t = type(x)
+        if t is float or t is int:
+            return True
+    return False
 
 
 def read_call(args: tuple[Any, ...], kwargs: dict[str, Any], bucketing: Bucketing | None) -> Call:
