@@ -147,7 +147,7 @@ class FastHit:
         self, gc: Any, args: tuple[Any, ...], needs_grad: bool, here: tuple[TreeManager | None, bool] | None = None
     ) -> Any:
         """The replay the Python path would make of ``gc(*args)``, or :data:`MISS` (nothing changed);
-        ``here``: ``manager.tree_here(device)`` where the caller read it already."""
+        ``here``: :func:`_here` of its device where the caller read it already."""
         if gc.takes_python_path(needs_grad) or _HANDLE_CLASS.next_id != self.handles:
             return MISS
         if _EPOCH_CELL[0] != self.epoch or gc.free.models is not self.models or _ambient() != self.ambient:
@@ -158,7 +158,7 @@ class FastHit:
         free = gc.free  # the values its code reads: the same part object while none changed (reach.py)
         if (free.part() if free.active else None) is not self.reads:
             return MISS
-        tree, steps_itself = here if here is not None else _manager.tree_here(self.device)
+        tree, steps_itself = here if here is not None else _here(self.device)
         node = self.node()
         if tree is None or tree is not self.tree() or node is None:  # (another thread: its own tree)
             return MISS
