@@ -71,9 +71,11 @@ def _fresh() -> None:
     manager_mod._tls.__dict__.pop("user_steps", None)
 
 
-def _record(gc: Any, x: torch.Tensor) -> tuple[Any, Any, _Launches]:
-    """A recording of ``gc(x)`` at the tree's root, as if captured: the tree, the node, its launches."""
-    call = read_call((x,), {}, None)
+def _record(gc: Any, x: torch.Tensor, *numbers: float) -> tuple[Any, Any, _Launches]:
+    """A recording of ``gc(x, *numbers)`` at the tree's root, as if captured (its numbers keyed as the
+    Python path keys them): the tree, the node, its launches."""
+    call = read_call((x, *numbers), {}, None)
+    gc.numbers.rekey(call)
     graphed_mod._key_state(call, gc.module(), gc.free.part() if gc.free.active else None, None)
     tree = manager_mod.tree_for(0)
     launches = _Launches()
@@ -257,13 +259,8 @@ def test_a_new_float_each_call_replays_through_the_fast_hit_and_leaves_what_the_
     for fast in (False, True):
         _fresh()
         sample = graphtree.graphed(lambda t, temperature: t / temperature)
-        call = read_call((x, 0.7), {}, None)
-        sample.numbers.rekey(call)
-        graphed_mod._key_state(call, None, None, None)
-        assert call.key[1] == fast_hit._FLOAT, call.key
-        tree = manager_mod.tree_for(0)
-        launches = _Launches()
-        node = plant_recording(tree, sample, call.key, x, launches)
+        tree, node, launches = _record(sample, x, 0.7)
+        assert node.key[1][1] == fast_hit._FLOAT, node.key
         seen = count_fast_replays(monkeypatch)
         states = []
         for k in range(6):
@@ -282,12 +279,7 @@ def test_a_float_keyed_by_value_since_sends_the_call_to_the_python_path_untouche
     value: the fast hit made while it was a device scalar must not replay another value's call."""
     x = torch.randn(8, 8)
     sample = graphtree.graphed(lambda t, temperature: t / temperature)
-    call = read_call((x, 0.7), {}, None)
-    sample.numbers.rekey(call)
-    graphed_mod._key_state(call, None, None, None)
-    tree = manager_mod.tree_for(0)
-    launches = _Launches()
-    node = plant_recording(tree, sample, call.key, x, launches)
+    tree, node, launches = _record(sample, x, 0.7)
     sample(x, 0.7)
     seen = count_fast_replays(monkeypatch)
     sample(x, 0.8)
@@ -298,16 +290,11 @@ def test_a_float_keyed_by_value_since_sends_the_call_to_the_python_path_untouche
     assert _state(tree, node) == before and launches.n == 2
 
 
-def test_an_int_or_a_keyword_float_is_left_to_the_python_path(stand_ins, monkeypatch):
+def test_an_int_argument_is_left_to_the_python_path(stand_ins, monkeypatch):
     x = torch.randn(8, 8)
     scale = graphtree.graphed(lambda t, k: t * k)
-    for arg in (3, 4):  # an int comes with a new value: a device scalar from then on, keyed int64
-        call = read_call((x, arg), {}, None)
-        scale.numbers.rekey(call)
-    graphed_mod._key_state(call, None, None, None)
-    tree = manager_mod.tree_for(0)
-    launches = _Launches()
-    plant_recording(tree, scale, call.key, x, launches)
+    scale.numbers.rekey(read_call((x, 3), {}, None))  # an int that comes with a new value (4 below):
+    _, _, launches = _record(scale, x, 4)  # a device scalar from then on, keyed int64
     scale(x, 5)
     assert launches.n == 1 and not scale.fast_hits, "the Python path replayed; no fast hit is kept for an int"
 
