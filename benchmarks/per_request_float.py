@@ -66,6 +66,7 @@ def _loop(name: str, fn: Any, args_of: Any, calls: int) -> dict[str, Any]:
     eager_times: list[float] = []
     graphed_times: list[float] = []
     equal = True
+    # (the count wraps graphtree's calls in one Python frame more, inside its timed calls: against it)
     counting = counting_fast_replays() if counting_fast_replays is not None else contextlib.nullcontext([])
     with torch.inference_mode(), counting as fast:
         for t in temperatures:
