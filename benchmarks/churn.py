@@ -176,7 +176,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    _native.wait(600)  # (they load in the background; a long-running process has them)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out["native"] = _native.status()
     for name, run in (
         ("mlp, new batch size each call", lambda: churning_mlp(False)),
         ("mlp, new batch size each call, .item() inside", lambda: churning_mlp(True)),
@@ -194,7 +196,6 @@ def main() -> None:
             print(f"{name}: {type(e).__name__}: {e}")
         print("  ", graphtree.stats())
     graphtree.reset()
-    _native.wait(600)  # (the helpers a long-running process has; the rows above may have run before them)
     cost = out["churning call's cost on the host"] = churn_cost()
     print(
         f"a churning call's CPU cost (no sync): eager {cost['eager_cpu_us']:.1f} us, graphtree "

@@ -128,6 +128,15 @@ for stage in $stages; do
     floats)  # issue 45, item 3: a serving loop's new Python temperature per call, against eager
       timeout 240 python3 benchmarks/per_request_float.py --json "$OUT/per_request_float.json" 2>&1 | tee "$OUT/per_request_float.log" | tail -20
       ;;
+    sampler)  # issue 45, item 3: where the sampler's graphed call loses to the hand graph (its copy-in, launch, call path)
+      timeout 200 python3 benchmarks/probes/sampler_breakdown.py --json "$OUT/sampler_breakdown.json" 2>&1 | tee "$OUT/sampler_breakdown.log" | tail -45
+      ;;
+    churn_overhead)  # issue 45, item 6: graphtree's eager path on the host, a no-op and the MLP, and the Python it runs
+      timeout 200 python3 benchmarks/probes/churn_overhead.py 2>&1 | tee "$OUT/churn_overhead.log" | tail -20
+      ;;
+    copy_in)  # issue 45, item 3: the sampler's copy-in piece by piece (copies, the number's write, a fill_), host time
+      timeout 200 python3 benchmarks/probes/copy_in_parts.py 2>&1 | tee "$OUT/copy_in_parts.log" | tail -80
+      ;;
     parts)  # issue 26: modules graphed in parts (tree/parts.py): their GPU tests and Faster R-CNN graphed whole, profiled
       timeout -s INT -k 20 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parts_gpu.py \
         tests/gpu/test_profile_gpu.py -k "parts or faster_rcnn" 2>&1 | tee "$OUT/parts.log" | grep -v '^W1' | tail -30
