@@ -2,9 +2,10 @@
 
 A 20-layer MLP fed a new batch size on each of 100 calls (with and without a host read inside), and
 Hugging Face ``generate()`` with its default dynamic cache (a new sequence length every decode step)
-with ``model.forward`` graphed. Eager and graphtree calls are taken in turn (clocks drift alike for
-both). Prints median and mean ms per call (or per generate; the first left out, warm-ups in the
-mean) and their ratios to eager, in one process; then what a churning call costs the host, graphtree
+with ``model.forward`` graphed. Eager and graphtree calls are taken in turn, which goes first
+alternating (clocks drift alike for both). Prints median and mean ms per call (or per generate; the
+first left out, warm-ups in the mean), their ratios to eager and the median of each call's own
+ratio, in one process; then what a churning call costs the host, graphtree
 against eager with no synchronisation, and where graphtree's share goes (cProfile). Run on a GPU::
 
     python benchmarks/churn.py [--json out.json]
@@ -47,21 +48,27 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def _interleaved(eager: Callable[[int], Any], graphed: Callable[[int], Any], calls: int) -> tuple[list, list]:
-    """Seconds of each call of ``eager(i)`` and ``graphed(i)``, taken in turn (eager first) so that
-    clocks and the host's load drift alike for both; the first of each left out."""
+    """Seconds of each call of ``eager(i)`` and ``graphed(i)``, taken in turn so that clocks and the
+    host's load drift alike for both, the first of the pair alternating (eager first on even
+    calls); the first call of each left out."""
     e, g = [], []
     for i in range(calls):
-        e.append(_timed(lambda: eager(i)))  # noqa: B023 - called at once
-        g.append(_timed(lambda: graphed(i)))  # noqa: B023 - called at once
+        pair = [(e, eager), (g, graphed)]
+        for times, fn in pair if i % 2 == 0 else pair[::-1]:
+            times.append(_timed(lambda: fn(i)))  # noqa: B023 - called at once
     return e[1:], g[1:]
 
 
 def _row(eager: list[float], graphed: list[float]) -> dict[str, float]:
+    """Medians, means and their ratios, and the median of the calls' own ratios (each call's shape
+    and moment the same on both sides): host noise moves a median of one side alone by several
+    per cent on the H200 (twenty-fourth session: 0.93x to 1.21x across runs of the same code)."""
     e, g = (statistics.median(eager), statistics.fmean(eager)), (statistics.median(graphed), statistics.fmean(graphed))
     return {
         "eager_ms": e[0] * 1e3,
         "graphtree_ms": g[0] * 1e3,
         "ratio": g[0] / e[0],
+        "paired_ratio": statistics.median(b / a for a, b in zip(eager, graphed)),
         "eager_mean_ms": e[1] * 1e3,
         "graphtree_mean_ms": g[1] * 1e3,
         "mean_ratio": g[1] / e[1],
@@ -188,7 +195,8 @@ def main() -> None:
         try:
             out[name] = r = run()
             print(
-                f"{name}: median eager {r['eager_ms']:.3f} ms, graphtree {r['graphtree_ms']:.3f} ms, {r['ratio']:.2f}x;"
+                f"{name}: median eager {r['eager_ms']:.3f} ms, graphtree {r['graphtree_ms']:.3f} ms, {r['ratio']:.2f}x"
+                f" (calls' own ratios: median {r['paired_ratio']:.2f}x);"
                 f" mean {r['eager_mean_ms']:.3f} / {r['graphtree_mean_ms']:.3f} ms, {r['mean_ratio']:.2f}x"
             )
         except Exception as e:  # noqa: BLE001 - report and go on

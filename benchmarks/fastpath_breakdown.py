@@ -12,7 +12,7 @@ import statistics
 import time
 
 import torch
-from per_call import HundredParameters  # benchmarks/ is on sys.path when this script runs
+from per_call import HundredParameters, _raw_copier  # benchmarks/ is on sys.path when this script runs
 
 import graphtree
 from graphtree import _native, _torch
@@ -34,7 +34,7 @@ def _us(fn, n=3000, reps=7):
 
 def _raw_memcpy(dst: torch.Tensor, src: torch.Tensor):
     """graphtree's input copier (``cudaMemcpyAsync`` through ``cuda.bindings``) of ``src`` into ``dst``."""
-    copy = _torch.raw_copier()
+    copy = _raw_copier()
     return lambda: copy(dst.data_ptr(), src.data_ptr(), src.numel() * 4, 0)
 
 

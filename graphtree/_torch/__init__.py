@@ -256,40 +256,6 @@ def weak_data_ptr(ref: int) -> int:
 
 
 @functools.cache
-def raw_copier() -> Callable[[int, int, int, int], None] | None:
-    """``copy(dst_ptr, src_ptr, nbytes, device)``: a device-to-device ``cudaMemcpyAsync`` on the
-    device's current stream, or ``None`` where ``cuda.bindings`` is missing.
-
-    For a contiguous input of the recorded shape this does what ``Tensor.copy_`` does, minus
-    the dispatcher and TensorIterator set-up: on the replay path that is most of the cost of
-    the copy. Stream order is the same as ``copy_``'s (the current stream). Resolved once, at
-    the first recording that can use it, not at import. Once graphtree's native helpers are
-    built, the same ``cudaMemcpyAsync`` of the runtime torch loaded is called from C++.
-    """
-    try:
-        from cuda.bindings import runtime as cudart
-    except Exception:  # noqa: BLE001 - absent or broken cuda-bindings: Tensor.copy_ does the copy
-        return None
-    memcpy = cudart.cudaMemcpyAsync
-    kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-    ok = cudart.cudaError_t.cudaSuccess
-    current_stream = raw_stream_getter()
-    if current_stream is None:
-        return None
-
-    from graphtree import _native
-
-    def copy(dst: int, src: int, nbytes: int, device: int) -> None:
-        native = _native.loaded  # the same call without cuda.bindings' argument conversions
-        if native is not None and native.copy_d2d(dst, src, nbytes, current_stream(device)):
-            return
-        (err,) = memcpy(dst, src, nbytes, kind, current_stream(device))
-        if err != ok:
-            raise RuntimeError(f"graphtree: cudaMemcpyAsync of an input failed: {err}")
-
-    return copy
-
-
 def raw_stream_getter() -> Callable[[int], int] | None:
     """``get(device)``: the raw handle of torch's current stream on ``device``
     (``torch._C._cuda_getCurrentRawStream``), or ``None`` on a build without it (CPU builds).

@@ -28,6 +28,45 @@ _Tensor = torch.Tensor
 _current_stream: Callable[[int], int] = _torch.raw_stream_getter() or (lambda device: 0)  # (a CPU build: never called)
 
 
+def raw_copier() -> Callable[[int, int, int, int], None] | None:
+    """``copy(dst_ptr, src_ptr, nbytes, device)``: a device-to-device ``cudaMemcpyAsync`` on the
+    device's current stream, or ``None`` where ``cuda.bindings`` is missing.
+
+    For a contiguous input of the recorded shape this does what ``Tensor.copy_`` does, minus
+    the dispatcher and TensorIterator set-up: on the replay path that is most of the cost of
+    the copy. Stream order is the same as ``copy_``'s (the current stream). Resolved once, at
+    the first recording that can use it, not at import. Once graphtree's native helpers are
+    built, the same ``cudaMemcpyAsync`` of the runtime torch loaded is called from C++. Here, not in
+    ``graphtree._torch`` (it touches no private API of torch's but the stream getter): a replay's
+    copy-in stays in this module (issue 47, item 4).
+
+    Example::
+
+        copy = raw_copier()
+        copy(placeholder.data_ptr(), x.data_ptr(), x.nbytes, x.get_device())
+    """
+    try:
+        from cuda.bindings import runtime as cudart
+    except Exception:  # noqa: BLE001 - absent or broken cuda-bindings: Tensor.copy_ does the copy
+        return None
+    memcpy = cudart.cudaMemcpyAsync
+    kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+    ok = cudart.cudaError_t.cudaSuccess
+    current_stream = _torch.raw_stream_getter()
+    if current_stream is None:
+        return None
+
+    def copy(dst: int, src: int, nbytes: int, device: int) -> None:
+        native = _native.loaded  # the same call without cuda.bindings' argument conversions
+        if native is not None and native.copy_d2d(dst, src, nbytes, current_stream(device)):
+            return
+        (err,) = memcpy(dst, src, nbytes, kind, current_stream(device))
+        if err != ok:
+            raise RuntimeError(f"graphtree: cudaMemcpyAsync of an input failed: {err}")
+
+    return copy
+
+
 def is_marked_static(t: torch.Tensor) -> bool:
     """Whether the caller asked for ``t`` to be used in place (see :func:`graphtree.mark_static`)."""
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_graphtree_static", False)
@@ -35,7 +74,7 @@ def is_marked_static(t: torch.Tensor) -> bool:
 
 class RawCopy(NamedTuple):
     """The replay fast path for one contiguous copied input: ``copy(dst, leaves[leaf].data_ptr(), nbytes, device)``
-    (a ``cudaMemcpyAsync``, see :func:`graphtree._torch.raw_copier`)."""
+    (a ``cudaMemcpyAsync``, see :func:`raw_copier`)."""
 
     leaf: int
     dst: int
@@ -104,7 +143,7 @@ class InputPlan:
             return None
         ph = self.placeholders[0]
         # The key fixes shape, dtype and strides: a contiguous placeholder means a contiguous input.
-        copy = _torch.raw_copier() if ph.is_contiguous() and ph.numel() else None
+        copy = raw_copier() if ph.is_contiguous() and ph.numel() else None
         if copy is None:
             return None
         return RawCopy(self.copy_idx[0], ph.data_ptr(), ph.numel() * ph.element_size(), self.device, copy)
