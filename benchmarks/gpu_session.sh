@@ -134,6 +134,9 @@ for stage in $stages; do
     churn_overhead)  # issue 45, item 6: graphtree's eager path on the host, a no-op and the MLP, and the Python it runs
       timeout 200 python3 benchmarks/probes/churn_overhead.py 2>&1 | tee "$OUT/churn_overhead.log" | tail -20
       ;;
+    churn_inside)  # issue 45, item 6: the MLP's own time inside the function, plain and through graphtree's eager path
+      timeout 150 python3 benchmarks/probes/churn_inside.py 2>&1 | tee "$OUT/churn_inside.log" | tail -12
+      ;;
     copy_in)  # issue 45, item 3: the sampler's copy-in piece by piece (copies, the number's write, a fill_), host time
       timeout 200 python3 benchmarks/probes/copy_in_parts.py 2>&1 | tee "$OUT/copy_in_parts.log" | tail -80
       ;;
