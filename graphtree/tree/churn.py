@@ -14,6 +14,14 @@ and recorded as usual, which ends the run of warm-ups. A warm-up of a signature 
 same key warmed up again: state it allocated, a step's gradients made anew) does not count: churn
 is new signatures, not warm-ups. Only calls that no recording fits pay the bookkeeping: replays do not.
 
+Once churning, a call of CUDA tensors alone whose tensors (shapes, dtypes, strides, device) the
+callable never met runs eagerly before it is read, keyed or taken to its tree
+(:func:`eager_now`): no recording can fit it, and the Python path's read, key, lookup and step were
+most of what a churning call added to eager (issue 45, item 6: a 20-layer MLP through that path
+1.10x eager, its own time inside the function 1.01x, H200). Its stream is ordered after the
+tree's last call as the tree orders its own. A call whose tensors were met before takes the
+Python path, which warms it up (shapes settling) as above.
+
 Example::
 
     churn = Churn()
@@ -27,6 +35,9 @@ from typing import Any
 
 import torch
 
+from graphtree import _native
+from graphtree.tree import manager as _manager
+from graphtree.tree.fast_hit import tensor_signature
 from graphtree.tree.inputs import PLAIN_TYPES as _PLAIN_TYPES
 
 LIMIT = 8
@@ -49,22 +60,34 @@ class Churn:
         self.keep = keep
         self.streak = 0  # warm-ups of never-met signatures since the last recording
         self._seen: dict[Any, None] = {}  # signatures met, oldest first
+        self._tensors: dict[Any, None] = {}  # (parts, device) of the calls of tensors alone among them
         self._new = True  # whether the signature skip() saw last was never met before
         self._keys: tuple[Any, Any] = (None, None)  # the last two signatures skip() saw, for the reason
         self._reason: str | None = None  # the reason, fixed for a run (stats() counts one, logged once)
 
-    def skip(self, key: Any) -> bool:
+    @property
+    def churning(self) -> bool:
+        """Whether new signatures run eagerly now (``limit`` warm-ups of new ones in a row)."""
+        return self.streak >= self.limit
+
+    def skip(self, key: Any, tensors: Any = None) -> bool:
         """Whether a call of signature ``key``, which no recording fits, should run eagerly without
-        a warm-up: the callable is churning and has never met ``key``. Notes ``key`` as met."""
-        met = key in self._seen
+        a warm-up: the callable is churning and has never met ``key`` (nor, for a call of tensors
+        alone, its ``tensors``: ``(parts, device)``, met by :func:`eager_now`). Notes both as met."""
+        met = key in self._seen or (tensors is not None and tensors in self._tensors)
         self._new = not met
         self._keys = (self._keys[1], key)
-        if met:
-            del self._seen[key]  # (moved to the newest end)
-        self._seen[key] = None
-        if len(self._seen) > self.keep:
-            del self._seen[next(iter(self._seen))]
+        _note(self._seen, key, self.keep)
+        if tensors is not None:
+            _note(self._tensors, tensors, self.keep)
         return not met and self.streak >= self.limit
+
+    def new_tensors(self, tensors: Any) -> bool:
+        """Whether the callable never met a call of ``tensors`` (``(parts, device)`` of a call of
+        tensors alone); notes them as met."""
+        met = tensors in self._tensors
+        _note(self._tensors, tensors, self.keep)
+        return not met
 
     def warmed_up(self) -> None:
         """A warm-up ran (of the signature :meth:`skip` saw last; a callable whose ranks decide
@@ -90,6 +113,37 @@ class Churn:
                 f"until one comes again" + (f" (first: {what})" if what else "")
             )
         return self._reason
+
+
+def eager_now(gc: Any, args: tuple[Any, ...]) -> bool:
+    """Whether the churning callable ``gc``'s call ``gc(*args)`` runs eagerly now, without the
+    Python path (see the module): CUDA tensors alone, never met, in a call that would reach its tree
+    (no grad to build, no collectives, no module state to follow). Orders the current stream after
+    the tree's last call first, as the tree does; the caller then runs it and counts it."""
+    native = _native.loaded
+    sig = native.signature(args, _PLAIN_TYPES) if native is not None else tensor_signature(args)
+    if sig is None:
+        return False
+    parts, device, needs_grad = sig
+    for p in parts:  # (a loop: no generator's frame)
+        if len(p) != 3 or p[2] is None:  # a number, a host scalar, a lazy view: the Python path
+            return False
+    if gc.takes_python_path(needs_grad) or gc.free.follows_modules or gc.lockstep() is not None:
+        return False
+    if not gc.churn.new_tensors((parts, device)):
+        return False
+    tree = _manager.tree_for(device)
+    with tree.lock:
+        tree.order.follow()
+    return True
+
+
+def _note(seen: dict[Any, None], key: Any, keep: int) -> None:
+    """``key`` as met last in ``seen`` (the oldest forgotten past ``keep``)."""
+    seen.pop(key, None)  # (moved to the newest end)
+    seen[key] = None
+    if len(seen) > keep:  # (another thread calling the callable may have taken the oldest)
+        seen.pop(next(iter(seen), None), None)
 
 
 def _what_changes(a: Any, b: Any) -> str:

@@ -15,6 +15,7 @@ import torch
 from graphtree import _events, _torch
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
+from graphtree.tree import churn as _churn
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import manager as _manager
 from graphtree.tree.bucket_warmup import record_buckets
@@ -209,6 +210,8 @@ class GraphedCallable:
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Key the call and hand it to its tree (or run it eagerly, with the reason)."""
+        if self.churn.churning and not kwargs and _churn.eager_now(self, args):  # (tree/churn.py)
+            return self._eager(args, kwargs, self.churn.reason(self.name))
         if self._reach.cells:
             self._reach.follow()
         try:

@@ -178,6 +178,17 @@ class Call:
         # a float or int among its own leaves (tree/numbers.py keys them: device scalars or values)
         self.numbers = _has_numbers(leaves if len(leaves) == n_args else leaves[:n_args])
 
+    def tensors(self) -> tuple[tuple[Any, ...], int] | None:
+        """``(parts, device)`` of a positional call of plain CUDA tensors alone, as the native
+        ``signature`` reads it (tree/churn.py: the calls a churning callable met), or None."""
+        leaves = self.leaves
+        if self.spec is not None or self.device < 0 or len(leaves) != self.n_args:
+            return None
+        if not all(type(x) is torch.Tensor for x in leaves):
+            return None
+        parts = self.key[: len(leaves)]
+        return (parts, self.device) if all(len(p) == 3 and p[2] is not None for p in parts) else None
+
     def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of this call, optionally with other leaves in place of its own."""
         leaves = self.leaves if leaves is None else leaves

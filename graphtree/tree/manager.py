@@ -222,7 +222,7 @@ class TreeManager:
             if gc.lockstep() is not None:  # it calls collectives: its ranks start alike (tree/lockstep.py)
                 return self.grow.start_together(gc, call, warm)
             if warm:
-                if gc.churn.skip(call.key):  # signatures keep changing: eager, without the checks
+                if gc.churn.skip(call.key, call.tensors()):  # signatures keep changing: eager, without the checks
                     return gc.run_eager(call, gc.churn.reason(gc.name))
                 return self.grow.warm_up(gc, call)
             return self.grow.record(gc, call)

@@ -59,3 +59,35 @@ def test_a_bounded_set_of_six_signatures_is_not_taken_for_churn():
                 torch.testing.assert_close(settled(x), net(x))
     s = graphtree.stats()
     assert s.recordings == 6 and s.replays == 12 and not s.eager, s
+
+
+def test_a_churning_callables_new_shapes_skip_its_tree_and_one_met_again_is_recorded(monkeypatch):
+    """Issue 45, item 6: once churning, a call of tensors never met runs eagerly before graphtree
+    reads, keys or takes it to its tree (tree/churn.py, ``eager_now``); a shape met that way and met
+    again is warmed up, recorded and replayed, as shapes that settle are."""
+    from graphtree.tree.manager import TreeManager
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(DEV).eval()
+    g = graphtree.graphed(net, name="churning")
+    reached: list[int] = []
+    real = TreeManager.call
+
+    def counted(tree, gc, call):
+        reached.append(call.leaves[0].shape[0])
+        return real(tree, gc, call)
+
+    monkeypatch.setattr(TreeManager, "call", counted)
+    with torch.inference_mode():
+        for n in range(1, 41):  # a new batch size every call
+            graphtree.mark_step()
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(g(x), net(x), rtol=0, atol=0)
+        assert reached == list(range(1, LIMIT + 1)), "past the warm-ups, new shapes never reach the tree"
+        x = torch.randn(30, 64, device=DEV)  # met once, run early: now met again
+        for _ in range(4):
+            graphtree.mark_step()
+            torch.testing.assert_close(g(x), net(x), rtol=0, atol=0)
+    s = graphtree.stats()
+    assert s.recordings == 1 and s.replays >= 2, s
+    assert sum(n for r, n in s.eager.items() if "new signature on almost every call" in r) == 40 - LIMIT, s
