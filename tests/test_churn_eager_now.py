@@ -1,7 +1,8 @@
-"""tree/churn.py's ``eager_now`` on the CPU: once a graphed callable churns, a call of tensors it
-never met runs eagerly before the Python path reads, keys and takes it to its tree; anything the
-Python path must see (tensors met before, numbers, keywords, grad to build, a closure's tensor)
-still goes there. The native signature is the stand-in of ``tests/fakes/gt_fast_hit.py``."""
+"""A churning callable's early eager run on the CPU (``_eager_now`` in tree/graphed.py,
+tree/churn.py): once a graphed callable churns, a call of tensors it never met runs eagerly before
+the Python path reads, keys and takes it to its tree; anything the Python path must see (tensors
+met before, numbers, keywords, grad to build, a closure's tensor) still goes there. The native
+signature is the stand-in of ``tests/fakes/gt_fast_hit.py``."""
 
 from __future__ import annotations
 

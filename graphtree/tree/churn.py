@@ -15,12 +15,12 @@ same key warmed up again: state it allocated, a step's gradients made anew) does
 is new signatures, not warm-ups. Only calls that no recording fits pay the bookkeeping: replays do not.
 
 Once churning, a call of CUDA tensors alone whose tensors (shapes, dtypes, strides, device) the
-callable never met runs eagerly before it is read, keyed or taken to its tree
-(:func:`eager_now`): no recording can fit it, and the Python path's read, key, lookup and step were
-most of what a churning call added to eager (issue 45, item 6: a 20-layer MLP through that path
-1.10x eager, its own time inside the function 1.01x, H200). Its stream is ordered after the
-tree's last call as the tree orders its own. A call whose tensors were met before takes the
-Python path, which warms it up (shapes settling) as above.
+callable never met runs eagerly before it is read, keyed or taken to its tree (``_eager_now`` in
+tree/graphed.py, which asks :meth:`Churn.new_tensors`): no recording can fit it, and the Python
+path's read, key, lookup and step were most of what a churning call added to eager (issue 45, item
+6: a 20-layer MLP through that path 1.10x eager, its own time inside the function 1.01x, H200). Its
+stream is ordered after the tree's last call as the tree orders its own. A call whose tensors were
+met before takes the Python path, which warms it up (shapes settling) as above.
 
 Example::
 
@@ -35,9 +35,6 @@ from typing import Any
 
 import torch
 
-from graphtree import _native
-from graphtree.tree import manager as _manager
-from graphtree.tree.fast_hit import tensor_signature
 from graphtree.tree.inputs import PLAIN_TYPES as _PLAIN_TYPES
 
 LIMIT = 8
@@ -65,15 +62,10 @@ class Churn:
         self._keys: tuple[Any, Any] = (None, None)  # the last two signatures skip() saw, for the reason
         self._reason: str | None = None  # the reason, fixed for a run (stats() counts one, logged once)
 
-    @property
-    def churning(self) -> bool:
-        """Whether new signatures run eagerly now (``limit`` warm-ups of new ones in a row)."""
-        return self.streak >= self.limit
-
     def skip(self, key: Any, tensors: Any = None) -> bool:
         """Whether a call of signature ``key``, which no recording fits, should run eagerly without
         a warm-up: the callable is churning and has never met ``key`` (nor, for a call of tensors
-        alone, its ``tensors``: ``(parts, device)``, met by :func:`eager_now`). Notes both as met."""
+        alone, its ``tensors``: ``(parts, device)``, met by :meth:`new_tensors`). Notes both as met."""
         met = key in self._seen or (tensors is not None and tensors in self._tensors)
         self._new = not met
         self._keys = (self._keys[1], key)
@@ -113,29 +105,6 @@ class Churn:
                 f"until one comes again" + (f" (first: {what})" if what else "")
             )
         return self._reason
-
-
-def eager_now(gc: Any, args: tuple[Any, ...]) -> bool:
-    """Whether the churning callable ``gc``'s call ``gc(*args)`` runs eagerly now, without the
-    Python path (see the module): CUDA tensors alone, never met, in a call that would reach its tree
-    (no grad to build, no collectives, no module state to follow). Orders the current stream after
-    the tree's last call first, as the tree does; the caller then runs it and counts it."""
-    native = _native.loaded
-    sig = native.signature(args, _PLAIN_TYPES) if native is not None else tensor_signature(args)
-    if sig is None:
-        return False
-    parts, device, needs_grad = sig
-    for p in parts:  # (a loop: no generator's frame)
-        if len(p) != 3 or p[2] is None:  # a number, a host scalar, a lazy view: the Python path
-            return False
-    if gc.takes_python_path(needs_grad) or gc.free.follows_modules or gc.lockstep() is not None:
-        return False
-    if not gc.churn.new_tensors((parts, device)):
-        return False
-    tree = _manager.tree_for(device)
-    with tree.lock:
-        tree.order.follow()
-    return True
 
 
 def _note(seen: dict[Any, None], key: Any, keep: int) -> None:

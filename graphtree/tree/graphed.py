@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from graphtree import _events, _torch
+from graphtree import _events, _native, _torch
 from graphtree._after_import import call_after_import
 from graphtree.tree import ambient as _ambient
-from graphtree.tree import churn as _churn
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import manager as _manager
 from graphtree.tree.bucket_warmup import record_buckets
@@ -27,6 +26,7 @@ from graphtree.tree.hf_compile import CompiledTwins
 from graphtree.tree.hf_compile import install as install_compiled_twins
 from graphtree.tree.hooks import CallHooks
 from graphtree.tree.inputs import (
+    PLAIN_TYPES,
     Bucketing,
     Call,
     Unsupported,
@@ -210,7 +210,7 @@ class GraphedCallable:
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Key the call and hand it to its tree (or run it eagerly, with the reason)."""
-        if self.churn.churning and not kwargs and _churn.eager_now(self, args):  # (tree/churn.py)
+        if self.churn.streak >= self.churn.limit and not kwargs and _eager_now(self, args):  # churning
             return self._eager(args, kwargs, self.churn.reason(self.name))
         if self._reach.cells:
             self._reach.follow()
@@ -339,6 +339,29 @@ def _take_snapshot(gc: GraphedCallable, snapshots: Any, args: tuple[Any, ...], k
         if err is e:
             raise
         raise err from e
+
+
+def _eager_now(gc: GraphedCallable, args: tuple[Any, ...]) -> bool:
+    """Whether the churning callable ``gc``'s call ``gc(*args)`` runs eagerly now, without the
+    Python path (tree/churn.py): CUDA tensors alone, never met, in a call that would reach its tree
+    (no grad to build, no collectives, no module state to follow). Orders the current stream after
+    the tree's last call first, as the tree does; the caller then runs it and counts it."""
+    native = _native.loaded
+    sig = native.signature(args, PLAIN_TYPES) if native is not None else _fast_hit.tensor_signature(args)
+    if sig is None:
+        return False
+    parts, device, needs_grad = sig
+    for p in parts:  # (a loop: no generator's frame)
+        if len(p) != 3 or p[2] is None:  # a number, a host scalar, a lazy view: the Python path
+            return False
+    if gc.takes_python_path(needs_grad) or gc.free.follows_modules or gc.lockstep() is not None:
+        return False
+    if not gc.churn.new_tensors((parts, device)):
+        return False
+    tree = _manager.tree_for(device)
+    with tree.lock:
+        tree.order.follow()
+    return True
 
 
 def _builds_autograd(gc: GraphedCallable, needs_grad: bool) -> bool:

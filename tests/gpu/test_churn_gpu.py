@@ -63,7 +63,7 @@ def test_a_bounded_set_of_six_signatures_is_not_taken_for_churn():
 
 def test_a_churning_callables_new_shapes_skip_its_tree_and_one_met_again_is_recorded(monkeypatch):
     """Issue 45, item 6: once churning, a call of tensors never met runs eagerly before graphtree
-    reads, keys or takes it to its tree (tree/churn.py, ``eager_now``); a shape met that way and met
+    reads, keys or takes it to its tree (``_eager_now`` in tree/graphed.py, tree/churn.py); a shape met that way and met
     again is warmed up, recorded and replayed, as shapes that settle are."""
     from graphtree.tree.manager import TreeManager
 
