@@ -228,10 +228,7 @@ class GraphedCallable:
             if self._autograd is None or self.bucketing is not None:
                 return self._eager(args, kwargs, NOT_HELD.format(name=self.name))
             out = self._autograd(self.fn, args, kwargs, (call.key, _state(), reads), self._eager)
-            if free.follows_modules:
-                free.after_call()
-            if held is not None:
-                self._module_args.after_call(held)
+            _after_call(self, held)
             return out
         if call.numbers:  # floats and ints keyed by type where they may be device scalars
             self.numbers.rekey(call)
@@ -242,10 +239,7 @@ class GraphedCallable:
             if device < 0:
                 return self._eager(args, kwargs, "no CUDA tensors in the call")
         out = _manager.run(self, call, device)
-        if free.follows_modules:  # (a module attribute the call changed is its state, not a setting)
-            free.after_call()
-        if held is not None:
-            self._module_args.after_call(held)
+        _after_call(self, held)
         if not kwargs and held is None:
             _fast_hit.remember(self, self.fast_hits, call, device)
         return out
@@ -339,6 +333,15 @@ def _take_snapshot(gc: GraphedCallable, snapshots: Any, args: tuple[Any, ...], k
         if err is e:
             raise
         raise err from e
+
+
+def _after_call(gc: GraphedCallable, held: Any) -> None:
+    """After a call ran: a module attribute it changed is its state, not a setting (reach.py), in
+    the modules its code reaches and in those passed in (``held``: ``ModuleArguments.part``)."""
+    if gc.free.follows_modules:
+        gc.free.after_call()
+    if held is not None:
+        gc._module_args.after_call(held)
 
 
 def _eager_now(gc: GraphedCallable, args: tuple[Any, ...]) -> bool:
