@@ -134,3 +134,25 @@ def test_calls_the_python_path_must_read_are_not_run_early(tree, what):
     assert _churn_eager_runs() == before, f"{what}: not run early"
     # (with grad to build, the Python path's autograd rule runs it: these CPU tensors reach no tree)
     assert tree.calls == ([] if what == "grad to build" else [(2, 3)]), f"{what}: the Python path reads it"
+
+
+def test_a_call_names_its_tensors_only_when_it_is_of_plain_tensors_alone():
+    """``Call.tensors``: what ``Churn.skip`` notes beside the key, as the native signature reads a
+    call (``(parts, device)``); None for anything the early run leaves to the Python path."""
+    from graphtree.tree.inputs import Call
+
+    x, y = torch.randn(2, 3), torch.randn(4)
+    parts = (((2, 3), torch.float32, (3, 1)), ((4,), torch.float32, (1,)))
+    key = (*parts, ("ambient state",))
+
+    def call(leaves: tuple[Any, ...], key: tuple[Any, ...], device: int = 0, spec: Any = None) -> Call:
+        return Call(leaves, spec, key, device, False, -1, -1, (), len(leaves))
+
+    assert call((x, y), key).tensors() == (parts, 0)
+    assert call((x, y), key, device=-2).tensors() is None  # (no CUDA tensor)
+    assert call((x, y), key, spec="kwargs").tensors() is None  # (keywords)
+    assert call((x, 0.5), (parts[0], (float, 0.5), ("ambient state",))).tensors() is None  # (a number)
+    p = torch.nn.Parameter(torch.randn(4))
+    assert call((x, p), key).tensors() is None  # (a parameter: the native signature leaves it too)
+    lazy = (parts[0], ((4,), torch.float32, (1,), 1))  # (a lazy view's four items)
+    assert call((x, y), (*lazy, ("ambient state",))).tensors() is None
