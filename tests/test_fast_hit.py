@@ -50,7 +50,12 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         fake.fast_call = lambda gc, hits, args, plain, miss, threads, float_part: real.fast_call(
             gc, hits, args, plain, miss, threads, float_part, fake.signature
         )
+        # its C entry (fast_hit.entry once bound), with the stand-in signature
+        fake.fast_entry = lambda package, owner, fallback, plain, miss, threads, float_part: real.fast_entry(
+            package, owner, fallback, plain, miss, threads, float_part, fake.signature
+        )
     monkeypatch.setattr(_native, "loaded", fake)
+    monkeypatch.setattr(fast_hit, "entry", fast_hit.replay_again)  # (bound again to these helpers)
     monkeypatch.setattr(ambient, "_checked", fake)
     monkeypatch.setattr(graphed_mod, "_cuda_ok", True)
     monkeypatch.setattr(placement, "_current_stream", abs)
@@ -431,24 +436,25 @@ def test_python_path_calls_that_replay_the_same_way_do_not_give_the_fast_hit_up(
     step = graphtree.graphed(lambda t: t * 2 + 1)
     _record(step, x)
     step(x)
-    tried = fast_hit.replay_again
-    fast_hit.replay_again = lambda gc, hits, args: fast_hit.MISS  # type: ignore[assignment]
+    tried = fast_hit.entry
+    fast_hit.entry = lambda gc, hits, args: fast_hit.MISS
     try:
         for _ in range(fast_hit.MAX_REPLACED + 2):
             step(x)
     finally:
-        fast_hit.replay_again = tried
+        fast_hit.entry = tried
     seen = count_fast_replays(monkeypatch)
     step(x)
     assert seen == [1], (seen, step.fast_hits)
 
 
-MOST_FRAMES = 4
+MOST_FRAMES = 3
 """Python frames a native fast hit of a graphed function runs: ``__call__``, torch's
-``is_dynamo_compiling``, ``replay_again`` and, on CPU tensors only, ``InputPlan.copy_in`` (the
-native copy-in takes CUDA tensors). Twenty-first session: 13; the twenty-second moved the step's
-end, the outputs' base, the stream check and ``takes_python_path`` into ``fast_replay``. A change
-that adds one to the hot path should say why, here."""
+``is_dynamo_compiling`` and, on CPU tensors only, ``InputPlan.copy_in`` (the native copy-in takes
+CUDA tensors). Twenty-first session: 13; the twenty-second moved the step's end, the outputs'
+base, the stream check and ``takes_python_path`` into ``fast_replay``; the twenty-fourth called
+the helpers' C entry (``fast_hit.entry``) where ``replay_again`` was. A change that adds one to
+the hot path should say why, here."""
 
 
 def test_a_native_fast_hit_runs_few_python_frames(stand_ins, request):
@@ -554,3 +560,32 @@ def test_replay_again_calls_the_real_native_signature_as_it_takes_its_arguments(
     step = graphtree.graphed(lambda t: t + 1)
     # (CPU tensors: the real signature leaves them to Python, so the fast hit misses)
     assert fast_hit.replay_again(step, {"any": object()}, (torch.randn(2),)) is fast_hit.MISS
+
+
+def test_the_native_entry_hands_calls_back_once_other_helpers_are_loaded(stand_ins, request, monkeypatch):
+    """``fast_hit.entry``: the helpers' C entry once ``replay_again`` made it, which calls
+    ``replay_again`` again once ``_native.loaded`` is no longer the module it was made from (tests
+    swap it; ``GRAPHTREE_NATIVE=0`` never makes one)."""
+    if request.node.callspec.params["stand_ins"] != "native":
+        pytest.skip("the native entry")
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _, _, launches = _record(step, x)
+    for _ in range(3):
+        step(x)
+    assert type(fast_hit.entry).__name__ == "builtin_function_or_method", fast_hit.entry
+    twins: list[int] = []
+    real_twin = fast_hit.FastHit.replay
+
+    def twin(hit: Any, *args: Any, **kwargs: Any) -> Any:
+        twins.append(1)
+        return real_twin(hit, *args, **kwargs)
+
+    monkeypatch.setattr(fast_hit.FastHit, "replay", twin)
+    step(x)
+    assert twins == [], "its own helpers: the native replay"
+    python_twin = stand_in_helpers(ambient=ambient._python_state)  # (no fast_call, no fast_replay)
+    monkeypatch.setattr(_native, "loaded", python_twin)
+    before = launches.n
+    step(x)
+    assert twins == [1] and launches.n == before + 1, "other helpers: replay_again, their Python twin"

@@ -14,6 +14,7 @@ PyObject* copy_in_now(PyObject* const* args);
 PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
 
 namespace {
@@ -536,6 +537,46 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* replay_args[4] = {args[0], plan.get(), args[2], PyTuple_GET_ITEM(sig.get(), 2)};
   return fast_replay(nullptr, replay_args, 4);
+}
+
+// An entry made by fast_entry, `bound` its `self`: (package, owner, fallback, *fast_call's fixed
+// arguments). fast_call(gc, hits, args, *fixed) while package.loaded is still `owner` (the helpers
+// it was made from); fallback(gc, hits, args) once another module or None was put there (tests
+// swap it; GRAPHTREE_NATIVE=0 never binds one).
+static PyObject* entry_call(PyObject* bound, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(bound) || PyTuple_GET_SIZE(bound) < 7 || PyTuple_GET_SIZE(bound) > 8) {
+    PyErr_SetString(PyExc_TypeError, "graphtree fast entry(gc, hits, args)");
+    return nullptr;
+  }
+  static PyObject* loaded_name = PyUnicode_InternFromString("loaded");
+  if (loaded_name == nullptr) return nullptr;
+  Ref loaded(PyObject_GetAttr(PyTuple_GET_ITEM(bound, 0), loaded_name));
+  if (loaded.get() == nullptr) return nullptr;
+  if (loaded.get() != PyTuple_GET_ITEM(bound, 1)) return PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 2), args, 3, nullptr);
+  const Py_ssize_t k = PyTuple_GET_SIZE(bound) - 3;
+  PyObject* full[8] = {args[0], args[1], args[2]};
+  for (Py_ssize_t i = 0; i < k; ++i) full[3 + i] = PyTuple_GET_ITEM(bound, 3 + i);
+  return fast_call(nullptr, full, 3 + k);
+}
+
+static PyMethodDef entry_def = {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(entry_call)),
+                                METH_FASTCALL, "entry(gc, hits, args) -> outputs | miss: fast_call with its bound arguments"};
+
+// fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry:
+// fast_call with the arguments that never change bound, as a C function taking (gc, hits, args):
+// what GraphedCallable.__call__ calls, with no Python frame between it and fast_call
+// (tree/fast_hit.py: entry). It calls fallback instead once package.loaded is no longer owner.
+// `signature`, where given, the stand-in fast_call takes (tests on CPU tensors).
+PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7 && nargs != 8) {
+    PyErr_SetString(PyExc_TypeError,
+                    "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature])");
+    return nullptr;
+  }
+  Ref bound(PyTuple_New(nargs));
+  if (bound.get() == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(bound.get(), i, Py_NewRef(args[i]));
+  return PyCFunction_NewEx(&entry_def, bound.get(), nullptr);
 }
 
 }  // namespace graphtree_native

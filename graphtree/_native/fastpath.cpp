@@ -1249,6 +1249,7 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 namespace graphtree_native {
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);    // fast_replay.cpp
+PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);   // fast_replay.cpp
 }  // namespace graphtree_native
 
 namespace {
@@ -1281,6 +1282,8 @@ PyMethodDef methods[] = {
      "fast_replay(gc, plan, leaves, needs_grad) -> outputs | plan[0]"},
     {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_call)), METH_FASTCALL,
      "fast_call(gc, hits, args, plain_types, miss, threads, float_part[, signature]) -> outputs | miss"},
+    {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(graphtree_native::fast_entry)), METH_FASTCALL,
+     "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry(gc, hits, args)"},
 #ifdef GRAPHTREE_CUDA
     {"capture_begin_isolated",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(capture_begin_isolated)), METH_FASTCALL,

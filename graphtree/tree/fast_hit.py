@@ -26,11 +26,15 @@ fast hit keeps missing (:data:`MAX_REPLACED` times, less than :data:`SETTLED` re
 left to the Python path. A fast hit holds its tree and recording weakly: ``graphtree.reset()``
 frees them as before.
 
+``GraphedCallable.__call__`` calls :data:`entry`: :func:`replay_again` until the helpers have
+loaded, then their ``fast_entry``, ``fast_call`` with its fixed arguments bound: a C function, with
+no Python frame of graphtree's between the call and the replay.
+
 Example (what ``GraphedCallable.__call__`` does)::
 
     hits = gc.fast_hits
     if hits and not kwargs:
-        out = replay_again(gc, hits, args)
+        out = fast_hit.entry(gc, hits, args)
         if out is not MISS:
             return out
 """
@@ -38,7 +42,7 @@ Example (what ``GraphedCallable.__call__`` does)::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -200,10 +204,14 @@ class FastHit:
 
 
 def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
-    """A call ``gc(*args)`` replayed as its signature's last replay was, or :data:`MISS`."""
+    """A call ``gc(*args)`` replayed as its signature's last replay was, or :data:`MISS`. Once the
+    helpers with ``fast_entry`` have loaded, makes :data:`entry` theirs (where it is still this)."""
+    global entry
     native = _native.loaded
     whole = getattr(native, "fast_call", None)  # (this function and replay_hit in one native call)
     if whole is not None:
+        if entry is replay_again and hasattr(native, "fast_entry"):  # (falls back here if they are swapped)
+            entry = native.fast_entry(_native, native, replay_again, _PLAIN, MISS, _THREADS, _FLOAT)
         return whole(gc, hits, args, _PLAIN, MISS, _THREADS, _FLOAT)
     sig = native.signature(args, _PLAIN) if native is not None else tensor_signature(args)
     if sig is None:
@@ -214,6 +222,12 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     if hit is None or hit is _GAVE_UP:
         return MISS
     return replay_hit(gc, hit, args, sig[2], here)
+
+
+entry: Callable[[Any, dict[Any, Any], tuple[Any, ...]], Any] = replay_again
+"""What ``GraphedCallable.__call__`` calls for a call of positional arguments with fast hits kept:
+:func:`replay_again`, or once the helpers have loaded their ``fast_entry`` (see the module). Tests
+that count fast hits put a counting :func:`replay_again` here."""
 
 
 def floats_keyed(gc: Any, parts: tuple[Any, ...]) -> tuple[Any, ...]:

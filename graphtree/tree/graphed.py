@@ -182,7 +182,7 @@ class GraphedCallable:
         if user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
         if self.fast_hits and not kwargs:  # the same replay as this signature's last (tree/fast_hit.py)
-            out = _fast_hit.replay_again(self, self.fast_hits, args)
+            out = _fast_hit.entry(self, self.fast_hits, args)
             if out is not _fast_hit.MISS:
                 return out
         if _is_compiling():  # (torch.export's tracing too: its fake tensors are never a fast hit)

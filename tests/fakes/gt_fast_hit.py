@@ -61,9 +61,9 @@ def stand_in_helpers(ambient: Callable[[], Any]) -> types.SimpleNamespace:
 
 def count_fast_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now until the test ends: 1 for each call a fast hit replayed, 0 for each it left to the
-    Python path (``fast_hit.replay_again`` counted, restored by ``monkeypatch``)."""
+    Python path (``fast_hit.entry``: a counting ``replay_again``, restored by ``monkeypatch``)."""
     seen: list[int] = []
-    monkeypatch.setattr(fast_hit, "replay_again", _counted(fast_hit.replay_again, seen))
+    monkeypatch.setattr(fast_hit, "entry", _counted(fast_hit.replay_again, seen))
     return seen
 
 
@@ -71,12 +71,12 @@ def count_fast_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def counting_fast_replays() -> Iterator[list[int]]:
     """:func:`count_fast_replays` for a block, outside pytest (``benchmarks/per_call.py``)."""
     seen: list[int] = []
-    original = fast_hit.replay_again
-    fast_hit.replay_again = _counted(original, seen)  # type: ignore[assignment]
+    original = fast_hit.entry
+    fast_hit.entry = _counted(fast_hit.replay_again, seen)
     try:
         yield seen
     finally:
-        fast_hit.replay_again = original  # type: ignore[assignment]
+        fast_hit.entry = original
 
 
 def _counted(original: Callable[..., Any], seen: list[int]) -> Callable[..., Any]:
