@@ -210,8 +210,9 @@ def replay_again(gc: Any, hits: dict[Any, Any], args: tuple[Any, ...]) -> Any:
     native = _native.loaded
     whole = getattr(native, "fast_call", None)  # (this function and replay_hit in one native call)
     if whole is not None:
-        if entry is replay_again and hasattr(native, "fast_entry"):  # (falls back here if they are swapped)
-            entry = native.fast_entry(_native, native, replay_again, _PLAIN, MISS, _THREADS, _FLOAT)
+        make = getattr(native, "fast_entry", None)
+        if make is not None and entry is replay_again:  # (its entry falls back here if they are swapped)
+            entry = make(_native, native, replay_again, _PLAIN, MISS, _THREADS, _FLOAT)
         return whole(gc, hits, args, _PLAIN, MISS, _THREADS, _FLOAT)
     sig = native.signature(args, _PLAIN) if native is not None else tensor_signature(args)
     if sig is None:
