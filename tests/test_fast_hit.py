@@ -457,14 +457,21 @@ the helpers' C entry (``fast_hit.entry``) where ``replay_again`` was. A change t
 the hot path should say why, here."""
 
 
-def test_a_native_fast_hit_runs_few_python_frames(stand_ins, request):
+def _native_hits(request: pytest.FixtureRequest) -> tuple[Any, torch.Tensor, _Launches]:
+    """A graphed function recorded by hand and called three times, with the native stand-ins
+    only (the test is skipped with the Python twin): the callable, its input, its launches."""
     if request.node.callspec.params["stand_ins"] != "native":
-        pytest.skip("the native fast hit's count")
+        pytest.skip("the native fast hit")
     x = torch.randn(8, 8)
     step = graphtree.graphed(lambda t: t * 2 + 1)
     _, _, launches = _record(step, x)
     for _ in range(3):
         step(x)
+    return step, x, launches
+
+
+def test_a_native_fast_hit_runs_few_python_frames(stand_ins, request):
+    step, x, launches = _native_hits(request)
     fakes = os.path.dirname(os.path.abspath(stand_in_helpers.__code__.co_filename))
     frames: list[str] = []
 
@@ -566,13 +573,7 @@ def test_the_native_entry_hands_calls_back_once_other_helpers_are_loaded(stand_i
     """``fast_hit.entry``: the helpers' C entry once ``replay_again`` made it, which calls
     ``replay_again`` again once ``_native.loaded`` is no longer the module it was made from (tests
     swap it; ``GRAPHTREE_NATIVE=0`` never makes one)."""
-    if request.node.callspec.params["stand_ins"] != "native":
-        pytest.skip("the native entry")
-    x = torch.randn(8, 8)
-    step = graphtree.graphed(lambda t: t * 2 + 1)
-    _, _, launches = _record(step, x)
-    for _ in range(3):
-        step(x)
+    step, x, launches = _native_hits(request)
     assert type(fast_hit.entry).__name__ == "builtin_function_or_method", fast_hit.entry
     twins: list[int] = []
     real_twin = fast_hit.FastHit.replay
