@@ -107,3 +107,35 @@ def test_a_module_in_a_loop_keeps_every_check_of_the_python_path(fast_replays):
         gm(x)  # a new step: the held output of the last one is invalidated, as on the Python path
     with pytest.raises(RuntimeError):
         held + 1
+
+
+def test_the_native_entry_replays_and_hands_calls_back_when_the_helpers_are_swapped(monkeypatch):
+    """``fast_hit.entry`` on the GPU: once the helpers have loaded, graphed calls go through their C
+    entry (``fast_entry``) with eager's results; with ``_native.loaded`` swapped for None mid-loop
+    (the helpers off), the entry hands each call back to ``replay_again``, whose Python twin replays
+    with the same results and counts."""
+    from graphtree.tree import fast_hit
+
+    assert _native.wait(600) is not None, _native.status()
+    monkeypatch.setattr(fast_hit, "entry", fast_hit.replay_again)  # (made again from these helpers)
+    graphtree.reset()
+    step = graphtree.graphed(scaled)
+    x = torch.randn(64, 64, device=DEV)
+    for _ in range(6):
+        torch.testing.assert_close(step(x), scaled(x), rtol=0, atol=0)
+    assert type(fast_hit.entry).__name__ == "builtin_function_or_method", fast_hit.entry
+    replays = graphtree.stats().replays
+    monkeypatch.setattr(_native, "loaded", None)
+    twins: list[int] = []
+    real_twin = fast_hit.FastHit.replay
+
+    def twin(hit, *args, **kwargs):
+        twins.append(1)
+        return real_twin(hit, *args, **kwargs)
+
+    monkeypatch.setattr(fast_hit.FastHit, "replay", twin)
+    for _ in range(4):
+        y = torch.randn(64, 64, device=DEV)
+        torch.testing.assert_close(step(y), scaled(y), rtol=0, atol=0)
+    assert graphtree.stats().replays == replays + 4 and twins, (graphtree.stats(), twins)
+    graphtree.reset()
