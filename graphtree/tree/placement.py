@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -28,6 +29,7 @@ _Tensor = torch.Tensor
 _current_stream: Callable[[int], int] = _torch.raw_stream_getter() or (lambda device: 0)  # (a CPU build: never called)
 
 
+@functools.cache
 def raw_copier() -> Callable[[int, int, int, int], None] | None:
     """``copy(dst_ptr, src_ptr, nbytes, device)``: a device-to-device ``cudaMemcpyAsync`` on the
     device's current stream, or ``None`` where ``cuda.bindings`` is missing.
