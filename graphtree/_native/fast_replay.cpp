@@ -51,7 +51,7 @@ struct Names {
       *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
       *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
       *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
-      *refs, *base_holders, *last_replayed, *generation, *detach, *numbers, *by_value;
+      *refs, *base_holders, *last_replayed, *generation, *detach, *numbers, *by_value, *loaded;
   bool ok = false;
 };
 
@@ -67,7 +67,7 @@ Names* names() {
                        "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
                        "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
                        "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
-                       "generation", "detach", "numbers", "by_value"};
+                       "generation", "detach", "numbers", "by_value", "loaded"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
@@ -77,7 +77,8 @@ Names* names() {
                         &n.counters, &n.hit, &n.plan, &n.snapshots, &n.disabled_reason, &n.bucketing, &n.reach,
                         &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
                         &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
-                        &n.base_holders, &n.last_replayed, &n.generation, &n.detach, &n.numbers, &n.by_value};
+                        &n.base_holders, &n.last_replayed, &n.generation, &n.detach, &n.numbers, &n.by_value,
+                        &n.loaded};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
     *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
@@ -548,9 +549,9 @@ static PyObject* entry_call(PyObject* bound, PyObject* const* args, Py_ssize_t n
     PyErr_SetString(PyExc_TypeError, "graphtree fast entry(gc, hits, args)");
     return nullptr;
   }
-  static PyObject* loaded_name = PyUnicode_InternFromString("loaded");
-  if (loaded_name == nullptr) return nullptr;
-  Ref loaded(PyObject_GetAttr(PyTuple_GET_ITEM(bound, 0), loaded_name));
+  Names* s = names();
+  if (s == nullptr) return nullptr;
+  Ref loaded(PyObject_GetAttr(PyTuple_GET_ITEM(bound, 0), s->loaded));
   if (loaded.get() == nullptr) return nullptr;
   if (loaded.get() != PyTuple_GET_ITEM(bound, 1)) return PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 2), args, 3, nullptr);
   const Py_ssize_t k = PyTuple_GET_SIZE(bound) - 3;
