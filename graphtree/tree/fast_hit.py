@@ -303,7 +303,7 @@ def remember(gc: Any, hits: dict[Any, Any], call: Call, device: int) -> None:
         type(a) is torch.Tensor or (type(a) is float and p == _FLOAT) for a, p in zip(args, parts)
     ):
         return  # (a float keyed by value: its recording's key holds the value, which the fast hit does not read)
-    if not all(len(part) == 3 and part[2] is not None for part in parts):
+    if not _inputs.plain_tensor_parts(parts):
         return  # (a host scalar's part has no strides, a lazy view's four items: the native signature leaves both)
     if gc.takes_python_path(call.needs_grad) or _torch.hook_handles_made() < 0:
         return

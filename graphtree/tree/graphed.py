@@ -30,6 +30,7 @@ from graphtree.tree.inputs import (
     Bucketing,
     Call,
     Unsupported,
+    plain_tensor_parts,
     read_call,
     watch_parameter_changes,
 )
@@ -354,9 +355,8 @@ def _eager_now(gc: GraphedCallable, args: tuple[Any, ...]) -> bool:
     if sig is None:
         return False
     parts, device, needs_grad = sig
-    for p in parts:  # (a loop: no generator's frame)
-        if len(p) != 3 or p[2] is None:  # a number, a host scalar, a lazy view: the Python path
-            return False
+    if not plain_tensor_parts(parts):  # a number, a host scalar, a lazy view: the Python path
+        return False
     if gc.takes_python_path(needs_grad) or gc.free.follows_modules or gc.lockstep() is not None:
         return False
     if not gc.churn.new_tensors((parts, device)):

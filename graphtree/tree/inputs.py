@@ -187,12 +187,19 @@ class Call:
         if not all(type(x) is torch.Tensor for x in leaves):
             return None
         parts = self.key[: len(leaves)]
-        return (parts, self.device) if all(len(p) == 3 and p[2] is not None for p in parts) else None
+        return (parts, self.device) if plain_tensor_parts(parts) else None
 
     def arguments(self, leaves: Sequence[Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of this call, optionally with other leaves in place of its own."""
         leaves = self.leaves if leaves is None else leaves
         return unflatten(leaves if len(leaves) == self.n_args else leaves[: self.n_args], self.spec)
+
+
+def plain_tensor_parts(parts: Sequence[tuple[Any, ...]]) -> bool:
+    """Whether each of a signature's ``parts`` is a plain tensor's ``(shape, dtype, stride)``: not a
+    number's ``(type, value)``, a host scalar's (no strides) nor a lazy view's four items: what the
+    native ``signature`` leaves to the Python path (the fast hit, a churning call's early run)."""
+    return all(len(p) == 3 and p[2] is not None for p in parts)
 
 
 def _has_numbers(leaves: Sequence[Any]) -> bool:
