@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -331,6 +331,9 @@ PY
       ;;
     decode_loop)  # issue 47: the demo GPT's decode loop (batch 1, 4 layers of 256), graphtree against a hand-written graph
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/decode_loop.py --json "$OUT/decode_loop.json" 2>&1 | tail -12
+      ;;
+    breakdown)  # issue 47: each piece of a replay hit timed alone, then a profile (benchmarks/fastpath_breakdown.py)
+      PYTHONPATH=$PWD/benchmarks:$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 180 python3 benchmarks/fastpath_breakdown.py 2>&1 | tee "$OUT/breakdown.txt" | head -70
       ;;
     call_walk)  # issue 47, item 4: the graphtree modules a replayed call stops in, and how often it returns to one it left
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/call_walk.py 2>&1 | tee "$OUT/call_walk.txt" | tail -8
