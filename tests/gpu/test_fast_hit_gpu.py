@@ -116,6 +116,8 @@ def test_the_native_entry_replays_and_hands_calls_back_when_the_helpers_are_swap
     with the same results and counts."""
     from graphtree.tree import fast_hit
 
+    if _native.disabled():  # (a run with GRAPHTREE_NATIVE=0: no entry is bound, nothing to hand back)
+        pytest.skip("GRAPHTREE_NATIVE=0: the helpers are off in this run")
     assert _native.wait(600) is not None, _native.status()
     monkeypatch.setattr(fast_hit, "entry", fast_hit.replay_again)  # (made again from these helpers)
     graphtree.reset()
