@@ -343,9 +343,9 @@ PY
       for round in $(seq ${ROUNDS:-2}); do
         if [ -d .before ]; then
           (cd .before && TORCH_EXTENSIONS_DIR=/tmp/ext_before PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
-            timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_before_$round.json" 2>&1 | sed -n 3,16p)
+            timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_before_$round.json" 2>&1 | sed -n 3,18p)
         fi
-        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/per_call.py --json "$OUT/per_call_after_$round.json" 2>&1 | sed -n 3,17p
+        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/per_call.py --json "$OUT/per_call_after_$round.json" 2>&1 | sed -n 3,18p
       done
       ;;
   esac
