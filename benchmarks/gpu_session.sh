@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -38,6 +38,27 @@ unset PYTHONDONTWRITEBYTECODE
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, torch._dynamo, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 python3 -c "from graphtree import _native; m = _native.wait(900); print('native helpers:', _native.status(), '| CUDA part:', hasattr(m, 'capture_begin_isolated'))" 2>&1 | tail -3 | tee -a "$OUT/device.txt"
+
+# The one-process suite in the background, in a process session of its own, so that it outlives
+# this call (the machine stays warm 30 s between calls) and may run past 600 s. It runs from a
+# snapshot of the tree ($1-tree): a later call copies the working tree again, and once a new module
+# was missing under the running suite for a moment. $1: its folder; the rest: VAR=value for it.
+suite_in_background() {
+  local bg=$1; shift
+  mkdir -p "$bg" && rm -f "$bg"/* && rm -rf "$bg-tree" && cp -a . "$bg-tree"
+  env "$@" setsid nohup bash -c "cd $bg-tree && PYTHONPATH=$bg-tree:$PYTHONPATH GRAPHTREE_TEST_TIMES=$bg/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
+    python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > $bg/suite.log 2>&1; \
+    echo \$? > $bg/rc" > /dev/null 2>&1 < /dev/null &
+  echo "suite ($bg, ${*:-GRAPHTREE_NATIVE=${GRAPHTREE_NATIVE:-}}) started in the background at $(date +%T)" | tee "$OUT/suite_bg$(basename "$bg" | sed 's/^bg//').txt"
+}
+
+# Wait for the background suite in $1 (at most $WAIT_S seconds), then bring its log back.
+suite_waited() {
+  local bg=$1 tag; tag=$(basename "$1" | sed 's/^bg//')
+  for _ in $(seq ${WAIT_S:-540}); do [ -f "$bg/rc" ] && break; sleep 1; done
+  cp "$bg/suite.log" "$OUT/suite$tag.log" 2>/dev/null; cp "$bg/test-times.txt" "$OUT/suite$tag-test-times.txt" 2>/dev/null
+  echo "suite ($bg) rc: $(cat "$bg/rc" 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite$tag.log"
+}
 
 stages=${*:-suite own}  # the whole GPU suite: one process, then the own-process files
 for stage in $stages; do
@@ -262,25 +283,25 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rf', *sys.a
         python3 -m pytest -q -m "gpu and not own_process" -p no:cacheprovider --durations=10 tests/gpu 2>&1 \
         | tee "$OUT/suite_breaks_on.log" | tail -30)
       ;;
-    suite_bg)  # the one-process suite in the background, in a process session of its own, so that it
-               # outlives this call (the machine stays warm 30 s between calls) and may run past 600 s;
-               # `suite_wait` in the next call waits for it and brings its log back
-               # It runs from a snapshot of the tree ($BG-tree): a later call copies the working tree
-               # again, and once a new module was missing under the running suite for a moment.
-               # BG (default /tmp/bg) names its folder: BG=/tmp/bg-off GRAPHTREE_NATIVE=0 runs a second
-               # suite, with the native helpers off, beside or after the first.
-      BG=${BG:-/tmp/bg}
-      mkdir -p "$BG" && rm -f "$BG"/* && rm -rf "$BG-tree" && cp -a . "$BG-tree"
-      setsid nohup bash -c "cd $BG-tree && PYTHONPATH=$BG-tree:$PYTHONPATH GRAPHTREE_TEST_TIMES=$BG/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
-        python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > $BG/suite.log 2>&1; \
-        echo \$? > $BG/rc" > /dev/null 2>&1 < /dev/null &
-      echo "suite ($BG, GRAPHTREE_NATIVE=${GRAPHTREE_NATIVE:-}) started in the background at $(date +%T)" | tee "$OUT/suite_bg$(basename "$BG" | sed 's/^bg//').txt"
+    suite_bg)  # the one-process suite in the background (suite_in_background, above); `suite_wait` in
+               # the next call waits for it and brings its log back. BG (default /tmp/bg) names its
+               # folder: BG=/tmp/bg-off GRAPHTREE_NATIVE=0 runs a second suite, with the native helpers
+               # off, beside or after the first (or use suites_bg)
+      suite_in_background "${BG:-/tmp/bg}"
+      ;;
+    suites_bg)  # both one-process suites in the background: the helpers on (GPU 0) and off
+                # (GRAPHTREE_NATIVE=0, on GPU 1 where the machine has two, else beside the first);
+                # `suites_wait` brings both logs back
+      suite_in_background /tmp/bg
+      off_gpu=${CUDA_VISIBLE_DEVICES:-}
+      [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && off_gpu=1
+      suite_in_background /tmp/bg-off GRAPHTREE_NATIVE=0 ${off_gpu:+CUDA_VISIBLE_DEVICES=$off_gpu}
+      ;;
+    suites_wait)  # suite_wait for both of suites_bg's runs
+      suite_waited /tmp/bg; suite_waited /tmp/bg-off
       ;;
     suite_wait)  # wait for suite_bg's run in $BG (at most $WAIT_S seconds), then bring its log back
-      BG=${BG:-/tmp/bg}; tag=$(basename "$BG" | sed 's/^bg//')
-      for _ in $(seq ${WAIT_S:-540}); do [ -f "$BG/rc" ] && break; sleep 1; done
-      cp "$BG/suite.log" "$OUT/suite$tag.log" 2>/dev/null; cp "$BG/test-times.txt" "$OUT/suite$tag-test-times.txt" 2>/dev/null
-      echo "suite ($BG) rc: $(cat "$BG/rc" 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite$tag.log"
+      suite_waited "${BG:-/tmp/bg}"
       ;;
     stop_bg)  # end background suites, each with its process group (setsid made each wrapper a group's
               # leader); the pattern cannot match this command's own line
