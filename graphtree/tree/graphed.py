@@ -186,6 +186,11 @@ class GraphedCallable:
             out = _fast_hit.entry(self, self.fast_hits, args)
             if out is not _fast_hit.MISS:
                 return out
+        return self.past_fast_hit(args, kwargs)
+
+    def past_fast_hit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call once no fast hit replayed it (none kept, or its answer changed): the Python path.
+        ``GraphedModule.__call__`` calls it after trying the fast hit itself."""
         if _is_compiling():  # (torch.export's tracing too: its fake tensors are never a fast hit)
             return _outside_compile(self, args, kwargs)
         try:  # costs nothing unless the call raises (Python 3.11+)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from graphtree import _torch
+from graphtree.tree import fast_hit as _fast_hit
+from graphtree.tree.callee import user_code
 
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _GLOBAL_HOOKS = _torch.GLOBAL_MODULE_HOOKS
@@ -56,6 +58,9 @@ class GraphedModule(torch.nn.Module):
         # no hook on this module nor a global one, no torch.jit trace; not compiled by m.compile(),
         # not traced by torch.compile, whose trace goes through it as for any module), graphtree's
         # call is made here.
+        # A call of positional arguments whose signature replayed last time goes to its fast hit from
+        # here (GraphedCallable.__call__ makes the same call after the same checks): one Python frame
+        # of graphtree's between the caller and the replay.
         if not (
             _is_dynamo_compiling()
             or self._forward_hooks
@@ -66,7 +71,14 @@ class GraphedModule(torch.nn.Module):
             or self._compiled_call_impl is not None
             or _jit_tracing()
         ):
-            return self._graphtree_call(*args, **kwargs)
+            call = self._graphtree_call
+            hits = call.fast_hits
+            if hits and not kwargs and not user_code.active:
+                out = _fast_hit.entry(call, hits, args)
+                if out is not _fast_hit.MISS:
+                    return out
+                return call.past_fast_hit(args, kwargs)
+            return call(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
