@@ -136,7 +136,13 @@ def main() -> None:
         **({"native ambient()": native.ambient} if native else {}),
         "tree.lock acquire + release": lambda: (tree_lock.acquire(), tree_lock.release()),
         "raw copy + replay": lambda: (sx.copy_(x), g.replay()),
+        "graph replay binding (_CUDAGraph.replay)": _torch.graph_launcher(g),
     }
+    launch = getattr(native, "graph_launch", None)  # (issue 47: the fast hit's own launch, and detach)
+    if launch is not None:
+        exec_, stream_of = _torch.graph_exec(g), _torch.raw_stream_getter()
+        rows["native graph_launch(exec)"] = lambda: launch(exec_, 0, stream_of(0))
+        rows["native detach(base)"] = lambda: native.detach(out)
     # The replay path in layers, each including the ones above it: the differences are each
     # layer's own cost.
     tree = _manager.tree_for(0)

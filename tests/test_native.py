@@ -179,6 +179,46 @@ def test_copy_in_declines_without_a_cuda_runtime_and_the_plan_falls_back_to_pyth
     assert torch.equal(dst[0], a) and dst[1].item() == 0.25 and torch.equal(dst[2], b)
 
 
+@needs_toolchain
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build loads the CUDA runtime")
+def test_graph_launch_declines_without_a_cuda_runtime(native) -> None:
+    assert native.graph_launch(1234, 0, 0) is False  # nothing launched: the caller replays through torch
+    with pytest.raises(TypeError, match="3 arguments"):
+        native.graph_launch(0, 0)
+
+
+@needs_toolchain
+def test_detach_is_tensor_detach_and_leaves_modes_and_subclasses_to_python(native) -> None:
+    from torch.overrides import TorchFunctionMode
+
+    base = torch.randn(4, requires_grad=True) * 2
+    out = native.detach(base)
+    assert type(out) is torch.Tensor and out is not base and not out.requires_grad
+    assert out.data_ptr() == base.data_ptr() and out.shape == base.shape and torch.equal(out, base)
+    assert out._version == base._version  # (a detached view shares the version counter)
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        native.detach(base)
+    assert mode.calls == ["detach"]  # (as Python's base.detach() would tell the mode)
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = base.detach().as_subclass(Sub)
+    assert type(native.detach(sub)) is Sub  # (its __torch_function__ kept the subclass: Python's method ran)
+    with pytest.raises(TypeError, match="1 argument"):
+        native.detach()
+
+
 def test_a_conjugate_view_is_copied_resolved_never_raw(monkeypatch) -> None:
     """torch.conj(x) is a lazy view: its memory holds x's values. A raw copy of it handed the graph
     the unconjugated values (the sweep on the H100: dot, vdot and mm of complex64 WRONG through

@@ -37,7 +37,10 @@ from types import ModuleType
 
 log = logging.getLogger("graphtree")
 
-_SOURCES = [Path(__file__).with_name("fastpath.cpp"), Path(__file__).with_name("fast_replay.cpp")]
+# (fastpath.cpp holds the module's table and joins the others'; draws.cpp is empty without the CUDA part)
+_SOURCES = [
+    Path(__file__).with_name(f) for f in ("fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "fast_replay.cpp")
+]
 _ENV = "GRAPHTREE_NATIVE"
 
 loaded: ModuleType | None = None

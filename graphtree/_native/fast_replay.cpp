@@ -13,6 +13,8 @@ PyObject* ambient_now();
 PyObject* copy_in_now(PyObject* const* args);
 PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
+int launch_now(PyObject* exec, PyObject* device, PyObject* stream);
+PyObject* detach_now(PyObject* t);
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
@@ -23,6 +25,8 @@ using graphtree_native::addresses_unchanged_now;
 using graphtree_native::ambient_now;
 using graphtree_native::signature_now;
 using graphtree_native::copy_in_now;
+using graphtree_native::detach_now;
+using graphtree_native::launch_now;
 
 // A new reference, released at the end of its scope.
 struct Ref {
@@ -51,7 +55,7 @@ struct Names {
       *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
       *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
       *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
-      *refs, *base_holders, *last_replayed, *generation, *detach, *numbers, *by_value, *loaded;
+      *refs, *base_holders, *last_replayed, *generation, *numbers, *by_value, *loaded, *exec;
   bool ok = false;
 };
 
@@ -67,7 +71,7 @@ Names* names() {
                        "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
                        "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
                        "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
-                       "generation", "detach", "numbers", "by_value", "loaded"};
+                       "generation", "numbers", "by_value", "loaded", "exec"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
@@ -77,8 +81,8 @@ Names* names() {
                         &n.counters, &n.hit, &n.plan, &n.snapshots, &n.disabled_reason, &n.bucketing, &n.reach,
                         &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
                         &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
-                        &n.base_holders, &n.last_replayed, &n.generation, &n.detach, &n.numbers, &n.by_value,
-                        &n.loaded};
+                        &n.base_holders, &n.last_replayed, &n.generation, &n.numbers, &n.by_value, &n.loaded,
+                        &n.exec};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
     *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
@@ -91,7 +95,7 @@ Names* names() {
 // The plan FastHit builds once (fast_hit.py: FastHit.plan), by index.
 enum PlanItem {
   kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
-  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kRawStream, kGradEnabled,
+  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kGradEnabled,
   kCollected, kUseCount, kPlanSize
 };
 
@@ -156,16 +160,20 @@ int takes_python_path(PyObject* gc, PyObject* needs_grad, PyObject* const* plan,
 }
 
 // LaunchOrder.unchanged: 1 where the current stream is the last call's (nothing to order), 0 where
-// it is another, -1 a Python error.
-int order_unchanged(PyObject* tree, Names* s) {
+// it is another, -1 a Python error. `stream` gets the current raw stream (None without CUDA), which
+// the replay's copy and launch then use.
+int order_unchanged(PyObject* tree, Names* s, Ref& stream) {
   Ref order(PyObject_GetAttr(tree, s->order));
   Ref stream_of(order.get() ? PyObject_GetAttr(order.get(), s->raw_stream) : nullptr);
   if (stream_of.get() == nullptr) return -1;
-  if (stream_of.get() == Py_None) return 1;  // (a build without CUDA: no streams to order)
+  if (stream_of.get() == Py_None) {  // (a build without CUDA: no streams to order)
+    stream.reset(Py_NewRef(Py_None));
+    return 1;
+  }
   Ref device(PyObject_GetAttr(order.get(), s->device));
-  Ref now(device.get() ? PyObject_CallOneArg(stream_of.get(), device.get()) : nullptr);
-  Ref last(now.get() ? PyObject_GetAttr(order.get(), s->last_raw) : nullptr);
-  return last.get() == nullptr ? -1 : PyObject_RichCompareBool(now.get(), last.get(), Py_EQ);
+  stream.reset(device.get() ? PyObject_CallOneArg(stream_of.get(), device.get()) : nullptr);
+  Ref last(stream.get() ? PyObject_GetAttr(order.get(), s->last_raw) : nullptr);
+  return last.get() == nullptr ? -1 : PyObject_RichCompareBool(stream.get(), last.get(), Py_EQ);
 }
 
 // 1 where the caller no longer holds `node`'s output, a base OutputLiveness keeps between replays
@@ -232,10 +240,11 @@ int end_step_quietly(PyObject* tree, PyObject* walk, PyObject* const* plan, Name
   return next.get() == nullptr || PyObject_SetAttr(walk, s->generation, next.get()) < 0 ? -1 : 1;
 }
 
-// The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping), any
-// RuntimeError handed to tree.raise_replay_error as TreeManager.call hands it.
+// The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping) on the
+// current raw stream `stream` (None without CUDA), any RuntimeError handed to tree.raise_replay_error
+// as TreeManager.call hands it.
 PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* const* plan, PyObject* leaves,
-                      Names* s) {
+                      PyObject* stream, Names* s) {
   Ref n(PyLong_FromSsize_t(PySequence_Size(leaves)));
   Ref out;
   [&] {
@@ -244,12 +253,9 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
     Ref copies(inputs.get() ? PyObject_GetAttr(inputs.get(), s->native) : nullptr);
     if (copies.get() == nullptr) return;
     bool copied = false;
-    PyObject* stream_of = plan[kRawStream];
-    if (copies.get() != Py_None && stream_of != Py_None && PyTuple_Check(copies.get()) &&
+    if (copies.get() != Py_None && stream != Py_None && PyTuple_Check(copies.get()) &&
         PyTuple_GET_SIZE(copies.get()) == 3 && PySequence_Size(PyTuple_GET_ITEM(copies.get(), 0)) == 0) {
-      Ref stream(PyObject_CallOneArg(stream_of, plan[kDevice]));
-      if (stream.get() == nullptr) return;
-      PyObject* a[4] = {stream.get(), leaves, PyTuple_GET_ITEM(copies.get(), 1), PyTuple_GET_ITEM(copies.get(), 2)};
+      PyObject* a[4] = {stream, leaves, PyTuple_GET_ITEM(copies.get(), 1), PyTuple_GET_ITEM(copies.get(), 2)};
       Ref done(copy_in_now(a));
       if (done.get() == nullptr) return;
       copied = done.get() == Py_True;
@@ -258,9 +264,17 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
       Ref r(PyObject_CallMethodObjArgs(inputs.get(), s->copy_in, leaves, n.get(), nullptr));
       if (r.get() == nullptr) return;
     }
-    Ref launch(PyObject_GetAttr(node, s->launch));
-    Ref launched(launch.get() ? PyObject_CallNoArgs(launch.get()) : nullptr);
-    if (launched.get() == nullptr) return;
+    // A graph that draws nothing is launched here (Node.exec); any other, or another current
+    // device, through the node's launcher (torch's replay, or launch_drawing for one that draws).
+    Ref exec(PyObject_GetAttr(node, s->exec));
+    if (exec.get() == nullptr) return;
+    const int launched = stream != Py_None ? launch_now(exec.get(), plan[kDevice], stream) : 0;
+    if (launched < 0) return;
+    if (launched == 0) {
+      Ref launch(PyObject_GetAttr(node, s->launch));
+      Ref done(launch.get() ? PyObject_CallNoArgs(launch.get()) : nullptr);
+      if (done.get() == nullptr) return;
+    }
     const int writes = attr_true(node, s->writes), grads = writes ? attr_true(node, s->grads) : 0;
     if (writes < 0 || grads < 0) return;
     if (writes || grads) {  // (what the call writes besides its outputs: Node.hand_out)
@@ -274,7 +288,7 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
     Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
     if (base.get() == nullptr) return;
     if (base.get() != Py_None) {  // (OutputLiveness.hand_out's first case: a base the caller dropped)
-      out.reset(PyObject_CallMethodNoArgs(base.get(), s->detach));
+      out.reset(detach_now(base.get()));
       return;
     }
     out.reset(PyObject_CallMethodObjArgs(live.get(), s->hand_out, leaves, n.get(), nullptr));
@@ -415,7 +429,8 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (kids == nullptr || !PyList_Check(kids) || PyList_GET_SIZE(kids) == 0 || PyList_GET_ITEM(kids, 0) != node) {
     return PyErr_Occurred() ? nullptr : missed();
   }
-  const int unchanged = order_unchanged(tree, s);
+  Ref stream;  // (the current raw stream: the replay's copy and launch go on it)
+  const int unchanged = order_unchanged(tree, s, stream);
   if (unchanged <= 0) return unchanged < 0 ? nullptr : missed();
   const int unconditional = attr_true(node, s->unconditional);
   if (unconditional < 0) return nullptr;
@@ -447,7 +462,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PySet_Add(called.get(), plan[kGcId]) < 0) return nullptr;
   Ref memory(PyObject_GetAttr(tree, s->memory));
   if (memory.get() == nullptr || PyObject_SetAttr(memory.get(), s->live, Py_False) < 0) return nullptr;
-  Ref out(replay_node(gc, tree, node, plan, leaves, s));
+  Ref out(replay_node(gc, tree, node, plan, leaves, stream.get(), s));
   if (out.get() == nullptr) return nullptr;
   Ref entered(PyObject_GetAttr(walk.get(), s->path));  // (a new list when the step began)
   if (entered.get() == nullptr || PyList_Append(entered.get(), node) < 0) return nullptr;

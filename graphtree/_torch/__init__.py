@@ -158,6 +158,20 @@ def graph_launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
     return replay.__get__(graph)
 
 
+def graph_exec(graph: torch.cuda.CUDAGraph) -> int:
+    """The ``cudaGraphExec_t`` a replay of ``graph`` launches, as an int (``raw_cuda_graph_exec``),
+    or 0 where torch has no such method or the graph is not instantiated (a stand-in in tests).
+
+    Valid while ``graph`` lives and is not reset: whoever launches it holds the graph."""
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None:
+        return 0
+    try:
+        return int(raw())
+    except RuntimeError:  # (not captured, or kept un-instantiated: keep_graph=True)
+        return 0
+
+
 # Weak references to storages, as bare ints: cheaper than a Python object on the replay path.
 # An int is the StorageImpl pointer; it stays valid for the functions below while not expired.
 def storage_ref(s: torch.UntypedStorage) -> int:

@@ -246,6 +246,13 @@ def launcher(graph: torch.cuda.CUDAGraph) -> Callable[[], Any]:
     return cast(Callable[[], Any], how)
 
 
+def plain_exec(graph: torch.cuda.CUDAGraph) -> int:
+    """The ``cudaGraphExec_t`` of a graph whose replay is a plain launch (it draws nothing: torch's
+    replay would add nothing to ``cudaGraphLaunch`` but its device guard), or 0 where a replay must
+    go through :func:`launcher`'s callable (a graph that draws, or one not yet replayed)."""
+    return _torch.graph_exec(graph) if getattr(graph, _ATTR, None) is None else 0
+
+
 _waited = False
 
 

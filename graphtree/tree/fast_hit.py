@@ -130,7 +130,7 @@ class FastHit:
         self.plan = (
             MISS, self.tree, self.node, self.parent, self.child_key, device, ambient, self.module, self.training,
             _HANDLE_CLASS, self.handles, _EPOCH_CELL, self.epoch, gc.free, self.models,
-            reads, _THREADS, gc.id, MAX_PATH_DEPTH, _torch.raw_stream_getter(), torch.is_grad_enabled,
+            reads, _THREADS, gc.id, MAX_PATH_DEPTH, torch.is_grad_enabled,
             _COLLECTED, _torch.storage_use_count,
         )  # fmt: skip
 

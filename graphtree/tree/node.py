@@ -172,6 +172,8 @@ class Node:
         self.unconditional = not (inputs.inplace_idx or statics or dead_before or externals or first)
         self.statics_only = bool(statics) and not (inputs.inplace_idx or dead_before or externals or first)
         self._launch = _draws.launcher(graph)
+        # what the native fast hit launches itself (cudaGraphLaunch) where the graph draws nothing; 0: _launch
+        self.exec = _draws.plain_exec(graph)
 
     def can_replay(
         self, leaves: Sequence[Any], path: list[Node], check: Callable[..., bool], native: ModuleType | None

@@ -141,3 +141,79 @@ def test_the_native_entry_replays_and_hands_calls_back_when_the_helpers_are_swap
         torch.testing.assert_close(step(y), scaled(y), rtol=0, atol=0)
     assert graphtree.stats().replays == replays + 4 and twins, (graphtree.stats(), twins)
     graphtree.reset()
+
+
+def _launch_counted(step: object, monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[int]]:
+    """The recording ``step``'s fast hit replays, with its launcher (torch's replay, or graphtree's
+    launch of a graph that draws) counting its calls."""
+    (hit,) = [h for h in step.fast_hits.values() if hasattr(h, "node")]  # type: ignore[attr-defined]
+    node = hit.node()
+    calls: list[int] = []
+    launch = node._launch
+
+    def counted() -> object:
+        calls.append(1)
+        return launch()
+
+    monkeypatch.setattr(node, "_launch", counted)
+    return node, calls
+
+
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE + torch.rand_like(x)
+
+
+def test_a_graph_that_draws_nothing_is_launched_by_the_native_hit_and_one_that_draws_by_its_launcher(monkeypatch):
+    """Issue 47: the native fast hit launches a recording that draws nothing itself
+    (``cudaGraphLaunch`` of ``Node.exec``), not through torch's replay binding; one that draws goes
+    through its launcher (``launch_drawing``: the generators' seeds and offsets), with eager's numbers."""
+    if _native.disabled():
+        pytest.skip("GRAPHTREE_NATIVE=0: no native fast hit in this run")
+    assert _native.wait(600) is not None, _native.status()
+    graphtree.reset()
+    step = graphtree.graphed(scaled)
+    x = torch.randn(64, 64, device=DEV)
+    for _ in range(6):
+        step(x)
+    node, calls = _launch_counted(step, monkeypatch)
+    assert node.exec != 0
+    replays = node.replays
+    for _ in range(10):
+        y = torch.randn(64, 64, device=DEV)
+        torch.testing.assert_close(step(y), scaled(y), rtol=0, atol=0)
+    assert node.replays == replays + 10 and calls == [], (node.replays, calls)
+
+    drawing = graphtree.graphed(noisy)
+    for _ in range(6):
+        drawing(x)
+    node, calls = _launch_counted(drawing, monkeypatch)
+    assert node.exec == 0
+    for seed in range(5):
+        torch.manual_seed(seed)
+        got = drawing(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, noisy(x), rtol=0, atol=0)
+    assert len(calls) == 5, calls
+    graphtree.reset()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_fast_hit_called_with_another_current_device_replays_through_torch_with_eagers_results(monkeypatch):
+    """The native launch declines where the current device is not the recording's (torch's replay
+    switches to it first): the launcher runs, and the results are eager's."""
+    if _native.disabled():
+        pytest.skip("GRAPHTREE_NATIVE=0: no native fast hit in this run")
+    assert _native.wait(600) is not None, _native.status()
+    graphtree.reset()
+    step = graphtree.graphed(scaled)
+    x = torch.randn(64, 64, device="cuda:0")
+    for _ in range(6):
+        step(x)
+    _, calls = _launch_counted(step, monkeypatch)
+    with torch.cuda.device(1):
+        for _ in range(4):
+            y = torch.randn(64, 64, device="cuda:0")
+            torch.testing.assert_close(step(y), scaled(y), rtol=0, atol=0)
+        assert torch.cuda.current_device() == 1
+    assert len(calls) >= 3, calls
+    graphtree.reset()
