@@ -295,11 +295,28 @@ PyObject* copy_in(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // graph that draws nothing (its generators' prologue then adds nothing) without its binding: the
 // argument casts, the GIL released and taken again, the device guard. False, having done nothing,
 // where the current device is not `device` (the guard would switch it: the caller replays through
-// torch), exec is 0 or no CUDA runtime is loaded. A CUDA error raises RuntimeError with the
-// runtime's message, as torch's check does (the error is cleared as torch clears it).
+// torch), exec is 0 or no CUDA runtime is loaded. A CUDA error raises what torch's check raises
+// (torch.AcceleratorError, "CUDA error: " and the runtime's message), the error cleared as torch clears it.
 using GraphLaunchRaw = int (*)(void*, void*);
 using GetDevice = int (*)(int*);
 using GetLastError = int (*)();
+
+// The exception type torch raises for a CUDA error (torch.AcceleratorError since 2.8), RuntimeError
+// before it (a borrowed reference, looked up once).
+PyObject* cuda_error_type() {
+  static PyObject* type = [] {
+    PyObject* torch = PyImport_ImportModule("torch");
+    PyObject* t = torch ? PyObject_GetAttrString(torch, "AcceleratorError") : nullptr;
+    Py_XDECREF(torch);
+    if (t == nullptr || !PyExceptionClass_Check(t)) {
+      PyErr_Clear();
+      Py_XDECREF(t);
+      return Py_NewRef(PyExc_RuntimeError);
+    }
+    return t;  // (kept for the process's life)
+  }();
+  return type;
+}
 
 int launch_graph(PyObject* exec, PyObject* device, PyObject* stream) {
   static GraphLaunchRaw launch = reinterpret_cast<GraphLaunchRaw>(runtime_symbol("cudaGraphLaunch"));
@@ -319,7 +336,7 @@ int launch_graph(PyObject* exec, PyObject* device, PyObject* stream) {
   const int err = launch(e, st);
   if (err != 0) {
     last_error();
-    PyErr_Format(PyExc_RuntimeError, "CUDA error: %s (graphtree's cudaGraphLaunch of a recording, error %d)",
+    PyErr_Format(cuda_error_type(), "CUDA error: %s (graphtree's cudaGraphLaunch of a recording, error %d)",
                  error_string ? error_string(err) : "unknown", err);
     return -1;
   }

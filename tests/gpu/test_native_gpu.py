@@ -105,6 +105,54 @@ def test_copy_d2d_copies_on_the_current_stream_and_reports_cuda_errors(native):
     assert "raised" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
+GRAPH_LAUNCH_AFTER_A_FAULT = """
+import torch
+from graphtree import _native, _torch
+m = _native.wait(600)
+x = torch.zeros(4, device="cuda")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    x.add_(1)
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    x.add_(1)
+exec_, stream = _torch.graph_exec(g), torch.cuda.current_stream().cuda_stream
+print("LAUNCHED", m.graph_launch(exec_, 0, stream), m.graph_launch(0, 0, stream))
+torch.cuda.synchronize()
+print("X", x.tolist())
+try:
+    torch.zeros(4, device="cuda")[torch.tensor([10], device="cuda")].sum().item()  # a device-side assert
+except Exception as e:
+    print("FAULT", type(e).__name__)
+try:
+    m.graph_launch(exec_, 0, stream)
+    print("NO ERROR")
+except Exception as e:
+    print("RAISED", type(e).__name__, str(e).splitlines()[0])
+"""
+
+
+def test_graph_launch_launches_a_recording_and_raises_cuda_errors_as_torch_does(native):
+    """The native hit's launch (issue 47): a captured graph's exec launched on the current stream
+    (exec 0: nothing launched), and after a device-side fault the error torch raises for it (its
+    type, "CUDA error: ..."). In a subprocess: the fault ends its context."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", GRAPH_LAUNCH_AFTER_A_FAULT], capture_output=True, text=True, timeout=300, check=False
+    )
+    text = out.stdout
+    assert "LAUNCHED True False" in text and "X [2.0, 2.0, 2.0, 2.0]" in text, (text, out.stderr[-2000:])
+    fault = [line.split()[1] for line in text.splitlines() if line.startswith("FAULT")]
+    raised = [line.split(maxsplit=2)[1:] for line in text.splitlines() if line.startswith("RAISED")]
+    assert fault and raised, (text, out.stderr[-2000:])
+    assert raised[0][0] == fault[0], "the launch raises the type torch raised for the same error"
+    assert raised[0][1].startswith("CUDA error: device-side assert triggered"), raised
+
+
 def test_copy_in_copies_tensors_and_writes_numbers_in_stream_order(native):
     stream = torch.cuda.Stream()
     a, b = (torch.randn(1 << 16, device=DEV) for _ in range(2))
