@@ -2,7 +2,7 @@
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
 # named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -349,6 +349,10 @@ PY
       timeout -s INT -k 20 ${SUITE_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_fast_hit_gpu.py \
         tests/gpu/test_hooks_gpu.py tests/gpu/test_real_paths_gpu.py tests/gpu/test_random_gpu.py tests/gpu/test_tree_gpu.py \
         tests/gpu/test_fuzz_ambient_gpu.py tests/gpu/test_fuzz_gpu.py tests/gpu/test_models_gpu.py 2>&1 | tee "$OUT/fast_hit.log" | tail -25
+      ;;
+    sweep)  # the OpInfo sweep alone (conform without its rerun of the ported tests, which the suites hold)
+      timeout -s INT ${CONFORM_TIMEOUT:-480} python3 benchmarks/conformance/opinfo_sweep.py --workers ${CONFORM_WORKERS:-4} --budget ${CONFORM_BUDGET:-330} \
+        ${CONFORM_OPS:+--ops "$CONFORM_OPS"} ${CONFORM_ARGS:-} --json "$OUT/conformance.json" --records "$OUT/conformance-records.jsonl" 2>&1 | tee "$OUT/conform.log" | tail -40
       ;;
     decode_loop)  # issue 47: the demo GPT's decode loop (batch 1, 4 layers of 256), graphtree against a hand-written graph
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/decode_loop.py --json "$OUT/decode_loop.json" 2>&1 | tail -12
