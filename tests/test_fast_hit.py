@@ -590,3 +590,23 @@ def test_the_native_entry_hands_calls_back_once_other_helpers_are_loaded(stand_i
     before = launches.n
     step(x)
     assert twins == [1] and launches.n == before + 1, "other helpers: replay_again, their Python twin"
+
+
+def test_a_modules_call_asks_its_fast_hit_once_hit_or_miss(stand_ins, monkeypatch):
+    """``GraphedModule.__call__`` tries its callable's fast hit itself; on a miss the Python path
+    runs without a second try (``GraphedCallable.past_fast_hit``): one lookup a call."""
+    x = torch.randn(8, 8)
+    gm = graphtree.graphed(torch.nn.Linear(8, 8))
+    gc = gm._graphtree_call
+    with torch.no_grad():
+        _, _, launches = _record(gc, x)
+        for _ in range(3):
+            gm(x)
+        seen = count_fast_replays(monkeypatch)
+        gm(x)
+        assert seen == [1], seen  # a hit
+        gc.fast_hits.update(dict.fromkeys(gc.fast_hits, fast_hit._GAVE_UP))  # (its signature left to the Python path)
+        before = launches.n
+        gm(x)
+    assert seen == [1, 0], seen  # a miss, asked once
+    assert launches.n == before + 1  # (the Python path replayed it)
