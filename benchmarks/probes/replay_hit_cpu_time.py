@@ -24,9 +24,9 @@ from graphtree.tree import walk as walk_mod
 
 
 def bench(
-    p: Any, real: Any, fn: Any, x: torch.Tensor, grad: bool, mode: str, kept: bool = False, n: int = 20000, reps: int = 9
+    p: Any, real: Any, fn: Any, x: torch.Tensor, grad: bool, mode: str, kept: bool = False, n: int = 20000
 ) -> float:
-    """Median µs per call of ``fn(x)`` over ``reps`` runs of ``n`` calls, all replay hits; ``kept``:
+    """Median µs per call of ``fn(x)`` over 9 runs of ``n`` calls, all replay hits; ``kept``:
     each output held until the next call returns (``y = fn(x)``), so every call invalidates it."""
     gc = fn._graphtree_call if isinstance(fn, torch.nn.Module) else fn
     p._recording(gc, x, grad)
@@ -38,7 +38,7 @@ def bench(
     with torch.set_grad_enabled(grad):
         for _ in range(10):
             fn(x)
-        for _ in range(reps):
+        for _ in range(9):
             y = None
             t0 = time.perf_counter()
             if kept:
