@@ -149,6 +149,103 @@ def test_a_held_output_is_invalidated_at_the_next_step_as_on_the_python_path(sta
     assert len(results[0][0]) == 1, results
 
 
+def _live_refs(node: Any) -> tuple[Any, ...]:
+    """What a node's OutputLiveness holds between calls, comparable across trees."""
+    live = node.live
+    return (live._base is None, live._keep_base, [bool(r) for r in live.refs])
+
+
+class _WeakRefs:
+    """The weak references to output storages made and freed (``_torch``'s, counted)."""
+
+    def __init__(self, ref: Any, free: Any) -> None:
+        self._ref, self._free = ref, free
+        self.made: list[int] = []
+        self.freed: list[int] = []
+
+    def ref(self, storage: Any) -> int:
+        self.made.append(self._ref(storage))
+        return self.made[-1]
+
+    def free(self, r: int) -> None:
+        self.freed.append(r)
+        self._free(r)
+
+
+def _counted_new_step(real: Any, calls: list[int]) -> Any:
+    def new_step(tree: Any, leaves: Any) -> Any:
+        calls.append(1)
+        return real(tree, leaves)
+
+    return new_step
+
+
+def test_outputs_kept_call_after_call_are_invalidated_as_on_the_python_path(stand_ins, monkeypatch, request):
+    """``y = step(x)`` in a loop: each call ends a step whose single output the caller still holds.
+    The native fast hit invalidates it itself (``end_step_natively``: the output's weak reference
+    released, the same message, the same walk) where the twin calls ``TreeManager.new_step``; as many
+    weak references are made and freed on both paths."""
+    x = torch.randn(8, 8)
+    real = (liveness._weak_ref, liveness._weak_free)
+    results = []
+    for fast in (False, True):
+        _fresh()
+        invalidated: list[tuple[int, str]] = []
+        monkeypatch.setattr(
+            walk_mod._torch, "invalidate_storage", lambda ref, msg, seen=invalidated: seen.append((ref, msg))
+        )
+        refs = _WeakRefs(*real)
+        monkeypatch.setattr(liveness, "_weak_ref", refs.ref)
+        monkeypatch.setattr(liveness, "_weak_free", refs.free)
+        monkeypatch.setattr(walk_mod._torch, "weak_free", refs.free)
+        step = graphtree.graphed(lambda t: t * 2 + 1)
+        tree, node, _ = _record(step, x)
+        step(x)
+        seen = count_fast_replays(monkeypatch)
+        in_python: list[int] = []
+        real_step = manager_mod.TreeManager.new_step
+        monkeypatch.setattr(manager_mod.TreeManager, "new_step", _counted_new_step(real_step, in_python))
+        states = []
+        y = None
+        for _ in range(6):
+            if not fast:
+                step.fast_hits.clear()
+            y = step(x)  # (the last call's output is held while this one runs)
+            states.append((_state(tree, node), _live_refs(node)))
+        monkeypatch.setattr(manager_mod.TreeManager, "new_step", real_step)
+        assert y is not None
+        assert seen == ([1] * 6 if fast else [])
+        if fast and request.node.callspec.params["stand_ins"] == "native":
+            # calls 1 and 2 end in Python: the output dropped before the loop (a base is kept from
+            # then on), then that base held; from call 3 each call's held output is one built anew
+            assert len(in_python) == 2, ("the native fast hit ends such a step itself", in_python)
+        elif fast:
+            assert len(in_python) == 6, in_python  # (the twin: TreeManager.new_step)
+        results.append(([m for _, m in invalidated], states, len(refs.made), len(refs.freed)))
+    assert results[0] == results[1], results
+    assert len(results[0][0]) >= 4, results  # (each call after the first kept one invalidated its predecessor)
+
+
+def test_a_held_output_fed_back_as_the_next_input_ends_its_step_in_python(stand_ins, monkeypatch):
+    """``y = step(y)``: the output to invalidate is this call's input, which ``Walk.end_step``
+    clones before invalidating it; the native fast hit leaves that step to ``TreeManager.new_step``."""
+    monkeypatch.setattr(walk_mod._torch, "invalidate_storage", lambda ref, msg: None)  # (CUDA's, on a GPU)
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(lambda t: t * 2 + 1)
+    _record(step, x)
+    step(x)  # (dropped: a base is kept from now on)
+    y = step(x)  # the base, held
+    y = step(x)  # an output built anew, held
+    in_python: list[int] = []
+    monkeypatch.setattr(
+        manager_mod.TreeManager, "new_step", _counted_new_step(manager_mod.TreeManager.new_step, in_python)
+    )
+    seen = count_fast_replays(monkeypatch)
+    z = step(y)
+    assert seen == [1] and in_python == [1], (seen, in_python)
+    assert z is not y
+
+
 CHANGES = (
     "grad of the input", "grad mode", "a forward hook", "eval mode", "default dtype", "disabled",
     "another thread", "a new shape",

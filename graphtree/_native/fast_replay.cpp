@@ -15,6 +15,7 @@ PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream);
 PyObject* detach_now(PyObject* t);
+int storage_of_now(PyObject* t, PyObject** out);
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
@@ -27,6 +28,7 @@ using graphtree_native::signature_now;
 using graphtree_native::copy_in_now;
 using graphtree_native::detach_now;
 using graphtree_native::launch_now;
+using graphtree_native::storage_of_now;
 
 // A new reference, released at the end of its scope.
 struct Ref {
@@ -55,7 +57,8 @@ struct Names {
       *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
       *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
       *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
-      *refs, *base_holders, *last_replayed, *generation, *numbers, *by_value, *loaded, *exec;
+      *refs, *base_holders, *last_replayed, *generation, *numbers, *by_value, *loaded, *exec, *single, *keep_base,
+      *groups, *message, *invalidate_storage, *weak_free;
   bool ok = false;
 };
 
@@ -71,7 +74,8 @@ Names* names() {
                        "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
                        "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
                        "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
-                       "generation", "numbers", "by_value", "loaded", "exec"};
+                       "generation", "numbers", "by_value", "loaded", "exec", "_single", "_keep_base", "groups",
+                       "message", "invalidate_storage", "weak_free"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
@@ -82,7 +86,8 @@ Names* names() {
                         &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
                         &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
                         &n.base_holders, &n.last_replayed, &n.generation, &n.numbers, &n.by_value, &n.loaded,
-                        &n.exec};
+                        &n.exec, &n.single, &n.keep_base, &n.groups, &n.message, &n.invalidate_storage,
+                        &n.weak_free};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
     *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
@@ -96,7 +101,7 @@ Names* names() {
 enum PlanItem {
   kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
   kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kGradEnabled,
-  kCollected, kUseCount, kPlanSize
+  kCollected, kUseCount, kTorch, kWeakExpired, kPlanSize
 };
 
 // The int 1 (a borrowed reference, made once).
@@ -200,11 +205,98 @@ int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
   return PyObject_RichCompareBool(count.get(), PyTuple_GET_ITEM(holders.get(), 1), Py_EQ);
 }
 
-// TreeManager.new_step where the step that ends leaves nothing but a new start to make: no tree
-// retired in it, no graphed callable collected since the last step, and every output of its path a
-// base the caller dropped (Walk.end_step then releases nothing). Makes Walk.end_step's writes and
-// returns 1; 0 (nothing changed) where Python must end the step; -1 a Python error.
-int end_step_quietly(PyObject* tree, PyObject* walk, PyObject* const* plan, Names* s) {
+// A node of the path whose single output the caller still holds, built anew at its last replay
+// (OutputLiveness: no base, its one weak reference alive): OutputLiveness.release hands it to
+// Walk.end_step to invalidate. 1 with `live`, `ref` and `message` set (new references), 0 where the
+// node is not that case, -1 an error.
+int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref& ref, Ref& message) {
+  live.reset(PyObject_GetAttr(node, s->live));
+  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+  Ref single(base.get() ? PyObject_GetAttr(live.get(), s->single) : nullptr);
+  Ref refs(single.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
+  if (refs.get() == nullptr) return -1;
+  if (base.get() != Py_None || single.get() == Py_None || !PyList_Check(refs.get()) ||
+      PyList_GET_SIZE(refs.get()) != 1) {
+    return 0;
+  }
+  ref.reset(Py_NewRef(PyList_GET_ITEM(refs.get(), 0)));
+  const int set = PyObject_IsTrue(ref.get());
+  if (set <= 0) return set;  // (0: released already)
+  Ref expired(PyObject_CallOneArg(plan[kWeakExpired], ref.get()));
+  if (expired.get() == nullptr) return -1;
+  if (expired.get() != Py_False) return 0;  // (the caller dropped it: release frees the reference)
+  Ref out_plan(PyObject_GetAttr(live.get(), s->plan));
+  Ref groups(out_plan.get() ? PyObject_GetAttr(out_plan.get(), s->groups) : nullptr);
+  if (groups.get() == nullptr) return -1;
+  if (!PyList_Check(groups.get()) || PyList_GET_SIZE(groups.get()) < 1) return 0;
+  message.reset(PyObject_GetAttr(PyList_GET_ITEM(groups.get(), 0), s->message));
+  return message.get() == nullptr ? -1 : 1;
+}
+
+// Walk.end_step's invalidations for the nodes of `path` from `first` on, each either a base the
+// caller dropped (nothing to release) or a single output the caller holds (held_single), where no
+// leaf of this call is on an output to invalidate (Walk.end_step clones those first): 1 done
+// (OutputLiveness.release's writes, then each output invalidated and its weak reference freed, in
+// Walk.end_step's order), 0 nothing changed (Python ends the step), -1 an error.
+int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject* const* plan, Names* s) {
+  constexpr Py_ssize_t kMost = 8;
+  Ref lives[kMost], refs[kMost], messages[kMost];
+  Py_ssize_t held = 0;
+  for (Py_ssize_t i = first; i < PyList_GET_SIZE(path); ++i) {
+    PyObject* node = PyList_GET_ITEM(path, i);
+    const int dropped = base_dropped(node, plan, s);
+    if (dropped < 0) return -1;
+    if (dropped) continue;
+    if (held == kMost) return 0;
+    const int one = held_single(node, plan, s, lives[held], refs[held], messages[held]);
+    if (one <= 0) return one;
+    ++held;
+  }
+  if (!PyTuple_Check(leaves) && !PyList_Check(leaves)) return 0;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(leaves); ++i) {
+    PyObject* key = nullptr;
+    const int tensor = storage_of_now(PySequence_Fast_GET_ITEM(leaves, i), &key);
+    if (tensor < 0) return -1;
+    if (tensor == 2) return 0;  // (a tensor subclass: Python reads its storage)
+    if (tensor == 0) continue;
+    Ref k(key);
+    for (Py_ssize_t h = 0; h < held; ++h) {
+      const int same = PyObject_RichCompareBool(k.get(), refs[h].get(), Py_EQ);
+      if (same != 0) return same < 0 ? -1 : 0;
+    }
+  }
+  // From here on, the writes: OutputLiveness.release's, then Walk.end_step's invalidations.
+  Ref zero(PyLong_FromLong(0));
+  if (zero.get() == nullptr) return -1;
+  for (Py_ssize_t h = 0; h < held; ++h) {
+    Ref live_refs(PyObject_GetAttr(lives[h].get(), s->refs));
+    if (live_refs.get() == nullptr || PyList_SetItem(live_refs.get(), 0, Py_NewRef(zero.get())) < 0 ||
+        PyObject_SetAttr(lives[h].get(), s->keep_base, Py_False) < 0) {
+      return -1;
+    }
+  }
+  // (both read from _torch now, as Walk.end_step reads them: tests replace them)
+  Ref invalidate(PyObject_GetAttr(plan[kTorch], s->invalidate_storage));
+  Ref free_ref(invalidate.get() ? PyObject_GetAttr(plan[kTorch], s->weak_free) : nullptr);
+  if (free_ref.get() == nullptr) return -1;
+  for (Py_ssize_t h = 0; h < held; ++h) {
+    PyObject* a[2] = {refs[h].get(), messages[h].get()};
+    Ref done(PyObject_Vectorcall(invalidate.get(), a, 2, nullptr));
+    if (done.get() == nullptr) return -1;
+  }
+  for (Py_ssize_t h = 0; h < held; ++h) {
+    Ref freed(PyObject_CallOneArg(free_ref.get(), refs[h].get()));
+    if (freed.get() == nullptr) return -1;
+  }
+  return 1;
+}
+
+// TreeManager.new_step where the step that ends leaves nothing Python must decide: no tree retired
+// in it, no graphed callable collected since the last step, and every output of its path either a
+// base the caller dropped or a single output the caller holds, which is invalidated here
+// (invalidate_held). Makes Walk.end_step's writes and returns 1; 0 (nothing changed) where Python
+// must end the step; -1 a Python error.
+int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject* const* plan, Names* s) {
   Ref retired(PyObject_GetAttr(walk, s->retired));
   Ref seen(retired.get() ? PyObject_GetAttr(tree, s->collected_seen) : nullptr);
   if (seen.get() == nullptr) return -1;
@@ -219,7 +311,12 @@ int end_step_quietly(PyObject* tree, PyObject* walk, PyObject* const* plan, Name
   if (!PyList_Check(path.get())) return 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path.get()); ++i) {
     const int dropped = base_dropped(PyList_GET_ITEM(path.get(), i), plan, s);
-    if (dropped <= 0) return dropped;
+    if (dropped < 0) return -1;
+    if (dropped == 0) {  // (an output the caller may hold: the rest of the path decided there)
+      const int done = invalidate_held(path.get(), i, leaves, plan, s);
+      if (done <= 0) return done;
+      break;
+    }
   }
   const Py_ssize_t depth = PyList_GET_SIZE(path.get());
   if (depth > 0 && PyObject_SetAttr(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
@@ -451,9 +548,9 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // From here on, what TreeManager.call writes, in its order.
   Ref stepped;
   if (new_step) {
-    const int quiet = end_step_quietly(tree, walk.get(), plan, s);
+    const int quiet = end_step_natively(tree, walk.get(), leaves, plan, s);
     if (quiet < 0) return nullptr;
-    if (quiet == 0) {  // (outputs held, a tree retired, a callable collected: TreeManager.new_step)
+    if (quiet == 0) {  // (a base held, a tree retired, a callable collected...: TreeManager.new_step)
       stepped.reset(PyObject_CallMethodOneArg(tree, s->new_step, leaves));
       if (stepped.get() == nullptr) return nullptr;
       leaves = stepped.get();

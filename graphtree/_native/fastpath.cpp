@@ -374,6 +374,25 @@ PyObject* detach(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+// The StorageImpl* of a leaf of a call, as _torch.storage_id reads it (the int a live weak reference
+// to that storage equals): 1 with *out a new int for an exact tensor, 0 for anything that is not a
+// tensor, 2 for a tensor subclass or one whose storage cannot be read here (Python reads it), -1 an
+// error.
+int storage_of(PyObject* t, PyObject** out) {
+  if (!THPVariable_CheckExact(t)) {
+    const int tensor = PyObject_IsInstance(t, THPVariableClass);
+    return tensor < 0 ? -1 : tensor ? 2 : 0;
+  }
+  try {
+    const at::Tensor& v = THPVariable_Unpack(t);
+    if (!v.has_storage()) return 2;
+    *out = PyLong_FromVoidPtr(v.storage().unsafeGetStorageImpl());
+    return *out == nullptr ? -1 : 1;
+  } catch (const std::exception&) {
+    return 2;
+  }
+}
+
 // ambient() -> (bits, default dtype, autocast dtype | None): the state a call computes under
 // without being passed it, packed as graphtree/tree/ambient.py's _python_state packs it (that
 // module's BITS names each bit; _native._check compares the two before this one is used).
@@ -498,6 +517,7 @@ PyObject* copy_in_now(PyObject* const* args) { return copy_in(nullptr, args, 4);
 PyObject* addresses_unchanged_now(PyObject* const* args) { return addresses_unchanged(nullptr, args, 2); }
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream) { return launch_graph(exec, device, stream); }
 PyObject* detach_now(PyObject* t) { return detach(nullptr, &t, 1); }
+int storage_of_now(PyObject* t, PyObject** out) { return storage_of(t, out); }
 }  // namespace graphtree_native
 
 PyMODINIT_FUNC GT_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {

@@ -217,3 +217,20 @@ def test_a_fast_hit_called_with_another_current_device_replays_through_torch_wit
         assert torch.cuda.current_device() == 1
     assert len(calls) >= 3, calls
     graphtree.reset()
+
+
+def test_outputs_kept_call_after_call_are_eagers_and_each_raises_once_the_next_call_ran(fast_replays):
+    """``y = step(x)`` in a loop (issue 47, output kept): every call ends a step whose output the
+    caller holds; the native fast hit invalidates it itself. Each output equals eager's while it is
+    the newest, and reading it after the next call raises with the recording's message."""
+    step = graphtree.graphed(scaled)
+    xs = [torch.randn(64, 64, device=DEV) for _ in range(12)]
+    y = None
+    for i, x in enumerate(xs):
+        previous = y
+        y = step(x)
+        torch.testing.assert_close(y, scaled(x), rtol=0, atol=0)
+        if i >= 4:  # (replays from here: each call invalidated the output held before it)
+            with pytest.raises(RuntimeError, match="graphtree"):
+                previous + 1
+    assert sum(fast_replays) >= 7, fast_replays
