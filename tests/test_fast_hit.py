@@ -226,6 +226,48 @@ def test_outputs_kept_call_after_call_are_invalidated_as_on_the_python_path(stan
     assert len(results[0][0]) >= 4, results  # (each call after the first kept one invalidated its predecessor)
 
 
+def test_two_calls_a_step_with_both_outputs_kept_are_invalidated_as_on_the_python_path(stand_ins, monkeypatch, request):
+    """``a = f(x); b = g(a)`` in a loop: each step's path holds two recordings whose outputs the
+    caller keeps into the next step; the native fast hit invalidates both, as the twin does."""
+    x = torch.randn(8, 8)
+    real = (liveness._weak_ref, liveness._weak_free)
+    results = []
+    for fast in (False, True):
+        _fresh()
+        invalidated: list[str] = []
+        monkeypatch.setattr(walk_mod._torch, "invalidate_storage", lambda ref, msg, seen=invalidated: seen.append(msg))
+        refs = _WeakRefs(*real)
+        monkeypatch.setattr(liveness, "_weak_ref", refs.ref)
+        monkeypatch.setattr(liveness, "_weak_free", refs.free)
+        monkeypatch.setattr(walk_mod._torch, "weak_free", refs.free)
+        f = graphtree.graphed(lambda t: t * 2 + 1, name="f")
+        g = graphtree.graphed(lambda t: t - 1, name="g")
+        tree, f_node, _ = _record(f, x)
+        call = read_call((x,), {}, None)
+        graphed_mod._key_state(call, None, g.free.part() if g.free.active else None, None)
+        g_node = plant_recording(tree, g, call.key, x, _Launches(), parent=f_node)
+        in_python: list[int] = []
+        monkeypatch.setattr(
+            manager_mod.TreeManager, "new_step", _counted_new_step(manager_mod.TreeManager.new_step, in_python)
+        )
+        states = []
+        for _ in range(6):
+            if not fast:
+                f.fast_hits.clear()
+                g.fast_hits.clear()
+            a = f(x)
+            b = g(a)
+            states.append((_state(tree, f_node), _live_refs(f_node), _live_refs(g_node), g_node.replays))
+        assert a is not None and b is not None
+        if fast and request.node.callspec.params["stand_ins"] == "native":
+            assert in_python == [], in_python  # (each step with both outputs held ended natively)
+        else:
+            assert len(in_python) == 5, in_python  # (steps 2-6 through TreeManager.new_step)
+        results.append((invalidated, states, len(refs.made), len(refs.freed)))
+    assert results[0] == results[1], results
+    assert len(results[0][0]) >= 6, results  # (both outputs of each step after the first kept ones)
+
+
 def test_a_held_output_fed_back_as_the_next_input_ends_its_step_in_python(stand_ins, monkeypatch):
     """``y = step(y)``: the output to invalidate is this call's input, which ``Walk.end_step``
     clones before invalidating it; the native fast hit leaves that step to ``TreeManager.new_step``."""

@@ -90,9 +90,13 @@ def _counted(original: Callable[..., Any], seen: list[int]) -> Callable[..., Any
     return counted
 
 
-def plant_recording(tree: Any, gc: Any, key: Any, x: torch.Tensor, launch: Callable[[], Any]) -> Any:
-    """A recording of ``gc(x)`` keyed ``key``, at ``tree``'s root as if captured, launching
-    ``launch``: one input copied into a placeholder, one output from the pool. Returns its node."""
+def plant_recording(
+    tree: Any, gc: Any, key: Any, x: torch.Tensor, launch: Callable[[], Any], parent: Any = None
+) -> Any:
+    """A recording of ``gc(x)`` keyed ``key``, under ``parent`` (``tree``'s root by default) as if
+    captured, launching ``launch``: one input copied into a placeholder, one output from the pool.
+    Returns its node."""
+    parent = tree.walk.root if parent is None else parent
     out = torch.empty_like(x)
     storage = out.untyped_storage()
     inputs = InputPlan(
@@ -102,13 +106,13 @@ def plant_recording(tree: Any, gc: Any, key: Any, x: torch.Tensor, launch: Calla
     groups = [Group(storage.data_ptr(), storage.nbytes(), "stale")]
     plan = OutputPlan(None, [FromPool(0, meta_of(out))], groups, [], 0, -1)
     node = node_mod.Node(
-        id="n", parent=tree.walk.root, key=(gc.id, key), name=gc.name, depth=0,
+        id="n", parent=parent, key=(gc.id, key), name=gc.name, depth=getattr(parent, "depth", -1) + 1,
         graph=types.SimpleNamespace(replay=int), inputs=inputs, outputs=plan, refs=[weak_ref(storage)],
         checkpoint=None, alive_at_checkpoint=[], dead_before=[], statics=gc.static_tensors(), epoch=param_epoch(),
         capture_seconds=0.0, input_refs=[], externals=[],
     )  # fmt: skip
     node._launch = launch
-    tree.walk.root.children[(gc.id, key)] = [node]
+    parent.children[(gc.id, key)] = [node]
     return node
 
 
