@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session's GPU work, in one go: carried wheels, native helpers built, then the stages
-# named as arguments (default: suite own), each under its own time limit, logs and JSON under $OUT.
+# named as arguments (at least one: `setup` runs the set-up alone; `suite own` the whole GPU suite),
+# each under its own time limit, logs and JSON under $OUT.
 #
 #   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
 #
@@ -21,6 +22,10 @@
 #   mkdir -p .before && git archive b6016dc graphtree benchmarks | tar -x -C .before   # issue 24's base
 # and pass carry=[".whl", ".before"] to the device call.
 set -u
+if [ $# -eq 0 ]; then  # (a bare call once ran the default whole suite and spent a session's last device time)
+  echo "usage: bash benchmarks/gpu_session.sh STAGE... (setup: the set-up alone; suite own: the whole GPU suite)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -60,9 +65,11 @@ suite_waited() {
   echo "suite ($bg) rc: $(cat "$bg/rc" 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite$tag.log"
 }
 
-stages=${*:-suite own}  # the whole GPU suite: one process, then the own-process files
+stages=$*
 for stage in $stages; do
   case $stage in
+    setup)  # the set-up above alone (wheels, device, native helpers built)
+      ;;
     startup)  # what one fresh process costs (the GPU tests start ~60): torch, CUDA, graphtree, a first tree
       for code in "import torch" "import torch; torch.zeros(1, device='cuda')" "import torch, graphtree; torch.zeros(1, device='cuda')" \
           "import torch, graphtree; f = graphtree.graphed(lambda x: x * 2); x = torch.zeros(1, device='cuda'); [f(x) for _ in range(4)]; torch.cuda.synchronize()"; do
