@@ -21,7 +21,7 @@ from gt_fast_hit import count_fast_replays, module_stops, plant_recording, stand
 
 import graphtree
 from graphtree import _native
-from graphtree.tree import ambient, fast_hit, liveness, placement
+from graphtree.tree import ambient, fast_hit, liveness, placement, reach
 from graphtree.tree import graphed as graphed_mod
 from graphtree.tree import manager as manager_mod
 from graphtree.tree import walk as walk_mod
@@ -467,6 +467,32 @@ def test_a_value_the_code_reads_keys_the_fast_hit_as_the_python_path(stand_ins, 
     finally:
         SCALE = 2.0
     assert _state(tree, node) == before and launches.n == 2
+
+
+def test_a_steady_loop_checks_the_values_its_code_reads_without_calling_part(stand_ins, monkeypatch, request):
+    """The native fast hit compares the values a callable's code reads (a global here) with the last
+    call's itself (``reads_part``); ``FreeValues.part()``, the reference, runs where one changed."""
+    global SCALE
+    x = torch.randn(8, 8)
+    step = graphtree.graphed(scaled)
+    _record(step, x)
+    step(x)
+    parts: list[int] = []
+    real = reach.FreeValues.part
+    monkeypatch.setattr(reach.FreeValues, "part", lambda self: parts.append(1) or real(self))
+    seen = count_fast_replays(monkeypatch)
+    for _ in range(3):
+        step(x)
+    assert seen == [1, 1, 1], seen
+    native = request.node.callspec.params["stand_ins"] == "native"
+    assert len(parts) == (0 if native else 3), parts
+    (hit,) = step.fast_hits.values()
+    SCALE = 3.0
+    try:  # (rebound: part() gives a new part, and the fast hit misses)
+        assert fast_hit.replay_hit(step, hit, (x,), False) is fast_hit.MISS
+    finally:
+        SCALE = 2.0
+    assert len(parts) == (1 if native else 4), parts
 
 
 def test_a_fast_hit_that_missed_is_made_again_and_left_to_the_python_path_when_it_keeps_missing(stand_ins, monkeypatch):

@@ -52,6 +52,18 @@ def bench(
     return statistics.median(out)
 
 
+def _twice(t: torch.Tensor) -> torch.Tensor:
+    return t * 2 + 1
+
+
+class _ReadsAGlobal(torch.nn.Module):
+    """A module whose forward calls a global function (``benchmarks/per_call.py``'s modules do):
+    graphtree keys the function read, so each hit asks whether it was rebound."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _twice(t)
+
+
 def main() -> None:
     real = _native.wait(600)  # (before the probe turns the helpers off for its own process)
     p = importlib.import_module("replay_hit_cpu")
@@ -62,6 +74,7 @@ def main() -> None:
     # (a held output is invalidated through torch's CUDA bindings: a stand-in here, as the tests' is)
     walk_mod._torch.invalidate_storage = lambda ref, msg: None  # type: ignore[assignment]
     cases = (
+        ("module reading a global", lambda: graphtree.graphed(_ReadsAGlobal()), False, False),
         ("function", lambda: graphtree.graphed(lambda t: t * 2 + 1), True, False),
         ("function, output kept", lambda: graphtree.graphed(lambda t: t * 2 + 1), True, True),
         ("nn.Linear", lambda: graphtree.graphed(torch.nn.Linear(64, 64)), False, False),

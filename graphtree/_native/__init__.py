@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import array
+import hashlib
 import importlib.util
 import logging
 import os
@@ -39,8 +40,10 @@ log = logging.getLogger("graphtree")
 
 # (fastpath.cpp holds the module's table and joins the others'; draws.cpp is empty without the CUDA part)
 _SOURCES = [
-    Path(__file__).with_name(f) for f in ("fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "fast_replay.cpp")
+    Path(__file__).with_name(f)
+    for f in ("fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "fast_replay.cpp", "step_end.cpp")
 ]
+_HEADERS = [Path(__file__).with_name("fast_hit.h")]
 _ENV = "GRAPHTREE_NATIVE"
 
 loaded: ModuleType | None = None
@@ -174,11 +177,15 @@ def build_here() -> str:
 
     _find_ninja()
 
+    # torch rebuilds an extension when a listed source or a flag changes, not a header: the headers'
+    # digest goes in the flags
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:16]
+
     def load(name: str, cflags: list[str], ldflags: list[str], include: list[str] | None) -> str:
         module = cpp_extension.load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O2", *cflags],
+            extra_cflags=["-O2", f"-DGRAPHTREE_HEADERS_{headers}", *cflags],
             extra_ldflags=["-ldl", *ldflags],
             extra_include_paths=include,
             is_python_module=True,

@@ -3,7 +3,7 @@
 // depended on. Built with fastpath.cpp into the same module (graphtree/_native/__init__.py), whose
 // ambient, copy_in and addresses_unchanged it calls; only the CPython API is used here.
 
-#include <Python.h>
+#include "fast_hit.h"
 
 #include <cstddef>
 #include <initializer_list>
@@ -15,7 +15,6 @@ PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream);
 PyObject* detach_now(PyObject* t);
-int storage_of_now(PyObject* t, PyObject** out);
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
@@ -28,111 +27,7 @@ using graphtree_native::signature_now;
 using graphtree_native::copy_in_now;
 using graphtree_native::detach_now;
 using graphtree_native::launch_now;
-using graphtree_native::storage_of_now;
-
-// A new reference, released at the end of its scope.
-struct Ref {
-  PyObject* p;
-  explicit Ref(PyObject* o = nullptr) : p(o) {}
-  ~Ref() { Py_XDECREF(p); }
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-  void reset(PyObject* o) {
-    Py_XDECREF(p);
-    p = o;
-  }
-  PyObject* get() const { return p; }
-  PyObject* release() {
-    PyObject* o = p;
-    p = nullptr;
-    return o;
-  }
-};
-
-// The attribute names fast_replay reads, interned once.
-struct Names {
-  PyObject *takes_python_path, *next_id, *models, *training, *active, *part, *dict, *managers, *one_step, *lock,
-      *acquire, *release, *walk, *path, *step_requested, *user_steps, *called, *root, *warming, *current, *first,
-      *children, *order, *unconditional, *statics_only, *epoch, *statics, *static_packed, *new_step,
-      *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
-      *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
-      *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
-      *refs, *base_holders, *last_replayed, *generation, *numbers, *by_value, *loaded, *exec, *single, *keep_base,
-      *groups, *message, *invalidate_storage, *weak_free;
-  bool ok = false;
-};
-
-Names* names() {
-  static Names n;
-  if (n.ok) return &n;
-  const char* all[] = {"takes_python_path", "next_id", "models", "training", "active", "part", "__dict__",
-                       "managers", "one_step", "lock", "acquire", "release", "walk", "path", "step_requested",
-                       "user_steps", "called", "root", "warming", "current", "first", "children", "order",
-                       "unconditional", "statics_only", "epoch", "statics", "static_packed",
-                       "new_step", "memory", "live", "inputs", "_native", "copy_in", "_launch",
-                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit", "plan",
-                       "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
-                       "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
-                       "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
-                       "generation", "numbers", "by_value", "loaded", "exec", "_single", "_keep_base", "groups",
-                       "message", "invalidate_storage", "weak_free"};
-  PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
-                        &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
-                        &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
-                        &n.children, &n.order, &n.unconditional, &n.statics_only, &n.epoch,
-                        &n.statics, &n.static_packed, &n.new_step, &n.memory, &n.live, &n.inputs, &n.native,
-                        &n.copy_in, &n.launch, &n.raise_replay_error, &n.replays, &n.writes, &n.grads, &n.hand_out,
-                        &n.counters, &n.hit, &n.plan, &n.snapshots, &n.disabled_reason, &n.bucketing, &n.reach,
-                        &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
-                        &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
-                        &n.base_holders, &n.last_replayed, &n.generation, &n.numbers, &n.by_value, &n.loaded,
-                        &n.exec, &n.single, &n.keep_base, &n.groups, &n.message, &n.invalidate_storage,
-                        &n.weak_free};
-  static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
-  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
-    *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
-    if (*slots[i] == nullptr) return nullptr;
-  }
-  n.ok = true;
-  return &n;
-}
-
-// The plan FastHit builds once (fast_hit.py: FastHit.plan), by index.
-enum PlanItem {
-  kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
-  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kGradEnabled,
-  kCollected, kUseCount, kTorch, kWeakExpired, kPlanSize
-};
-
-// The int 1 (a borrowed reference, made once).
-PyObject* one() {
-  static PyObject* value = PyLong_FromLong(1);
-  return value;
-}
-
-// What the weak reference `ref` points to (a new reference), or nullptr where it died.
-PyObject* alive(PyObject* ref) {
-#if PY_VERSION_HEX >= 0x030D0000
-  PyObject* obj = nullptr;
-  return PyWeakref_GetRef(ref, &obj) > 0 ? obj : nullptr;
-#else
-  PyObject* obj = PyWeakref_GetObject(ref);  // (borrowed; None once dead)
-  return obj == nullptr || obj == Py_None ? nullptr : Py_NewRef(obj);
-#endif
-}
-
-// 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is true.
-int attr_true(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
-  return v.get() == nullptr ? -1 : PyObject_IsTrue(v.get());
-}
-
-// 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is not None.
-int attr_set(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
-  return v.get() == nullptr ? -1 : v.get() != Py_None;
-}
-
+using namespace graphtree_native::fast;  // NOLINT: the shared definitions (fast_hit.h)
 // GraphedCallable.takes_python_path(needs_grad), read here where its answer needs no Python: 1
 // where a call of tensors alone goes anywhere but its tree's replay (debug snapshots, disabled,
 // buckets, closure tensors followed, a training step, an autograd graph to build), 0 where it
@@ -164,6 +59,45 @@ int takes_python_path(PyObject* gc, PyObject* needs_grad, PyObject* const* plan,
   return off.get() == nullptr ? -1 : off.get() != Py_False;
 }
 
+// reach.FreeValues.part() where its answer is its cached part: the values the code reads, each read
+// from an exact dict (globals, an object's __dict__), all the very objects of the last call, no
+// module registered since its structure was read. Anything else (a value rebound, a closure's cell,
+// the first call, a restructure) calls part() itself, the reference. A new reference.
+PyObject* reads_part(PyObject* free, PyObject* const* plan, Names* s) {
+  Ref reads(PyObject_GetAttr(free, s->reads_));
+  Ref structure(reads.get() ? PyObject_GetAttr(free, s->structure) : nullptr);
+  Ref cache(structure.get() ? PyObject_GetAttr(free, s->cache) : nullptr);
+  if (cache.get() == nullptr) return nullptr;
+  auto python = [&] { return PyObject_CallMethodNoArgs(free, s->part); };
+  if (!PyList_Check(reads.get()) || PyList_GET_SIZE(reads.get()) == 0 || !PyList_Check(structure.get()) ||
+      !PyTuple_Check(cache.get()) || PyTuple_GET_SIZE(cache.get()) != 2) {
+    return python();
+  }
+  if (PyList_GET_SIZE(structure.get()) > 0) {  // (a module registered since: part() reads the structure again)
+    Ref epoch(PyObject_GetAttr(free, s->epoch_));
+    PyObject* cell = plan[kEpochCell];
+    if (epoch.get() == nullptr) return nullptr;
+    if (!PyList_Check(cell) || PyList_GET_SIZE(cell) < 1) return python();
+    const int same = PyObject_RichCompareBool(PyList_GET_ITEM(cell, 0), epoch.get(), Py_EQ);
+    if (same < 0) return nullptr;
+    if (!same) return python();
+  }
+  PyObject* last = PyTuple_GET_ITEM(cache.get(), 0);
+  PyObject* cached = PyTuple_GET_ITEM(cache.get(), 1);
+  const Py_ssize_t n = PyList_GET_SIZE(reads.get());
+  if (cached == Py_None || !PyList_Check(last) || PyList_GET_SIZE(last) != n) return python();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* read = PyList_GET_ITEM(reads.get(), i);  // (namespace, name, label)
+    if (!PyTuple_Check(read) || PyTuple_GET_SIZE(read) != 3 || !PyDict_CheckExact(PyTuple_GET_ITEM(read, 0))) {
+      return python();
+    }
+    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(read, 0), PyTuple_GET_ITEM(read, 1));  // (borrowed)
+    if (now == nullptr && PyErr_Occurred()) return nullptr;
+    if (now != PyList_GET_ITEM(last, i)) return python();  // (gone or rebound: part() decides)
+  }
+  return Py_NewRef(cached);
+}
+
 // LaunchOrder.unchanged: 1 where the current stream is the last call's (nothing to order), 0 where
 // it is another, -1 a Python error. `stream` gets the current raw stream (None without CUDA), which
 // the replay's copy and launch then use.
@@ -179,162 +113,6 @@ int order_unchanged(PyObject* tree, Names* s, Ref& stream) {
   stream.reset(device.get() ? PyObject_CallOneArg(stream_of.get(), device.get()) : nullptr);
   Ref last(stream.get() ? PyObject_GetAttr(order.get(), s->last_raw) : nullptr);
   return last.get() == nullptr ? -1 : PyObject_RichCompareBool(stream.get(), last.get(), Py_EQ);
-}
-
-// 1 where the caller no longer holds `node`'s output, a base OutputLiveness keeps between replays
-// (OutputLiveness._base_shared false: the storage's use count and the storage object's refcount
-// are those taken when the base was built), 0 where it may (or there is no base), -1 an error.
-int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
-  Ref live(PyObject_GetAttr(node, s->live));
-  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
-  if (base.get() == nullptr) return -1;
-  if (base.get() == Py_None) return 0;
-  Ref storage(PyObject_GetAttr(live.get(), s->base_storage));  // (held once here, as the twin's stack holds it)
-  Ref refs(storage.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
-  Ref holders(refs.get() ? PyObject_GetAttr(live.get(), s->base_holders) : nullptr);
-  if (holders.get() == nullptr) return -1;
-  if (!PyList_Check(refs.get()) || PyList_GET_SIZE(refs.get()) < 1 || !PyTuple_Check(holders.get()) ||
-      PyTuple_GET_SIZE(holders.get()) != 2) {
-    return 0;
-  }
-  Ref uses(PyObject_CallOneArg(plan[kUseCount], PyList_GET_ITEM(refs.get(), 0)));
-  Ref count(uses.get() ? PyLong_FromSsize_t(Py_REFCNT(storage.get())) : nullptr);
-  if (count.get() == nullptr) return -1;
-  const int same = PyObject_RichCompareBool(uses.get(), PyTuple_GET_ITEM(holders.get(), 0), Py_EQ);
-  if (same <= 0) return same;
-  return PyObject_RichCompareBool(count.get(), PyTuple_GET_ITEM(holders.get(), 1), Py_EQ);
-}
-
-// A node of the path whose single output the caller still holds, built anew at its last replay
-// (OutputLiveness: no base, its one weak reference alive): OutputLiveness.release hands it to
-// Walk.end_step to invalidate. 1 with `live`, `ref` and `message` set (new references), 0 where the
-// node is not that case, -1 an error.
-int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref& ref, Ref& message) {
-  live.reset(PyObject_GetAttr(node, s->live));
-  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
-  Ref single(base.get() ? PyObject_GetAttr(live.get(), s->single) : nullptr);
-  Ref refs(single.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
-  if (refs.get() == nullptr) return -1;
-  if (base.get() != Py_None || single.get() == Py_None || !PyList_Check(refs.get()) ||
-      PyList_GET_SIZE(refs.get()) != 1) {
-    return 0;
-  }
-  ref.reset(Py_NewRef(PyList_GET_ITEM(refs.get(), 0)));
-  const int set = PyObject_IsTrue(ref.get());
-  if (set <= 0) return set;  // (0: released already)
-  Ref expired(PyObject_CallOneArg(plan[kWeakExpired], ref.get()));
-  if (expired.get() == nullptr) return -1;
-  if (expired.get() != Py_False) return 0;  // (the caller dropped it: release frees the reference)
-  Ref out_plan(PyObject_GetAttr(live.get(), s->plan));
-  Ref groups(out_plan.get() ? PyObject_GetAttr(out_plan.get(), s->groups) : nullptr);
-  if (groups.get() == nullptr) return -1;
-  if (!PyList_Check(groups.get()) || PyList_GET_SIZE(groups.get()) < 1) return 0;
-  message.reset(PyObject_GetAttr(PyList_GET_ITEM(groups.get(), 0), s->message));
-  return message.get() == nullptr ? -1 : 1;
-}
-
-// Walk.end_step's invalidations for the nodes of `path` from `first` on, each either a base the
-// caller dropped (nothing to release) or a single output the caller holds (held_single), where no
-// leaf of this call is on an output to invalidate (Walk.end_step clones those first): 1 done
-// (OutputLiveness.release's writes, then each output invalidated and its weak reference freed, in
-// Walk.end_step's order), 0 nothing changed (Python ends the step), -1 an error.
-int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject* const* plan, Names* s) {
-  constexpr Py_ssize_t kMost = 8;
-  Ref lives[kMost], refs[kMost], messages[kMost];
-  Py_ssize_t held = 0;
-  for (Py_ssize_t i = first; i < PyList_GET_SIZE(path); ++i) {
-    PyObject* node = PyList_GET_ITEM(path, i);
-    const int dropped = base_dropped(node, plan, s);
-    if (dropped < 0) return -1;
-    if (dropped) continue;
-    if (held == kMost) return 0;
-    const int one = held_single(node, plan, s, lives[held], refs[held], messages[held]);
-    if (one <= 0) return one;
-    ++held;
-  }
-  if (!PyTuple_Check(leaves) && !PyList_Check(leaves)) return 0;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(leaves); ++i) {
-    PyObject* key = nullptr;
-    const int tensor = storage_of_now(PySequence_Fast_GET_ITEM(leaves, i), &key);
-    if (tensor < 0) return -1;
-    if (tensor == 2) return 0;  // (a tensor subclass: Python reads its storage)
-    if (tensor == 0) continue;
-    Ref k(key);
-    for (Py_ssize_t h = 0; h < held; ++h) {
-      const int same = PyObject_RichCompareBool(k.get(), refs[h].get(), Py_EQ);
-      if (same != 0) return same < 0 ? -1 : 0;
-    }
-  }
-  // From here on, the writes: OutputLiveness.release's, then Walk.end_step's invalidations.
-  Ref zero(PyLong_FromLong(0));
-  if (zero.get() == nullptr) return -1;
-  for (Py_ssize_t h = 0; h < held; ++h) {
-    Ref live_refs(PyObject_GetAttr(lives[h].get(), s->refs));
-    if (live_refs.get() == nullptr || PyList_SetItem(live_refs.get(), 0, Py_NewRef(zero.get())) < 0 ||
-        PyObject_SetAttr(lives[h].get(), s->keep_base, Py_False) < 0) {
-      return -1;
-    }
-  }
-  // (both read from _torch now, as Walk.end_step reads them: tests replace them)
-  Ref invalidate(PyObject_GetAttr(plan[kTorch], s->invalidate_storage));
-  Ref free_ref(invalidate.get() ? PyObject_GetAttr(plan[kTorch], s->weak_free) : nullptr);
-  if (free_ref.get() == nullptr) return -1;
-  for (Py_ssize_t h = 0; h < held; ++h) {
-    PyObject* a[2] = {refs[h].get(), messages[h].get()};
-    Ref done(PyObject_Vectorcall(invalidate.get(), a, 2, nullptr));
-    if (done.get() == nullptr) return -1;
-  }
-  for (Py_ssize_t h = 0; h < held; ++h) {
-    Ref freed(PyObject_CallOneArg(free_ref.get(), refs[h].get()));
-    if (freed.get() == nullptr) return -1;
-  }
-  return 1;
-}
-
-// TreeManager.new_step where the step that ends leaves nothing Python must decide: no tree retired
-// in it, no graphed callable collected since the last step, and every output of its path either a
-// base the caller dropped or a single output the caller holds, which is invalidated here
-// (invalidate_held). Makes Walk.end_step's writes and returns 1; 0 (nothing changed) where Python
-// must end the step; -1 a Python error.
-int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject* const* plan, Names* s) {
-  Ref retired(PyObject_GetAttr(walk, s->retired));
-  Ref seen(retired.get() ? PyObject_GetAttr(tree, s->collected_seen) : nullptr);
-  if (seen.get() == nullptr) return -1;
-  if (!PyList_Check(retired.get()) || PyList_GET_SIZE(retired.get()) != 0 || !PyList_Check(plan[kCollected])) {
-    return 0;
-  }
-  const Py_ssize_t n = PyLong_AsSsize_t(seen.get());
-  if (n < 0 && PyErr_Occurred()) return -1;
-  if (n != PyList_GET_SIZE(plan[kCollected])) return 0;
-  Ref path(PyObject_GetAttr(walk, s->path));
-  if (path.get() == nullptr) return -1;
-  if (!PyList_Check(path.get())) return 0;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path.get()); ++i) {
-    const int dropped = base_dropped(PyList_GET_ITEM(path.get(), i), plan, s);
-    if (dropped < 0) return -1;
-    if (dropped == 0) {  // (an output the caller may hold: the rest of the path decided there)
-      const int done = invalidate_held(path.get(), i, leaves, plan, s);
-      if (done <= 0) return done;
-      break;
-    }
-  }
-  const Py_ssize_t depth = PyList_GET_SIZE(path.get());
-  if (depth > 0 && PyObject_SetAttr(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
-  Ref fresh(PyList_New(0));
-  Ref root(fresh.get() ? PyObject_GetAttr(walk, s->root) : nullptr);
-  if (root.get() == nullptr || PyObject_SetAttr(walk, s->path, fresh.get()) < 0 ||
-      PyObject_SetAttr(walk, s->current, root.get()) < 0 || PyObject_SetAttr(walk, s->warming, Py_False) < 0) {
-    return -1;
-  }
-  Ref called(PyObject_GetAttr(walk, s->called));
-  if (called.get() == nullptr || !PySet_Check(called.get()) || PySet_Clear(called.get()) < 0) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "graphtree: Walk.called is not a set");
-    return -1;
-  }
-  if (PyObject_SetAttr(walk, s->step_requested, Py_False) < 0) return -1;
-  Ref generation(PyObject_GetAttr(walk, s->generation));
-  Ref next(generation.get() ? PyNumber_Add(generation.get(), one()) : nullptr);
-  return next.get() == nullptr || PyObject_SetAttr(walk, s->generation, next.get()) < 0 ? -1 : 1;
 }
 
 // The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping) on the
@@ -459,7 +237,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const int active = attr_true(plan[kFree], s->active);
   if (active < 0) return nullptr;
-  Ref reads(active ? PyObject_CallMethodNoArgs(plan[kFree], s->part) : Py_NewRef(Py_None));
+  Ref reads(active ? reads_part(plan[kFree], plan, s) : Py_NewRef(Py_None));
   if (reads.get() == nullptr) return nullptr;
   if (reads.get() != plan[kReads]) return missed();
   // This thread's tree, and whether it may start a step by itself.

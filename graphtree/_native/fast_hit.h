@@ -1,0 +1,121 @@
+// What the fast hit's native twin (fast_replay.cpp) and its step end (step_end.cpp) share: a
+// reference holder, the attribute names they read, interned once, and the plan's layout
+// (tree/fast_hit.py: FastHit.plan). graphtree/_native/__init__.py puts a digest of this header in
+// the build's flags, so that a change here rebuilds the module (torch's extension build hashes the
+// listed sources alone). Only the CPython API is used here.
+
+#pragma once
+
+#include <Python.h>
+
+#include <cstddef>
+
+namespace graphtree_native::fast {
+
+// A new reference, released at the end of its scope.
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* o = nullptr) : p(o) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  void reset(PyObject* o) {
+    Py_XDECREF(p);
+    p = o;
+  }
+  PyObject* get() const { return p; }
+  PyObject* release() {
+    PyObject* o = p;
+    p = nullptr;
+    return o;
+  }
+};
+
+// The attribute names fast_replay reads, interned once.
+struct Names {
+  PyObject *takes_python_path, *next_id, *models, *training, *active, *part, *dict, *managers, *one_step, *lock,
+      *acquire, *release, *walk, *path, *step_requested, *user_steps, *called, *root, *warming, *current, *first,
+      *children, *order, *unconditional, *statics_only, *epoch, *statics, *static_packed, *new_step,
+      *memory, *live, *inputs, *native, *copy_in, *launch, *raise_replay_error, *replays, *writes, *grads,
+      *hand_out, *counters, *hit, *plan, *snapshots, *disabled_reason, *bucketing, *reach, *cells, *step, *trains,
+      *grad_off_inside, *forward, *raw_stream, *last_raw, *device, *retired, *collected_seen, *base, *base_storage,
+      *refs, *base_holders, *last_replayed, *generation, *numbers, *by_value, *loaded, *exec, *single, *keep_base,
+      *groups, *message, *invalidate_storage, *weak_free, *reads_, *structure, *cache, *epoch_;
+  bool ok = false;
+};
+
+inline Names* names() {
+  static Names n;
+  if (n.ok) return &n;
+  const char* all[] = {"takes_python_path", "next_id", "models", "training", "active", "part", "__dict__",
+                       "managers", "one_step", "lock", "acquire", "release", "walk", "path", "step_requested",
+                       "user_steps", "called", "root", "warming", "current", "first", "children", "order",
+                       "unconditional", "statics_only", "epoch", "statics", "static_packed",
+                       "new_step", "memory", "live", "inputs", "_native", "copy_in", "_launch",
+                       "raise_replay_error", "replays", "writes", "grads", "hand_out", "counters", "hit", "plan",
+                       "_snapshots", "disabled_reason", "bucketing", "_reach", "cells", "_step", "trains",
+                       "_grad_off_inside", "_forward", "_raw_stream", "_last_raw", "device", "retired",
+                       "_collected_seen", "_base", "_base_storage", "refs", "_base_holders", "last_replayed",
+                       "generation", "numbers", "by_value", "loaded", "exec", "_single", "_keep_base", "groups",
+                       "message", "invalidate_storage", "weak_free", "_reads", "_structure", "_cache", "_epoch"};
+  PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
+                        &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
+                        &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
+                        &n.children, &n.order, &n.unconditional, &n.statics_only, &n.epoch,
+                        &n.statics, &n.static_packed, &n.new_step, &n.memory, &n.live, &n.inputs, &n.native,
+                        &n.copy_in, &n.launch, &n.raise_replay_error, &n.replays, &n.writes, &n.grads, &n.hand_out,
+                        &n.counters, &n.hit, &n.plan, &n.snapshots, &n.disabled_reason, &n.bucketing, &n.reach,
+                        &n.cells, &n.step, &n.trains, &n.grad_off_inside, &n.forward, &n.raw_stream, &n.last_raw,
+                        &n.device, &n.retired, &n.collected_seen, &n.base, &n.base_storage, &n.refs,
+                        &n.base_holders, &n.last_replayed, &n.generation, &n.numbers, &n.by_value, &n.loaded,
+                        &n.exec, &n.single, &n.keep_base, &n.groups, &n.message, &n.invalidate_storage,
+                        &n.weak_free, &n.reads_, &n.structure, &n.cache, &n.epoch_};
+  static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
+    *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)
+    if (*slots[i] == nullptr) return nullptr;
+  }
+  n.ok = true;
+  return &n;
+}
+
+// The plan FastHit builds once (fast_hit.py: FastHit.plan), by index.
+enum PlanItem {
+  kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
+  kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kGradEnabled,
+  kCollected, kUseCount, kTorch, kWeakExpired, kPlanSize
+};
+
+// The int 1 (a borrowed reference, made once).
+inline PyObject* one() {
+  static PyObject* value = PyLong_FromLong(1);
+  return value;
+}
+
+// What the weak reference `ref` points to (a new reference), or nullptr where it died.
+inline PyObject* alive(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  return PyWeakref_GetRef(ref, &obj) > 0 ? obj : nullptr;
+#else
+  PyObject* obj = PyWeakref_GetObject(ref);  // (borrowed; None once dead)
+  return obj == nullptr || obj == Py_None ? nullptr : Py_NewRef(obj);
+#endif
+}
+
+// 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is true.
+inline int attr_true(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v.get() == nullptr ? -1 : PyObject_IsTrue(v.get());
+}
+
+// 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is not None.
+inline int attr_set(PyObject* obj, PyObject* name) {
+  Ref v(PyObject_GetAttr(obj, name));
+  return v.get() == nullptr ? -1 : v.get() != Py_None;
+}
+
+// step_end.cpp: TreeManager.new_step's common cases, natively (1 done, 0 Python ends the step, -1 an error).
+int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject* const* plan, Names* s);
+
+}  // namespace graphtree_native::fast

@@ -1,0 +1,173 @@
+// The end of a step the fast hit's native twin (fast_replay.cpp) makes itself: TreeManager.new_step
+// (Walk.end_step, OutputLiveness.release) where the path's outputs are bases the caller dropped or
+// single outputs the caller still holds, which are invalidated as Walk.end_step invalidates them.
+// Everything else is left to TreeManager.new_step, the reference. Only the CPython API is used here.
+
+#include "fast_hit.h"
+
+namespace graphtree_native {
+int storage_of_now(PyObject* t, PyObject** out);  // fastpath.cpp
+}  // namespace graphtree_native
+
+namespace graphtree_native::fast {
+namespace {
+
+// 1 where the caller no longer holds `node`'s output, a base OutputLiveness keeps between replays
+// (OutputLiveness._base_shared false: the storage's use count and the storage object's refcount
+// are those taken when the base was built), 0 where it may (or there is no base), -1 an error.
+int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
+  Ref live(PyObject_GetAttr(node, s->live));
+  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+  if (base.get() == nullptr) return -1;
+  if (base.get() == Py_None) return 0;
+  Ref storage(PyObject_GetAttr(live.get(), s->base_storage));  // (held once here, as the twin's stack holds it)
+  Ref refs(storage.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
+  Ref holders(refs.get() ? PyObject_GetAttr(live.get(), s->base_holders) : nullptr);
+  if (holders.get() == nullptr) return -1;
+  if (!PyList_Check(refs.get()) || PyList_GET_SIZE(refs.get()) < 1 || !PyTuple_Check(holders.get()) ||
+      PyTuple_GET_SIZE(holders.get()) != 2) {
+    return 0;
+  }
+  Ref uses(PyObject_CallOneArg(plan[kUseCount], PyList_GET_ITEM(refs.get(), 0)));
+  Ref count(uses.get() ? PyLong_FromSsize_t(Py_REFCNT(storage.get())) : nullptr);
+  if (count.get() == nullptr) return -1;
+  const int same = PyObject_RichCompareBool(uses.get(), PyTuple_GET_ITEM(holders.get(), 0), Py_EQ);
+  if (same <= 0) return same;
+  return PyObject_RichCompareBool(count.get(), PyTuple_GET_ITEM(holders.get(), 1), Py_EQ);
+}
+
+// A node of the path whose single output the caller still holds, built anew at its last replay
+// (OutputLiveness: no base, its one weak reference alive): OutputLiveness.release hands it to
+// Walk.end_step to invalidate. 1 with `live`, `ref` and `message` set (new references), 0 where the
+// node is not that case, -1 an error.
+int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref& ref, Ref& message) {
+  live.reset(PyObject_GetAttr(node, s->live));
+  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+  Ref single(base.get() ? PyObject_GetAttr(live.get(), s->single) : nullptr);
+  Ref refs(single.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
+  if (refs.get() == nullptr) return -1;
+  if (base.get() != Py_None || single.get() == Py_None || !PyList_Check(refs.get()) ||
+      PyList_GET_SIZE(refs.get()) != 1) {
+    return 0;
+  }
+  ref.reset(Py_NewRef(PyList_GET_ITEM(refs.get(), 0)));
+  const int set = PyObject_IsTrue(ref.get());
+  if (set <= 0) return set;  // (0: released already)
+  Ref expired(PyObject_CallOneArg(plan[kWeakExpired], ref.get()));
+  if (expired.get() == nullptr) return -1;
+  if (expired.get() != Py_False) return 0;  // (the caller dropped it: release frees the reference)
+  Ref out_plan(PyObject_GetAttr(live.get(), s->plan));
+  Ref groups(out_plan.get() ? PyObject_GetAttr(out_plan.get(), s->groups) : nullptr);
+  if (groups.get() == nullptr) return -1;
+  if (!PyList_Check(groups.get()) || PyList_GET_SIZE(groups.get()) < 1) return 0;
+  message.reset(PyObject_GetAttr(PyList_GET_ITEM(groups.get(), 0), s->message));
+  return message.get() == nullptr ? -1 : 1;
+}
+
+// Walk.end_step's invalidations for the nodes of `path` from `first` on, each either a base the
+// caller dropped (nothing to release) or a single output the caller holds (held_single), where no
+// leaf of this call is on an output to invalidate (Walk.end_step clones those first): 1 done
+// (OutputLiveness.release's writes, then each output invalidated and its weak reference freed, in
+// Walk.end_step's order), 0 nothing changed (Python ends the step), -1 an error.
+int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject* const* plan, Names* s) {
+  constexpr Py_ssize_t kMost = 8;
+  Ref lives[kMost], refs[kMost], messages[kMost];
+  Py_ssize_t held = 0;
+  for (Py_ssize_t i = first; i < PyList_GET_SIZE(path); ++i) {
+    PyObject* node = PyList_GET_ITEM(path, i);
+    const int dropped = base_dropped(node, plan, s);
+    if (dropped < 0) return -1;
+    if (dropped) continue;
+    if (held == kMost) return 0;
+    const int one = held_single(node, plan, s, lives[held], refs[held], messages[held]);
+    if (one <= 0) return one;
+    ++held;
+  }
+  if (!PyTuple_Check(leaves) && !PyList_Check(leaves)) return 0;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(leaves); ++i) {
+    PyObject* key = nullptr;
+    const int tensor = storage_of_now(PySequence_Fast_GET_ITEM(leaves, i), &key);
+    if (tensor < 0) return -1;
+    if (tensor == 2) return 0;  // (a tensor subclass: Python reads its storage)
+    if (tensor == 0) continue;
+    Ref k(key);
+    for (Py_ssize_t h = 0; h < held; ++h) {
+      const int same = PyObject_RichCompareBool(k.get(), refs[h].get(), Py_EQ);
+      if (same != 0) return same < 0 ? -1 : 0;
+    }
+  }
+  // From here on, the writes: OutputLiveness.release's, then Walk.end_step's invalidations.
+  Ref zero(PyLong_FromLong(0));
+  if (zero.get() == nullptr) return -1;
+  for (Py_ssize_t h = 0; h < held; ++h) {
+    Ref live_refs(PyObject_GetAttr(lives[h].get(), s->refs));
+    if (live_refs.get() == nullptr || PyList_SetItem(live_refs.get(), 0, Py_NewRef(zero.get())) < 0 ||
+        PyObject_SetAttr(lives[h].get(), s->keep_base, Py_False) < 0) {
+      return -1;
+    }
+  }
+  // (both read from _torch now, as Walk.end_step reads them: tests replace them)
+  Ref invalidate(PyObject_GetAttr(plan[kTorch], s->invalidate_storage));
+  Ref free_ref(invalidate.get() ? PyObject_GetAttr(plan[kTorch], s->weak_free) : nullptr);
+  if (free_ref.get() == nullptr) return -1;
+  for (Py_ssize_t h = 0; h < held; ++h) {
+    PyObject* a[2] = {refs[h].get(), messages[h].get()};
+    Ref done(PyObject_Vectorcall(invalidate.get(), a, 2, nullptr));
+    if (done.get() == nullptr) return -1;
+  }
+  for (Py_ssize_t h = 0; h < held; ++h) {
+    Ref freed(PyObject_CallOneArg(free_ref.get(), refs[h].get()));
+    if (freed.get() == nullptr) return -1;
+  }
+  return 1;
+}
+
+// TreeManager.new_step where the step that ends leaves nothing Python must decide: no tree retired
+// in it, no graphed callable collected since the last step, and every output of its path either a
+// base the caller dropped or a single output the caller holds, which is invalidated here
+// (invalidate_held). Makes Walk.end_step's writes and returns 1; 0 (nothing changed) where Python
+// must end the step; -1 a Python error.
+}  // namespace
+
+int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject* const* plan, Names* s) {
+  Ref retired(PyObject_GetAttr(walk, s->retired));
+  Ref seen(retired.get() ? PyObject_GetAttr(tree, s->collected_seen) : nullptr);
+  if (seen.get() == nullptr) return -1;
+  if (!PyList_Check(retired.get()) || PyList_GET_SIZE(retired.get()) != 0 || !PyList_Check(plan[kCollected])) {
+    return 0;
+  }
+  const Py_ssize_t n = PyLong_AsSsize_t(seen.get());
+  if (n < 0 && PyErr_Occurred()) return -1;
+  if (n != PyList_GET_SIZE(plan[kCollected])) return 0;
+  Ref path(PyObject_GetAttr(walk, s->path));
+  if (path.get() == nullptr) return -1;
+  if (!PyList_Check(path.get())) return 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path.get()); ++i) {
+    const int dropped = base_dropped(PyList_GET_ITEM(path.get(), i), plan, s);
+    if (dropped < 0) return -1;
+    if (dropped == 0) {  // (an output the caller may hold: the rest of the path decided there)
+      const int done = invalidate_held(path.get(), i, leaves, plan, s);
+      if (done <= 0) return done;
+      break;
+    }
+  }
+  const Py_ssize_t depth = PyList_GET_SIZE(path.get());
+  if (depth > 0 && PyObject_SetAttr(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
+  Ref fresh(PyList_New(0));
+  Ref root(fresh.get() ? PyObject_GetAttr(walk, s->root) : nullptr);
+  if (root.get() == nullptr || PyObject_SetAttr(walk, s->path, fresh.get()) < 0 ||
+      PyObject_SetAttr(walk, s->current, root.get()) < 0 || PyObject_SetAttr(walk, s->warming, Py_False) < 0) {
+    return -1;
+  }
+  Ref called(PyObject_GetAttr(walk, s->called));
+  if (called.get() == nullptr || !PySet_Check(called.get()) || PySet_Clear(called.get()) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "graphtree: Walk.called is not a set");
+    return -1;
+  }
+  if (PyObject_SetAttr(walk, s->step_requested, Py_False) < 0) return -1;
+  Ref generation(PyObject_GetAttr(walk, s->generation));
+  Ref next(generation.get() ? PyNumber_Add(generation.get(), one()) : nullptr);
+  return next.get() == nullptr || PyObject_SetAttr(walk, s->generation, next.get()) < 0 ? -1 : 1;
+}
+
+}  // namespace graphtree_native::fast
