@@ -64,9 +64,10 @@ int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref&
   return message.get() == nullptr ? -1 : 1;
 }
 
-// Walk.end_step's invalidations for the nodes of `path` from `first` on, each either a base the
-// caller dropped (nothing to release) or a single output the caller holds (held_single), where no
-// leaf of this call is on an output to invalidate (Walk.end_step clones those first): 1 done
+// Walk.end_step's invalidations for the nodes of `path` from `first` on (whose output is no dropped
+// base: the caller found that), each either a base the caller dropped (nothing to release) or a
+// single output the caller holds (held_single), where no leaf of this call is on an output to
+// invalidate (Walk.end_step clones those first): 1 done
 // (OutputLiveness.release's writes, then each output invalidated and its weak reference freed, in
 // Walk.end_step's order), 0 nothing changed (Python ends the step), -1 an error.
 int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject* const* plan, Names* s) {
@@ -75,7 +76,7 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
   Py_ssize_t held = 0;
   for (Py_ssize_t i = first; i < PyList_GET_SIZE(path); ++i) {
     PyObject* node = PyList_GET_ITEM(path, i);
-    const int dropped = base_dropped(node, plan, s);
+    const int dropped = i == first ? 0 : base_dropped(node, plan, s);  // (`first`'s: the caller's answer)
     if (dropped < 0) return -1;
     if (dropped) continue;
     if (held == kMost) return 0;
