@@ -172,12 +172,27 @@ class _WeakRefs:
         self._free(r)
 
 
-def _counted_new_step(real: Any, calls: list[int]) -> Any:
-    def new_step(tree: Any, leaves: Any) -> Any:
-        calls.append(1)
-        return real(tree, leaves)
+_REAL = (liveness._weak_ref, liveness._weak_free, manager_mod.TreeManager.new_step)  # (before any test patches)
 
-    return new_step
+
+def _watch_step_ends(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, str]], _WeakRefs, list[int]]:
+    """What ending a step does, recorded: each output invalidated ``(ref, message)`` (a stand-in for
+    CUDA's invalidation), the output storages' weak references made and freed, and one item per step
+    ended by ``TreeManager.new_step`` (Python's end) rather than natively."""
+    invalidated: list[tuple[int, str]] = []
+    monkeypatch.setattr(walk_mod._torch, "invalidate_storage", lambda ref, msg: invalidated.append((ref, msg)))
+    refs = _WeakRefs(_REAL[0], _REAL[1])
+    monkeypatch.setattr(liveness, "_weak_ref", refs.ref)
+    monkeypatch.setattr(liveness, "_weak_free", refs.free)
+    monkeypatch.setattr(walk_mod._torch, "weak_free", refs.free)
+    in_python: list[int] = []
+
+    def new_step(tree: Any, leaves: Any) -> Any:
+        in_python.append(1)
+        return _REAL[2](tree, leaves)
+
+    monkeypatch.setattr(manager_mod.TreeManager, "new_step", new_step)
+    return invalidated, refs, in_python
 
 
 def test_outputs_kept_call_after_call_are_invalidated_as_on_the_python_path(stand_ins, monkeypatch, request):
@@ -186,25 +201,14 @@ def test_outputs_kept_call_after_call_are_invalidated_as_on_the_python_path(stan
     released, the same message, the same walk) where the twin calls ``TreeManager.new_step``; as many
     weak references are made and freed on both paths."""
     x = torch.randn(8, 8)
-    real = (liveness._weak_ref, liveness._weak_free)
     results = []
     for fast in (False, True):
         _fresh()
-        invalidated: list[tuple[int, str]] = []
-        monkeypatch.setattr(
-            walk_mod._torch, "invalidate_storage", lambda ref, msg, seen=invalidated: seen.append((ref, msg))
-        )
-        refs = _WeakRefs(*real)
-        monkeypatch.setattr(liveness, "_weak_ref", refs.ref)
-        monkeypatch.setattr(liveness, "_weak_free", refs.free)
-        monkeypatch.setattr(walk_mod._torch, "weak_free", refs.free)
+        invalidated, refs, in_python = _watch_step_ends(monkeypatch)
         step = graphtree.graphed(lambda t: t * 2 + 1)
         tree, node, _ = _record(step, x)
         step(x)
         seen = count_fast_replays(monkeypatch)
-        in_python: list[int] = []
-        real_step = manager_mod.TreeManager.new_step
-        monkeypatch.setattr(manager_mod.TreeManager, "new_step", _counted_new_step(real_step, in_python))
         states = []
         y = None
         for _ in range(6):
@@ -212,7 +216,6 @@ def test_outputs_kept_call_after_call_are_invalidated_as_on_the_python_path(stan
                 step.fast_hits.clear()
             y = step(x)  # (the last call's output is held while this one runs)
             states.append((_state(tree, node), _live_refs(node)))
-        monkeypatch.setattr(manager_mod.TreeManager, "new_step", real_step)
         assert y is not None
         assert seen == ([1] * 6 if fast else [])
         if fast and request.node.callspec.params["stand_ins"] == "native":
@@ -230,26 +233,16 @@ def test_two_calls_a_step_with_both_outputs_kept_are_invalidated_as_on_the_pytho
     """``a = f(x); b = g(a)`` in a loop: each step's path holds two recordings whose outputs the
     caller keeps into the next step; the native fast hit invalidates both, as the twin does."""
     x = torch.randn(8, 8)
-    real = (liveness._weak_ref, liveness._weak_free)
     results = []
     for fast in (False, True):
         _fresh()
-        invalidated: list[str] = []
-        monkeypatch.setattr(walk_mod._torch, "invalidate_storage", lambda ref, msg, seen=invalidated: seen.append(msg))
-        refs = _WeakRefs(*real)
-        monkeypatch.setattr(liveness, "_weak_ref", refs.ref)
-        monkeypatch.setattr(liveness, "_weak_free", refs.free)
-        monkeypatch.setattr(walk_mod._torch, "weak_free", refs.free)
+        invalidated, refs, in_python = _watch_step_ends(monkeypatch)
         f = graphtree.graphed(lambda t: t * 2 + 1, name="f")
         g = graphtree.graphed(lambda t: t - 1, name="g")
         tree, f_node, _ = _record(f, x)
         call = read_call((x,), {}, None)
         graphed_mod._key_state(call, None, g.free.part() if g.free.active else None, None)
         g_node = plant_recording(tree, g, call.key, x, _Launches(), parent=f_node)
-        in_python: list[int] = []
-        monkeypatch.setattr(
-            manager_mod.TreeManager, "new_step", _counted_new_step(manager_mod.TreeManager.new_step, in_python)
-        )
         states = []
         for _ in range(6):
             if not fast:
@@ -263,7 +256,7 @@ def test_two_calls_a_step_with_both_outputs_kept_are_invalidated_as_on_the_pytho
             assert in_python == [], in_python  # (each step with both outputs held ended natively)
         else:
             assert len(in_python) == 5, in_python  # (steps 2-6 through TreeManager.new_step)
-        results.append((invalidated, states, len(refs.made), len(refs.freed)))
+        results.append(([m for _, m in invalidated], states, len(refs.made), len(refs.freed)))
     assert results[0] == results[1], results
     assert len(results[0][0]) >= 6, results  # (both outputs of each step after the first kept ones)
 
@@ -271,17 +264,14 @@ def test_two_calls_a_step_with_both_outputs_kept_are_invalidated_as_on_the_pytho
 def test_a_held_output_fed_back_as_the_next_input_ends_its_step_in_python(stand_ins, monkeypatch):
     """``y = step(y)``: the output to invalidate is this call's input, which ``Walk.end_step``
     clones before invalidating it; the native fast hit leaves that step to ``TreeManager.new_step``."""
-    monkeypatch.setattr(walk_mod._torch, "invalidate_storage", lambda ref, msg: None)  # (CUDA's, on a GPU)
+    _, _, in_python = _watch_step_ends(monkeypatch)
     x = torch.randn(8, 8)
     step = graphtree.graphed(lambda t: t * 2 + 1)
     _record(step, x)
     step(x)  # (dropped: a base is kept from now on)
     y = step(x)  # the base, held
     y = step(x)  # an output built anew, held
-    in_python: list[int] = []
-    monkeypatch.setattr(
-        manager_mod.TreeManager, "new_step", _counted_new_step(manager_mod.TreeManager.new_step, in_python)
-    )
+    in_python.clear()
     seen = count_fast_replays(monkeypatch)
     z = step(y)
     assert seen == [1] and in_python == [1], (seen, in_python)
