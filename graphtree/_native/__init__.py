@@ -38,10 +38,11 @@ from types import ModuleType
 
 log = logging.getLogger("graphtree")
 
-# (fastpath.cpp holds the module's table and joins the others'; draws.cpp is empty without the CUDA part)
+# (fastpath.cpp holds the module's table and joins the others'; draws.cpp and outputs.cpp have their
+# functions in the CUDA part only)
 _SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "fast_replay.cpp", "step_end.cpp")
+    for f in ("fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "outputs.cpp", "fast_replay.cpp", "step_end.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("fast_hit.h")]
 _ENV = "GRAPHTREE_NATIVE"

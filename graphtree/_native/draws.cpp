@@ -25,11 +25,13 @@
 #include <mutex>
 
 namespace graphtree_native {
-void* runtime_symbol(const char* name);  // fastpath.cpp
+void* runtime_symbol(const char* name);            // fastpath.cpp
+PyObject* raise_cuda_error(int err, const char* what);  // fastpath.cpp
 }  // namespace graphtree_native
 
 namespace {
 
+using graphtree_native::raise_cuda_error;
 using graphtree_native::runtime_symbol;
 
 // body() with its C++ exceptions raised as Python ones: pybind11's (a cast that failed) as TypeError,
@@ -356,15 +358,13 @@ PyObject* launch_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       d->offset_known[i] = d->sealed;
       if (err != 0) {
         forget();
-        PyErr_Format(PyExc_RuntimeError, "graphtree: writing a generator's offset for a replay failed (CUDA error %d)", err);
-        return nullptr;
+        return raise_cuda_error(err, "write of a generator's seed and offset for a replay");
       }
     }
     const int err = graph_launch(d->exec, stream);
     if (err != 0) {
       forget();
-      PyErr_Format(PyExc_RuntimeError, "graphtree: cudaGraphLaunch failed (CUDA error %d)", err);
-      return nullptr;
+      return raise_cuda_error(err, "cudaGraphLaunch of a recording that draws");
     }
     Py_RETURN_NONE;
   });

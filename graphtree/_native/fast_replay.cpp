@@ -15,6 +15,7 @@ PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream);
 PyObject* detach_now(PyObject* t);
+int single_output_now(PyObject* single, PyObject* device, PyObject** tensor, PyObject** ref);  // outputs.cpp
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
@@ -27,6 +28,7 @@ using graphtree_native::signature_now;
 using graphtree_native::copy_in_now;
 using graphtree_native::detach_now;
 using graphtree_native::launch_now;
+using graphtree_native::single_output_now;
 using namespace graphtree_native::fast;  // NOLINT: the shared definitions (fast_hit.h)
 // GraphedCallable.takes_python_path(needs_grad), read here where its answer needs no Python: 1
 // where a call of tensors alone goes anywhere but its tree's replay (debug snapshots, disabled,
@@ -115,6 +117,33 @@ int order_unchanged(PyObject* tree, Names* s, Ref& stream) {
   return last.get() == nullptr ? -1 : PyObject_RichCompareBool(stream.get(), last.get(), Py_EQ);
 }
 
+// OutputLiveness.hand_out's second case where the CUDA part is built: a single output built anew on
+// its pool memory (single_output_now) where the last step's output was released (every weak
+// reference 0) and no base is to be kept. 1 with `out` set, 0 where the Python twin hands it out,
+// -1 an error.
+int hand_out_single(PyObject* live, PyObject* device, Names* s, Ref& out) {
+  const int keep = attr_true(live, s->keep_base);
+  if (keep != 0) return keep < 0 ? -1 : 0;
+  Ref single(PyObject_GetAttr(live, s->single));
+  Ref refs(single.get() ? PyObject_GetAttr(live, s->refs) : nullptr);
+  if (refs.get() == nullptr) return -1;
+  if (single.get() == Py_None || !PyList_Check(refs.get())) return 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs.get()); ++i) {
+    const int set = PyObject_IsTrue(PyList_GET_ITEM(refs.get(), i));
+    if (set != 0) return set < 0 ? -1 : 0;  // (a reference to free first: the twin frees it)
+  }
+  PyObject *tensor = nullptr, *ref = nullptr;
+  const int built = single_output_now(single.get(), device, &tensor, &ref);
+  if (built <= 0) return built;
+  Ref t(tensor), r(ref);
+  Ref now(PyList_New(1));
+  if (now.get() == nullptr) return -1;
+  PyList_SET_ITEM(now.get(), 0, r.release());
+  if (PyObject_SetAttr(live, s->refs, now.get()) < 0) return -1;
+  out.reset(t.release());
+  return 1;
+}
+
 // The replay's copy-in, launch and outputs (Node.replay, with Node.hand_out's bookkeeping) on the
 // current raw stream `stream` (None without CUDA), any RuntimeError handed to tree.raise_replay_error
 // as TreeManager.call hands it.
@@ -166,6 +195,7 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
       out.reset(detach_now(base.get()));
       return;
     }
+    if (hand_out_single(live.get(), plan[kDevice], s, out) != 0) return;  // (-1: out stays null)
     out.reset(PyObject_CallMethodObjArgs(live.get(), s->hand_out, leaves, n.get(), nullptr));
   }();
   if (out.get() == nullptr && PyErr_ExceptionMatches(PyExc_RuntimeError)) {

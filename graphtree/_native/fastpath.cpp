@@ -318,11 +318,29 @@ PyObject* cuda_error_type() {
   return type;
 }
 
+}  // namespace
+
+namespace graphtree_native {
+// Raise CUDA error `err` as torch's check raises it (cuda_error_type, "CUDA error: " and the
+// runtime's message), `what` naming graphtree's call, the error cleared as torch clears it
+// (cudaGetLastError). Returns nullptr, for `return raise_cuda_error(...)`. draws.cpp uses it too.
+PyObject* raise_cuda_error(int err, const char* what) {
+  static GetLastError last_error = reinterpret_cast<GetLastError>(runtime_symbol("cudaGetLastError"));
+  static ErrorString error_string = reinterpret_cast<ErrorString>(runtime_symbol("cudaGetErrorString"));
+  if (last_error != nullptr) last_error();
+  PyErr_Format(cuda_error_type(), "CUDA error: %s (graphtree's %s, error %d)", error_string ? error_string(err) : "unknown",
+               what, err);
+  return nullptr;
+}
+}  // namespace graphtree_native
+
+namespace {
+using graphtree_native::raise_cuda_error;
+
 int launch_graph(PyObject* exec, PyObject* device, PyObject* stream) {
   static GraphLaunchRaw launch = reinterpret_cast<GraphLaunchRaw>(runtime_symbol("cudaGraphLaunch"));
   static GetDevice get_device = reinterpret_cast<GetDevice>(runtime_symbol("cudaGetDevice"));
   static GetLastError last_error = reinterpret_cast<GetLastError>(runtime_symbol("cudaGetLastError"));
-  static ErrorString error_string = reinterpret_cast<ErrorString>(runtime_symbol("cudaGetErrorString"));
   if (launch == nullptr || get_device == nullptr || last_error == nullptr) return 0;
   void* e = PyLong_AsVoidPtr(exec);
   const long d = PyLong_AsLong(device);
@@ -335,9 +353,7 @@ int launch_graph(PyObject* exec, PyObject* device, PyObject* stream) {
   }
   const int err = launch(e, st);
   if (err != 0) {
-    last_error();
-    PyErr_Format(cuda_error_type(), "CUDA error: %s (graphtree's cudaGraphLaunch of a recording, error %d)",
-                 error_string ? error_string(err) : "unknown", err);
+    raise_cuda_error(err, "cudaGraphLaunch of a recording");
     return -1;
   }
   return 1;
@@ -453,7 +469,8 @@ PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);   // f
 extern const PyMethodDef keys_methods[];                                    // keys.cpp
 extern const PyMethodDef channel_methods[];                                 // channel.cpp
 #ifdef GRAPHTREE_CUDA
-extern const PyMethodDef draws_methods[];  // draws.cpp
+extern const PyMethodDef draws_methods[];    // draws.cpp
+extern const PyMethodDef outputs_methods[];  // outputs.cpp
 #endif
 }  // namespace graphtree_native
 
@@ -490,13 +507,13 @@ const PyMethodDef methods[] = {
 };
 
 // The module's method table: this file's entries, then each other source's (keys.cpp, channel.cpp,
-// and draws.cpp where the CUDA part is built).
+// and draws.cpp and outputs.cpp where the CUDA part is built).
 PyMethodDef* all_methods() {
   static std::vector<PyMethodDef> all;
   if (!all.empty()) return all.data();
   for (const PyMethodDef* table : {methods, graphtree_native::keys_methods, graphtree_native::channel_methods,
 #ifdef GRAPHTREE_CUDA
-                                   graphtree_native::draws_methods,
+                                   graphtree_native::draws_methods, graphtree_native::outputs_methods,
 #endif
                                   }) {
     for (const PyMethodDef* m = table; m->ml_name != nullptr; ++m) all.push_back(*m);

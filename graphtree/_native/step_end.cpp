@@ -6,7 +6,10 @@
 #include "fast_hit.h"
 
 namespace graphtree_native {
-int storage_of_now(PyObject* t, PyObject** out);  // fastpath.cpp
+int storage_of_now(PyObject* t, PyObject** out);              // fastpath.cpp
+int invalidate_storage_now(PyObject* ref, PyObject* message);  // outputs.cpp (0: not built)
+int weak_free_now(PyObject* ref);                              // outputs.cpp (0: not built)
+int use_count_now(PyObject* ref, Py_ssize_t* count);           // outputs.cpp (0: not built)
 }  // namespace graphtree_native
 
 namespace graphtree_native::fast {
@@ -28,7 +31,11 @@ int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
       PyTuple_GET_SIZE(holders.get()) != 2) {
     return 0;
   }
-  Ref uses(PyObject_CallOneArg(plan[kUseCount], PyList_GET_ITEM(refs.get(), 0)));
+  PyObject* ref = PyList_GET_ITEM(refs.get(), 0);
+  Py_ssize_t native_uses = 0;
+  const int native = use_count_now(ref, &native_uses);  // (0: _torch.storage_use_count's answer)
+  if (native < 0) return -1;
+  Ref uses(native ? PyLong_FromSsize_t(native_uses) : PyObject_CallOneArg(plan[kUseCount], ref));
   Ref count(uses.get() ? PyLong_FromSsize_t(Py_REFCNT(storage.get())) : nullptr);
   if (count.get() == nullptr) return -1;
   const int same = PyObject_RichCompareBool(uses.get(), PyTuple_GET_ITEM(holders.get(), 0), Py_EQ);
@@ -53,9 +60,16 @@ int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref&
   ref.reset(Py_NewRef(PyList_GET_ITEM(refs.get(), 0)));
   const int set = PyObject_IsTrue(ref.get());
   if (set <= 0) return set;  // (0: released already)
-  Ref expired(PyObject_CallOneArg(plan[kWeakExpired], ref.get()));
-  if (expired.get() == nullptr) return -1;
-  if (expired.get() != Py_False) return 0;  // (the caller dropped it: release frees the reference)
+  Py_ssize_t uses = 0;
+  const int native = use_count_now(ref.get(), &uses);  // (0: _torch.weak_expired's answer)
+  if (native < 0) return -1;
+  if (native == 1) {
+    if (uses == 0) return 0;  // (the caller dropped it: release frees the reference)
+  } else {
+    Ref expired(PyObject_CallOneArg(plan[kWeakExpired], ref.get()));
+    if (expired.get() == nullptr) return -1;
+    if (expired.get() != Py_False) return 0;
+  }
   Ref out_plan(PyObject_GetAttr(live.get(), s->plan));
   Ref groups(out_plan.get() ? PyObject_GetAttr(out_plan.get(), s->groups) : nullptr);
   if (groups.get() == nullptr) return -1;
@@ -107,17 +121,24 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
       return -1;
     }
   }
-  // (both read from _torch now, as Walk.end_step reads them: tests replace them)
-  Ref invalidate(PyObject_GetAttr(plan[kTorch], s->invalidate_storage));
-  Ref free_ref(invalidate.get() ? PyObject_GetAttr(plan[kTorch], s->weak_free) : nullptr);
-  if (free_ref.get() == nullptr) return -1;
+  // In C++ where the CUDA part is built (outputs.cpp); else _torch's twins, read from _torch now as
+  // Walk.end_step reads them (CPU tests replace them).
+  Ref invalidate, free_ref;
   for (Py_ssize_t h = 0; h < held; ++h) {
+    const int native = invalidate_storage_now(refs[h].get(), messages[h].get());
+    if (native < 0) return -1;
+    if (native == 1) continue;
+    if (invalidate.get() == nullptr) invalidate.reset(PyObject_GetAttr(plan[kTorch], s->invalidate_storage));
     PyObject* a[2] = {refs[h].get(), messages[h].get()};
-    Ref done(PyObject_Vectorcall(invalidate.get(), a, 2, nullptr));
+    Ref done(invalidate.get() ? PyObject_Vectorcall(invalidate.get(), a, 2, nullptr) : nullptr);
     if (done.get() == nullptr) return -1;
   }
   for (Py_ssize_t h = 0; h < held; ++h) {
-    Ref freed(PyObject_CallOneArg(free_ref.get(), refs[h].get()));
+    const int native = weak_free_now(refs[h].get());
+    if (native < 0) return -1;
+    if (native == 1) continue;
+    if (free_ref.get() == nullptr) free_ref.reset(PyObject_GetAttr(plan[kTorch], s->weak_free));
+    Ref freed(free_ref.get() ? PyObject_CallOneArg(free_ref.get(), refs[h].get()) : nullptr);
     if (freed.get() == nullptr) return -1;
   }
   return 1;

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import graphtree
-from graphtree import _native
+from graphtree import _native, _torch
 from graphtree.tree import inputs
+from graphtree.tree.outputs import SingleOutput
 
 DEV = "cuda"
 
@@ -225,3 +226,56 @@ def test_object_arguments_holding_cuda_tensors_read_as_on_the_python_path(native
     if torch.cuda.device_count() > 1:  # several devices: the Python path names it
         mixed = _State(a=torch.zeros(1, device=DEV), b=torch.zeros(1, device="cuda:1"))
         assert native.object_state(mixed, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096) is None
+
+
+def test_a_single_output_built_and_invalidated_in_cpp_is_what_torchs_bindings_make(native):
+    """outputs.cpp (issue 47, output kept): the tensor single_output builds on a recording's memory
+    equals _torch.storage_at + tensor_on's (layout, address, values, no grad, a plain tensor), its
+    weak reference counts as _weak_ref's does, and invalidate_storage does what
+    _torch.invalidate_storage does: a read raises the message, a block the storage owned goes back."""
+    if not hasattr(native, "single_output"):
+        pytest.fail("the native helpers were built without their CUDA part")
+    src = torch.randn(4, 6, device=DEV, dtype=torch.float16)
+    view = src[:, 1:].t()  # a storage offset and strides of its own
+    nbytes = src.untyped_storage().nbytes()
+    single = SingleOutput(src.data_ptr(), nbytes, _torch.meta_of(view))
+    t, ref = native.single_output(single, 0)
+    twin = _torch.tensor_on(single.meta, _torch.storage_at(single.ptr, torch.device(DEV, 0), nbytes))
+    assert type(t) is torch.Tensor and not t.requires_grad
+    for got in (t, twin):
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype, got.device) == (
+            view.shape,
+            view.stride(),
+            view.storage_offset(),
+            view.dtype,
+            view.device,
+        )
+        assert got.data_ptr() == view.data_ptr() and torch.equal(got, view)
+    assert not _torch.weak_expired(ref) and _torch.storage_use_count(ref) == 1
+    del t
+    assert _torch.weak_expired(ref)
+    _torch.weak_free(ref)
+
+    # Invalidated: a read raises the message; memory the storage did not own stays the pool's.
+    kept = src.clone()
+    t, ref = native.single_output(single, 0)
+    native.invalidate_storage(ref, "graphtree: a stale output (test)")
+    with pytest.raises(RuntimeError, match="a stale output"):
+        t + 1
+    _torch.weak_free(ref)
+    assert torch.equal(src, kept)
+
+    # A storage that owns its block: the block goes back to the allocator, as with the twin.
+    torch.cuda.synchronize()
+    freed = []
+    for invalidate in (native.invalidate_storage, _torch.invalidate_storage):
+        owned = torch.empty(1 << 18, device=DEV)
+        r = _torch.weak_ref(owned.untyped_storage())
+        before = torch.cuda.memory_allocated()
+        invalidate(r, "graphtree: gone (test)")
+        freed.append(before - torch.cuda.memory_allocated())
+        with pytest.raises(RuntimeError, match="gone"):
+            owned.sum()
+        del owned  # (its deleter now frees nothing: no double free)
+        _torch.weak_free(r)
+    assert freed[0] == freed[1] == 1 << 20, freed
