@@ -1,4 +1,5 @@
-"""Layers point one way, no module imports itself back, and none is over 700 lines (issue 25).
+"""Layers point one way, no module imports itself back, none is over 700 lines (issue 25; the
+native sources neither) and no class over 250 (the house's rules).
 
 Read from the sources with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count: a
 reader follows them too): the bottom (``_torch``, ``_native``, ``_events``, ``_streams``) and the core
@@ -139,9 +140,25 @@ def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
 MAX_LINES = 700
 
 
+MAX_CLASS_LINES = 250
+
+
 def _too_long(root: Path) -> dict[str, int]:
-    sizes = {str(p.relative_to(root.parent)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    sources = [p for pattern in ("*.py", "*.cpp", "*.h") for p in root.rglob(pattern)]
+    sizes = {str(p.relative_to(root.parent)): len(p.read_text().splitlines()) for p in sources}
     return {name: n for name, n in sizes.items() if n > MAX_LINES}
+
+
+def _long_classes(root: Path) -> dict[str, int]:
+    """``file:Class`` -> lines, for each class over MAX_CLASS_LINES (its decorators left out)."""
+    found = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    found[f"{path.relative_to(root.parent)}:{node.name}"] = lines
+    return found
 
 
 def test_no_module_is_over_700_lines_and_no_developer_tools_ship():
@@ -152,7 +169,20 @@ def test_no_module_is_over_700_lines_and_no_developer_tools_ship():
 def test_the_size_check_sees_a_long_module(tmp_path):
     (tmp_path / "graphtree").mkdir()
     (tmp_path / "graphtree" / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
-    assert _too_long(tmp_path / "graphtree") == {"graphtree/big.py": MAX_LINES + 1}
+    (tmp_path / "graphtree" / "big.cpp").write_text("int x;\n" * (MAX_LINES + 1))
+    (tmp_path / "graphtree" / "small.h").write_text("int y;\n" * MAX_LINES)
+    assert _too_long(tmp_path / "graphtree") == {"graphtree/big.py": MAX_LINES + 1, "graphtree/big.cpp": MAX_LINES + 1}
+
+
+def test_no_class_is_over_250_lines():
+    assert _long_classes(ROOT) == {}, "split where the jobs are (the house's rule: no class over 250 lines)"
+
+
+def test_the_class_check_sees_a_long_class(tmp_path):
+    (tmp_path / "graphtree").mkdir()
+    body = "    x = 1\n" * MAX_CLASS_LINES  # (with its `class` line: one over)
+    (tmp_path / "graphtree" / "big.py").write_text(f"class Big:\n{body}\nclass Small:\n    x = 1\n")
+    assert _long_classes(tmp_path / "graphtree") == {"graphtree/big.py:Big": MAX_CLASS_LINES + 1}
 
 
 def test_the_tools_are_reachable_from_the_package_and_share_costs_nothing_until_used():

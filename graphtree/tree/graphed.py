@@ -201,7 +201,7 @@ class GraphedCallable:
             models, hooks = self.free.models, self._hooks
             hooked = None if hooks.idle and not models else hooks.reason(self.name, models)
             if hooked is not None:
-                return self._in_parts(args, kwargs, hooked)
+                return _in_parts(self, args, kwargs, hooked)
             if not (_cuda_ok or _has_cuda()):
                 return self._eager(args, kwargs, "no CUDA")
             if self._hf_caches is not None and kwargs:  # a transformers cache: made ready first (hf_cache.py)
@@ -269,18 +269,7 @@ class GraphedCallable:
         args, kwargs = call.arguments()
         if call.key not in self.verdicts.given_up:
             return self._eager(args, kwargs, reason)
-        return self._in_parts(args, kwargs, reason)
-
-    def _in_parts(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
-        """Run the call eagerly, counting ``reason``, with the module's parts graphed where it has them."""
-        if self._parts is None:
-            return self._eager(args, kwargs, reason)
-        count_eager(self.name, reason)
-        with _manager.one_step() as since:  # a part called twice keeps its first output for the module's code
-            out = self._parts.run(self.fn, args, kwargs)
-            # what the module returns is the caller's, as from an eager run: never a part's output,
-            # which the part's next replay would overwrite (copied once, by the outermost module)
-            return own_copies(out, since) if since is not None else out
+        return _in_parts(self, args, kwargs, reason)
 
     def parts(self) -> list[str]:
         """The names of the submodules put in this module's place while a signature of it that
@@ -339,6 +328,19 @@ def _take_snapshot(gc: GraphedCallable, snapshots: Any, args: tuple[Any, ...], k
         if err is e:
             raise
         raise err from e
+
+
+def _in_parts(gc: GraphedCallable, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
+    """Run ``gc``'s call eagerly, counting ``reason``, with its module's parts graphed where it has them."""
+    parts = gc._parts
+    if parts is None:
+        return gc._eager(args, kwargs, reason)
+    count_eager(gc.name, reason)
+    with _manager.one_step() as since:  # a part called twice keeps its first output for the module's code
+        out = parts.run(gc.fn, args, kwargs)
+        # what the module returns is the caller's, as from an eager run: never a part's output,
+        # which the part's next replay would overwrite (copied once, by the outermost module)
+        return own_copies(out, since) if since is not None else out
 
 
 def _after_call(gc: GraphedCallable, held: Any) -> None:
