@@ -169,6 +169,23 @@ PyObject* replay_drawing(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   });
 }
 
+// The Philox state of the stand-in generator `standin` (a torch.Generator) in the capture under way,
+// read under its mutex into `state`: its generator, or nullptr with a RuntimeError naming `who` where
+// the stand-in is not being captured.
+at::CUDAGeneratorImpl* captured_state(PyObject* standin, const char* who, at::PhiloxCudaState& state) {
+  at::Generator gen = reinterpret_cast<THPGenerator*>(standin)->cdata;
+  auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = impl->philox_cuda_state(0);
+  }
+  if (!state.captured_) {
+    PyErr_Format(PyExc_RuntimeError, "%s: the stand-in is not being captured", who);
+    return nullptr;
+  }
+  return impl;
+}
+
 // standin_slots(standin) -> (seed address, offset address): where the kernels a capture draws from
 // the stand-in read their seed and offset on the device (the state's graph-safe slots, which torch's
 // replay prologue fills). Call it on the capturing stream while the capture runs.
@@ -178,17 +195,8 @@ PyObject* standin_slots(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   return raising([&]() -> PyObject* {
-    at::Generator gen = reinterpret_cast<THPGenerator*>(args[0])->cdata;
-    auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
     at::PhiloxCudaState state;
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      state = impl->philox_cuda_state(0);
-    }
-    if (!state.captured_) {
-      PyErr_SetString(PyExc_RuntimeError, "standin_slots: the stand-in is not being captured");
-      return nullptr;
-    }
+    if (captured_state(args[0], "standin_slots", state) == nullptr) return nullptr;
     return Py_BuildValue("(KK)", reinterpret_cast<unsigned long long>(state.seed_.ptr),
                          reinterpret_cast<unsigned long long>(state.offset_.ptr));
   });
@@ -206,17 +214,9 @@ PyObject* standin_seal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   return raising([&]() -> PyObject* {
-    at::Generator gen = reinterpret_cast<THPGenerator*>(args[0])->cdata;
-    auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
     at::PhiloxCudaState state;
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      state = impl->philox_cuda_state(0);
-    }
-    if (!state.captured_) {
-      PyErr_SetString(PyExc_RuntimeError, "standin_seal: the stand-in is not being captured");
-      return nullptr;
-    }
+    at::CUDAGeneratorImpl* impl = captured_state(args[0], "standin_seal", state);
+    if (impl == nullptr) return nullptr;
     const auto drawn = static_cast<int64_t>(state.offset_intragraph_);
     if (drawn > 0) {
       c10::impl::ExcludeDispatchKeyGuard no_python(
