@@ -83,7 +83,7 @@ inline Names* names() {
 enum PlanItem {
   kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
   kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kGradEnabled,
-  kCollected, kUseCount, kTorch, kWeakExpired, kPlanSize
+  kCollected, kUseCount, kTorch, kPlanSize
 };
 
 // The int 1 (a borrowed reference, made once).

@@ -15,6 +15,17 @@ int use_count_now(PyObject* ref, Py_ssize_t* count);           // outputs.cpp (0
 namespace graphtree_native::fast {
 namespace {
 
+// How many tensors and storage objects hold the storage of the weak reference `ref`, into *uses:
+// _torch.storage_use_count's answer, read in C++ where the CUDA part is built (use_count_now). 0
+// done, -1 an error.
+int uses_of(PyObject* ref, PyObject* const* plan, Py_ssize_t* uses) {
+  const int native = use_count_now(ref, uses);
+  if (native != 0) return native < 0 ? -1 : 0;
+  Ref count(PyObject_CallOneArg(plan[kUseCount], ref));
+  *uses = count.get() ? PyLong_AsSsize_t(count.get()) : -1;
+  return *uses == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 // 1 where the caller no longer holds `node`'s output, a base OutputLiveness keeps between replays
 // (OutputLiveness._base_shared false: the storage's use count and the storage object's refcount
 // are those taken when the base was built), 0 where it may (or there is no base), -1 an error.
@@ -31,16 +42,12 @@ int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
       PyTuple_GET_SIZE(holders.get()) != 2) {
     return 0;
   }
-  PyObject* ref = PyList_GET_ITEM(refs.get(), 0);
-  Py_ssize_t native_uses = 0;
-  const int native = use_count_now(ref, &native_uses);  // (0: _torch.storage_use_count's answer)
-  if (native < 0) return -1;
-  Ref uses(native ? PyLong_FromSsize_t(native_uses) : PyObject_CallOneArg(plan[kUseCount], ref));
-  Ref count(uses.get() ? PyLong_FromSsize_t(Py_REFCNT(storage.get())) : nullptr);
-  if (count.get() == nullptr) return -1;
-  const int same = PyObject_RichCompareBool(uses.get(), PyTuple_GET_ITEM(holders.get(), 0), Py_EQ);
-  if (same <= 0) return same;
-  return PyObject_RichCompareBool(count.get(), PyTuple_GET_ITEM(holders.get(), 1), Py_EQ);
+  Py_ssize_t uses = 0;
+  if (uses_of(PyList_GET_ITEM(refs.get(), 0), plan, &uses) < 0) return -1;
+  const Py_ssize_t uses_then = PyLong_AsSsize_t(PyTuple_GET_ITEM(holders.get(), 0));
+  const Py_ssize_t count_then = PyLong_AsSsize_t(PyTuple_GET_ITEM(holders.get(), 1));
+  if (PyErr_Occurred()) return -1;
+  return uses == uses_then && Py_REFCNT(storage.get()) == count_then;
 }
 
 // A node of the path whose single output the caller still holds, built anew at its last replay
@@ -60,16 +67,9 @@ int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref&
   ref.reset(Py_NewRef(PyList_GET_ITEM(refs.get(), 0)));
   const int set = PyObject_IsTrue(ref.get());
   if (set <= 0) return set;  // (0: released already)
-  Py_ssize_t uses = 0;
-  const int native = use_count_now(ref.get(), &uses);  // (0: _torch.weak_expired's answer)
-  if (native < 0) return -1;
-  if (native == 1) {
-    if (uses == 0) return 0;  // (the caller dropped it: release frees the reference)
-  } else {
-    Ref expired(PyObject_CallOneArg(plan[kWeakExpired], ref.get()));
-    if (expired.get() == nullptr) return -1;
-    if (expired.get() != Py_False) return 0;
-  }
+  Py_ssize_t uses = 0;  // (none: _torch.weak_expired's answer, torch's use count of 0)
+  if (uses_of(ref.get(), plan, &uses) < 0) return -1;
+  if (uses == 0) return 0;  // (the caller dropped it: release frees the reference)
   Ref out_plan(PyObject_GetAttr(live.get(), s->plan));
   Ref groups(out_plan.get() ? PyObject_GetAttr(out_plan.get(), s->groups) : nullptr);
   if (groups.get() == nullptr) return -1;
