@@ -21,7 +21,7 @@ from gt_fast_hit import count_fast_replays, module_stops, plant_recording, stand
 
 import graphtree
 from graphtree import _native
-from graphtree.tree import ambient, fast_hit, liveness, placement, reach
+from graphtree.tree import ambient, fast_hit, graphed_module, liveness, placement, reach
 from graphtree.tree import graphed as graphed_mod
 from graphtree.tree import manager as manager_mod
 from graphtree.tree import walk as walk_mod
@@ -54,6 +54,7 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         fake.fast_entry = lambda package, owner, fallback, plain, miss, threads, float_part: real.fast_entry(
             package, owner, fallback, plain, miss, threads, float_part, fake.signature
         )
+        fake.module_entry = real.module_entry  # (a graphed module's checks and call in C: its twin's calls)
     monkeypatch.setattr(_native, "loaded", fake)
     monkeypatch.setattr(fast_hit, "entry", fast_hit.replay_again)  # (bound again to these helpers)
     monkeypatch.setattr(ambient, "_checked", fake)
@@ -765,3 +766,50 @@ def test_a_modules_call_asks_its_fast_hit_once_hit_or_miss(stand_ins, monkeypatc
         gm(x)
     assert seen == [1, 0], seen  # a miss, asked once
     assert launches.n == before + 1  # (the Python path replayed it)
+    native = hasattr(stand_ins, "module_entry")  # (the helpers' C entry made these calls, else the twin)
+    assert (graphed_module._made_by is stand_ins) == native
+
+
+def test_a_modules_call_goes_through_nn_modules_call_where_that_does_more_on_either_entry(stand_ins, monkeypatch):
+    """The module's entry (``graphed_module._plain_call`` or its C twin) answers each case as
+    ``nn.Module.__call__`` would: a hook on the module, a global hook, ``m.compile()`` and a jit trace
+    go through it; keywords, and a call from user code, go to the graphed callable."""
+    x = torch.randn(8, 8)
+    net = torch.nn.Linear(8, 8)
+    gm = graphtree.graphed(net)
+    gc = gm._graphtree_call
+    with torch.no_grad():
+        want = net(x)
+        _, _, launches = _record(gc, x)
+        for _ in range(3):
+            gm(x)
+        seen = count_fast_replays(monkeypatch)
+        gm(x)
+        assert seen == [1] and launches.n == 4, (seen, launches.n)
+        hooked = []
+        handle = gm.register_forward_hook(lambda m, i, o: hooked.append("own"))
+        gm(x)
+        handle.remove()
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: hooked.append(type(m).__name__))
+        try:
+            gm(x)
+        finally:
+            handle.remove()
+        assert hooked == ["own", "Linear", "GraphedModule"], hooked  # (a global hook: run eagerly, hooks inside)
+        object.__setattr__(gm, "_compiled_call_impl", lambda *a, **k: "compiled")
+        assert gm(x) == "compiled"
+        object.__setattr__(gm, "_compiled_call_impl", None)
+        gm(x)  # (the Python path: hook handles were made since, the fast hit decides again)
+        gm(x)
+        assert seen[-1] == 1, seen
+        n = len(seen)
+        monkeypatch.setattr(graphed_module.user_code, "active", True)  # (inside another's warm-up: inline)
+        assert torch.allclose(gm(x), want) and len(seen) == n  # (forward run inline: no fast hit asked)
+        monkeypatch.setattr(graphed_module.user_code, "active", False)
+        with monkeypatch.context() as m:
+            m.setattr(gc, "past_fast_hit", lambda args, kwargs: ("the Python path", args, kwargs))
+            assert gm(input=x) == ("the Python path", (), {"input": x}) and len(seen) == n  # (no fast hit asked)
+        gm(x)
+        assert len(seen) == n + 1
+    native = hasattr(stand_ins, "module_entry")
+    assert (graphed_module._made_by is stand_ins) == native

@@ -30,10 +30,11 @@ def bench(
     each output held until the next call returns (``y = fn(x)``), so every call invalidates it."""
     gc = fn._graphtree_call if isinstance(fn, torch.nn.Module) else fn
     p._recording(gc, x, grad)
-    if mode == "native":
-        p.STAND_INS.fast_replay = real.fast_replay
-    elif hasattr(p.STAND_INS, "fast_replay"):
-        del p.STAND_INS.fast_replay
+    for name in ("fast_replay", "module_entry"):  # (the native replay, a module's native entry)
+        if mode == "native":
+            setattr(p.STAND_INS, name, getattr(real, name))
+        elif hasattr(p.STAND_INS, name):
+            delattr(p.STAND_INS, name)
     out = []
     with torch.set_grad_enabled(grad):
         for _ in range(10):
@@ -64,6 +65,17 @@ class _ReadsAGlobal(torch.nn.Module):
         return _twice(t)
 
 
+class _HundredParameters(torch.nn.Module):
+    """``benchmarks/per_call.py``'s module of 100 parameters: a hit checks their 100 addresses."""
+
+    def __init__(self, n: int = 100) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(16)) for _ in range(n)])
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _twice(t)
+
+
 def main() -> None:
     real = _native.wait(600)  # (before the probe turns the helpers off for its own process)
     p = importlib.import_module("replay_hit_cpu")
@@ -78,6 +90,8 @@ def main() -> None:
         ("function", lambda: graphtree.graphed(lambda t: t * 2 + 1), True, False),
         ("function, output kept", lambda: graphtree.graphed(lambda t: t * 2 + 1), True, True),
         ("nn.Linear", lambda: graphtree.graphed(torch.nn.Linear(64, 64)), False, False),
+        ("module without parameters", lambda: graphtree.graphed(_HundredParameters(0)), False, False),
+        ("module of 100 parameters", lambda: graphtree.graphed(_HundredParameters()), False, False),
     )
     for tag, make, grad, kept in cases:
         print(tag, {m: round(bench(p, real, make(), x, grad, m, kept), 2) for m in modes}, "µs per hit")

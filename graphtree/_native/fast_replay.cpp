@@ -500,4 +500,90 @@ PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyCFunction_NewEx(&entry_def, bound.get(), nullptr);
 }
 
+// A module's entry made by module_entry, `bound` its self: (package, owner, fallback, hooked,
+// global_hooks, tracing, user_code, fast_hit, miss). What GraphedModule.__call__ calls for
+// (module, args, kwargs), its Python twin graphed_module._plain_call in C: `hooked` where
+// nn.Module.__call__ would do more than call forward (a hook on the module or a global one, a
+// compiled call from module.compile(), a torch.jit trace under way); else the call made as
+// GraphedCallable.__call__ would make it: fast_hit.entry (read on each call: tests count through
+// it) where fast hits are kept for a call of positional arguments outside user code, and on a
+// miss past_fast_hit, the Python path, with no second try; anything else gc(*args, **kwargs).
+// fallback(module, args, kwargs) once package.loaded is no longer owner, or where the module's
+// state is not where nn.Module keeps it (its instance dict).
+static PyObject* module_call(PyObject* bound, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(bound) || PyTuple_GET_SIZE(bound) != 9 || !PyTuple_Check(args[1]) ||
+      !PyDict_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "graphtree module entry(module, args: tuple, kwargs: dict)");
+    return nullptr;
+  }
+  Names* s = names();
+  if (s == nullptr) return nullptr;
+  auto item = [bound](Py_ssize_t i) { return PyTuple_GET_ITEM(bound, i); };
+  auto fallback = [&] { return PyObject_Vectorcall(item(2), args, 3, nullptr); };
+  Ref loaded(PyObject_GetAttr(item(0), s->loaded));
+  if (loaded.get() == nullptr) return nullptr;
+  if (loaded.get() != item(1)) return fallback();
+  Ref dict(PyObject_GenericGetDict(args[0], nullptr));
+  if (dict.get() == nullptr) return nullptr;
+  for (PyObject* name : {s->forward_hooks, s->forward_pre_hooks, s->backward_hooks, s->backward_pre_hooks}) {
+    PyObject* hooks = PyDict_GetItemWithError(dict.get(), name);  // (borrowed; an OrderedDict)
+    if (hooks == nullptr) return PyErr_Occurred() ? nullptr : fallback();
+    const int set = PyObject_IsTrue(hooks);
+    if (set != 0) return set < 0 ? nullptr : Py_NewRef(item(3));
+  }
+  PyObject* compiled = PyDict_GetItemWithError(dict.get(), s->compiled_call_impl);  // (module.compile() sets it)
+  if (compiled == nullptr && PyErr_Occurred()) return nullptr;
+  if (compiled == nullptr) {  // (else nn.Module's own: None)
+    Ref declared(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(args[0])), s->compiled_call_impl));
+    if (declared.get() == nullptr) return nullptr;
+    if (declared.get() != Py_None) return Py_NewRef(item(3));
+  } else if (compiled != Py_None) {
+    return Py_NewRef(item(3));
+  }
+  PyObject* global = item(4);  // (torch's global module hooks: the dicts themselves)
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(global); ++i) {
+    const int set = PyObject_IsTrue(PyTuple_GET_ITEM(global, i));
+    if (set != 0) return set < 0 ? nullptr : Py_NewRef(item(3));
+  }
+  Ref tracing(PyObject_CallNoArgs(item(5)));
+  if (tracing.get() == nullptr) return nullptr;
+  if (tracing.get() != Py_None) return Py_NewRef(item(3));
+  PyObject* found = PyDict_GetItemWithError(dict.get(), s->graphtree_call);
+  if (found == nullptr) return PyErr_Occurred() ? nullptr : fallback();
+  Ref gc(Py_NewRef(found));  // (the dict may lose it while the call runs Python)
+  Ref hits(PyObject_GetAttr(gc.get(), s->fast_hits));
+  if (hits.get() == nullptr) return nullptr;
+  const int any_hits = PyObject_IsTrue(hits.get());
+  if (any_hits < 0) return nullptr;
+  const int inside = any_hits && PyDict_GET_SIZE(args[2]) == 0 ? attr_true(item(6), s->active) : 1;
+  if (inside < 0) return nullptr;
+  if (inside) return PyObject_Call(gc.get(), args[1], args[2]);
+  Ref entry(PyObject_GetAttr(item(7), s->entry));
+  if (entry.get() == nullptr) return nullptr;
+  PyObject* entry_args[3] = {gc.get(), hits.get(), args[1]};
+  Ref out(PyObject_Vectorcall(entry.get(), entry_args, 3, nullptr));
+  if (out.get() == nullptr || out.get() != item(8)) return out.release();
+  return PyObject_CallMethodObjArgs(gc.get(), s->past_fast_hit, args[1], args[2], nullptr);
+}
+
+static PyMethodDef module_call_def = {
+    "module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_call)), METH_FASTCALL,
+    "entry(module, args, kwargs) -> outputs | hooked: a graphed module's call, its checks in C"};
+
+// module_entry(package, owner, fallback, hooked, global_hooks, tracing, user_code, fast_hit, miss)
+// -> entry: GraphedModule.__call__'s checks and call as a C function taking (module, args,
+// kwargs), with the arguments that never change bound (module_call above); fallback, the Python
+// twin, once package.loaded is no longer owner.
+PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 9 || !PyTuple_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "module_entry(package, owner, fallback, hooked, global_hooks: tuple, tracing, user_code, fast_hit, miss)");
+    return nullptr;
+  }
+  Ref bound(PyTuple_New(nargs));
+  if (bound.get() == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(bound.get(), i, Py_NewRef(args[i]));
+  return PyCFunction_NewEx(&module_call_def, bound.get(), nullptr);
+}
+
 }  // namespace graphtree_native

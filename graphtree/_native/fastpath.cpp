@@ -466,6 +466,7 @@ namespace graphtree_native {
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);    // fast_replay.cpp
 PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);   // fast_replay.cpp
+PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
 extern const PyMethodDef keys_methods[];                                    // keys.cpp
 extern const PyMethodDef channel_methods[];                                 // channel.cpp
 #ifdef GRAPHTREE_CUDA
@@ -478,6 +479,7 @@ namespace {
 
 using graphtree_native::fast_call;
 using graphtree_native::fast_entry;
+using graphtree_native::module_entry;
 using graphtree_native::fast_replay;
 
 const PyMethodDef methods[] = {
@@ -503,6 +505,8 @@ const PyMethodDef methods[] = {
      "fast_call(gc, hits, args, plain_types, miss, threads, float_part[, signature]) -> outputs | miss"},
     {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fast_entry)), METH_FASTCALL,
      "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry(gc, hits, args)"},
+    {"module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_entry)), METH_FASTCALL,
+     "module_entry(package, owner, fallback, hooked, global_hooks, tracing, user_code, fast_hit, miss) -> entry(module, args, kwargs)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -9,12 +9,12 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from graphtree import _torch
+from graphtree import _native, _torch
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree.callee import user_code
 
@@ -54,31 +54,13 @@ class GraphedModule(torch.nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ reaches forward through two frames more (_wrapped_call_impl, _call_impl),
-        # about a microsecond of a replay. Where it would only call forward (what _call_impl asks:
-        # no hook on this module nor a global one, no torch.jit trace; not compiled by m.compile(),
-        # not traced by torch.compile, whose trace goes through it as for any module), graphtree's
-        # call is made here.
-        # A call of positional arguments whose signature replayed last time goes to its fast hit from
-        # here (GraphedCallable.__call__ makes the same call after the same checks): one Python frame
-        # of graphtree's between the caller and the replay.
-        if not (
-            _is_dynamo_compiling()
-            or self._forward_hooks
-            or self._forward_pre_hooks
-            or self._backward_hooks
-            or self._backward_pre_hooks
-            or any(_GLOBAL_HOOKS)
-            or self._compiled_call_impl is not None
-            or _jit_tracing()
-        ):
-            call = self._graphtree_call
-            hits = call.fast_hits
-            if hits and not kwargs and not user_code.active:
-                out = _fast_hit.entry(call, hits, args)
-                if out is not _fast_hit.MISS:
-                    return out
-                return call.past_fast_hit(args, kwargs)
-            return call(*args, **kwargs)
+        # about a microsecond of a replay. Where it would only call forward, graphtree's call is made
+        # from here: _call (_plain_call, or its native twin) answers HOOKED where it would do more.
+        # torch.compile's trace goes through nn.Module.__call__, as for any module.
+        if not _is_dynamo_compiling():
+            out = _call(self, args, kwargs)
+            if out is not HOOKED:
+                return out
         return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -154,6 +136,54 @@ _SHARED = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
+
+
+HOOKED = object()
+"""What :data:`_call` answers where ``nn.Module.__call__`` must make the call: it would do more than
+call ``forward``."""
+
+
+def _plain_call(gm: GraphedModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A graphed module's call where ``nn.Module.__call__`` would only call ``forward`` (no hook on
+    it nor a global one, as ``nn.Module._call_impl`` asks; not compiled by ``m.compile()``; no
+    ``torch.jit`` trace under way), else :data:`HOOKED`. A call of positional arguments whose
+    signature replayed last time goes to its fast hit from here, and on a miss to the Python path
+    with no second try (``GraphedCallable.__call__`` makes the same call after the same checks):
+    one Python frame of graphtree's between the caller and the replay. Once the helpers have
+    loaded, their ``module_entry`` makes :data:`_call` this function in C (for the helpers loaded
+    now: it calls this function again once others are)."""
+    global _call, _made_by
+    native = _native.loaded
+    make = getattr(native, "module_entry", None)
+    if make is not None and _made_by is not native:
+        _call = make(
+            _native, native, _plain_call, HOOKED, _GLOBAL_HOOKS, _jit_tracing, user_code, _fast_hit, _fast_hit.MISS
+        )
+        _made_by = native
+    if (
+        gm._forward_hooks
+        or gm._forward_pre_hooks
+        or gm._backward_hooks
+        or gm._backward_pre_hooks
+        or gm._compiled_call_impl is not None
+        or any(_GLOBAL_HOOKS)
+        or _jit_tracing()
+    ):
+        return HOOKED
+    call = gm._graphtree_call
+    hits = call.fast_hits
+    if hits and not kwargs and not user_code.active:
+        out = _fast_hit.entry(call, hits, args)
+        if out is not _fast_hit.MISS:
+            return out
+        return call.past_fast_hit(args, kwargs)
+    return call(*args, **kwargs)
+
+
+_call: Callable[[GraphedModule, tuple[Any, ...], dict[str, Any]], Any] = _plain_call
+"""What ``GraphedModule.__call__`` calls: :func:`_plain_call`, or once the helpers have loaded its
+native twin (``graphtree/_native/fast_replay.cpp``: ``module_call``)."""
+_made_by: Any = None  # (the helpers whose module_entry made _call)
 
 
 def _graphed_again(module: torch.nn.Module, call_type: Any, options: dict[str, Any]) -> GraphedModule:
