@@ -54,15 +54,51 @@ def test_addresses_unchanged_compares_packed_addresses(native) -> None:
     import array
 
     ts = [torch.nn.Parameter(torch.randn(3)) for _ in range(100)]
-    packed = array.array("Q", [t.data_ptr() for t in ts]).tobytes()
+
+    def packed_now() -> bytes:  # (each tensor's TensorImpl, StorageImpl and address, as Node packs them)
+        return array.array("Q", [v for t in ts for v in (t._cdata, t.untyped_storage()._cdata, t.data_ptr())]).tobytes()
+
+    packed = packed_now()
     assert native.addresses_unchanged(ts, packed) is True
     assert native.addresses_unchanged(ts[:-1], packed) is False  # a count that differs never matches
-    ts[57].data = torch.randn(3)
+    ts[57].data = torch.randn(3)  # (the same TensorImpl, another storage)
     assert native.addresses_unchanged(ts, packed) is False
     with pytest.raises(TypeError):
         native.addresses_unchanged(tuple(ts), packed)
     with pytest.raises(TypeError, match="list of tensors"):
-        native.addresses_unchanged([1], packed[:8])
+        native.addresses_unchanged([1], packed[:24])
+
+
+@needs_toolchain
+def test_addresses_unchanged_answers_as_data_ptr_whatever_moved_underneath(native) -> None:
+    """A tensor read through the TensorImpl packed with it, or, where it holds another, through its
+    Python object: either way the answer is ``data_ptr()``'s."""
+    import array
+
+    ts = [torch.nn.Parameter(torch.randn(4)) for _ in range(6)]
+    packed = array.array("Q", [v for t in ts for v in (t._cdata, t.untyped_storage()._cdata, t.data_ptr())]).tobytes()
+    want = [t.data_ptr() for t in ts]
+
+    def answers_as_data_ptr() -> bool:
+        answer = native.addresses_unchanged(ts, packed)
+        assert answer is all(t.data_ptr() == w for t, w in zip(ts, want)), answer
+        return answer
+
+    assert answers_as_data_ptr()
+    keep = ts[1].data
+    other = torch.nn.Parameter(keep.view(4))  # (the same memory, another TensorImpl)
+    torch.utils.swap_tensors(ts[1], other)  # the same Python object, another TensorImpl underneath
+    assert answers_as_data_ptr()  # (its memory did not move)
+    torch.utils.swap_tensors(ts[1], other)
+    ts[2].untyped_storage().resize_(64)  # the same TensorImpl and StorageImpl, other memory
+    assert not answers_as_data_ptr()
+    ts[2].untyped_storage().resize_(16)
+    packed = array.array("Q", [v for t in ts for v in (t._cdata, t.untyped_storage()._cdata, t.data_ptr())]).tobytes()
+    want = [t.data_ptr() for t in ts]
+    assert answers_as_data_ptr()
+    with torch.no_grad():
+        ts[3].set_(ts[3].untyped_storage(), 1, (3,), (1,))  # the same memory, read from an offset
+    assert not answers_as_data_ptr()
 
 
 @needs_toolchain

@@ -103,9 +103,25 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // addresses_unchanged(tensors: list, expected: bytes) -> bool: tensors[i].data_ptr() equals the
-// i-th native-endian uint64 of expected, for every i. The check of a module's parameters and
-// buffers on every replay: the expected addresses are packed once, at the recording, so a call
-// converts no Python ints.
+// address packed for it in expected, for every i: native-endian uint64 triples (the tensor's
+// TensorImpl, as Tensor._cdata gives it, its StorageImpl, as its untyped storage's _cdata, then its
+// address). The check of a module's parameters and buffers on every replay: packed once, at the
+// recording, so a call converts no Python ints. Each address is a chain of reads (the Python
+// object, its TensorImpl, its StorageImpl), mostly cache misses in a loop that launches graphs
+// between calls; the packed pointers let them start together instead: where a tensor still holds
+// the TensorImpl packed with it, data_ptr() is read through the packed pointer (the same function
+// of the same object), and the objects kAhead tensors further are fetched ahead (a prefetch of a
+// freed object reads nothing: it only warms a cache line). Any other tensor is read through its
+// Python object.
+constexpr Py_ssize_t kAhead = 8;
+
+inline void fetch_ahead(PyObject* tensor, const uint64_t* packed) {
+  __builtin_prefetch(tensor);
+  __builtin_prefetch(reinterpret_cast<const char*>(packed[0]));        // (its storage pointer and flags)
+  __builtin_prefetch(reinterpret_cast<const char*>(packed[0]) + 128);  // (its offset, size and type)
+  __builtin_prefetch(reinterpret_cast<const char*>(packed[1]));        // (its StorageImpl's data pointer)
+}
+
 PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1])) {
     PyErr_SetString(PyExc_TypeError, "addresses_unchanged(tensors: list, expected: bytes)");
@@ -113,15 +129,32 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   }
   PyObject* tensors = args[0];
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
-  if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(sizeof(uint64_t))) Py_RETURN_FALSE;
-  const char* expected = PyBytes_AS_STRING(args[1]);
+  if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(3 * sizeof(uint64_t))) Py_RETURN_FALSE;
+  std::vector<uint64_t> aligned;  // (a bytes object's buffer is aligned for uint64_t in CPython; copied if not)
+  const char* raw = PyBytes_AS_STRING(args[1]);
+  const uint64_t* expected = reinterpret_cast<const uint64_t*>(raw);
+  if (reinterpret_cast<uintptr_t>(raw) % alignof(uint64_t) != 0) {
+    aligned.resize(3 * n);
+    std::memcpy(aligned.data(), raw, 3 * n * sizeof(uint64_t));
+    expected = aligned.data();
+  }
+  for (Py_ssize_t i = 0; i < n && i < kAhead; ++i) fetch_ahead(PyList_GET_ITEM(tensors, i), expected + 3 * i);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    uint64_t want;
-    std::memcpy(&want, expected + i * sizeof(uint64_t), sizeof(uint64_t));
-    void* have = nullptr;
+    if (i + kAhead < n) fetch_ahead(PyList_GET_ITEM(tensors, i + kAhead), expected + 3 * (i + kAhead));
     PyObject* t = PyList_GET_ITEM(tensors, i);
-    if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) return nullptr;
-    if (reinterpret_cast<uint64_t>(have) != want) Py_RETURN_FALSE;
+    auto* packed = reinterpret_cast<c10::TensorImpl*>(expected[3 * i]);
+    void* have = nullptr;
+    if (THPVariable_CheckExact(t) && THPVariable_Unpack(t).unsafeGetTensorImpl() == packed) {
+      try {
+        have = packed->mutable_data();  // (Tensor.data_ptr(): TensorBase::data_ptr of this very TensorImpl)
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+      }
+    } else if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) {
+      return nullptr;
+    }
+    if (reinterpret_cast<uint64_t>(have) != expected[3 * i + 2]) Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
 }
@@ -488,7 +521,7 @@ const PyMethodDef methods[] = {
     {"weak_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(weak_unchanged)), METH_FASTCALL,
      "weak_unchanged(refs: bytes, expected: bytes) -> bool"},
     {"addresses_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(addresses_unchanged)), METH_FASTCALL,
-     "addresses_unchanged(tensors: list, expected: bytes) -> bool"},
+     "addresses_unchanged(tensors: list, expected: bytes of (TensorImpl, StorageImpl, address) triples) -> bool"},
     {"copy_d2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_d2d)), METH_FASTCALL,
      "copy_d2d(dst, src, nbytes, stream) -> bool"},
     {"copy_in", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_in)), METH_FASTCALL,

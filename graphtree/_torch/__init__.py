@@ -180,6 +180,12 @@ def storage_ref(s: torch.UntypedStorage) -> int:
     return cast(int, s._cdata)
 
 
+def tensor_impl(t: torch.Tensor) -> int:
+    """The address of ``t``'s C++ ``TensorImpl`` (``Tensor._cdata``): the native address check of a
+    module's parameters reads a parameter's address through it while the parameter still holds it."""
+    return cast(int, t._cdata)
+
+
 def storage_id(t: torch.Tensor) -> int:
     """The ``StorageImpl*`` of a tensor's storage; equals a live :func:`weak_ref` of it."""
     return t.untyped_storage()._cdata

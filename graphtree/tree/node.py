@@ -148,7 +148,9 @@ class Node:
         self.statics = list(statics)
         self.static_ptrs = [t.data_ptr() for t in statics]
         self.static_idx = list(range(len(statics)))
-        self.static_packed = array.array("Q", self.static_ptrs).tobytes()  # for the native check
+        # for the native check (_native: addresses_unchanged): each TensorImpl, StorageImpl and address
+        triples = ((_torch.tensor_impl(t), _torch.storage_id(t), p) for t, p in zip(self.statics, self.static_ptrs))
+        self.static_packed = array.array("Q", itertools.chain.from_iterable(triples)).tobytes()
         self.epoch = epoch
         self.capture_seconds = capture_seconds
         self.input_refs = input_refs

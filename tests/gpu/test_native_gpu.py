@@ -83,7 +83,19 @@ def test_a_hundred_parameter_module_notices_any_parameter_moving(native, monkeyp
         torch.utils.swap_tensors(net[3].weight, torch.nn.Parameter(torch.randn(8, 8, device=DEV)))
         graphtree.mark_step()
         assert torch.equal(g(x), net(x))
-    assert graphtree.stats().recordings == 3, graphtree.stats()
+        # as FSDP frees and gathers a parameter: the same TensorImpl and StorageImpl, other memory
+        w = net[10].weight
+        saved, storage, before = w.clone(), w.untyped_storage(), w.data_ptr()
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+        blocker = torch.empty(nbytes // 4, device=DEV)  # (holds the freed block: the next is another)
+        storage.resize_(nbytes)
+        w.copy_(saved)
+        assert w.data_ptr() != before
+        graphtree.mark_step()
+        assert torch.equal(g(x), net(x))
+        del blocker
+    assert graphtree.stats().recordings == 4, graphtree.stats()
 
 
 def test_copy_d2d_copies_on_the_current_stream_and_reports_cuda_errors(native):
