@@ -3,7 +3,7 @@
 # named as arguments (at least one: `setup` runs the set-up alone; `suite own` the whole GPU suite),
 # each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [all_bg] [all_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -52,7 +52,7 @@ suite_in_background() {
   local bg=$1; shift
   mkdir -p "$bg" && rm -f "$bg"/* && rm -rf "$bg-tree" && cp -a . "$bg-tree"
   env "$@" setsid nohup bash -c "cd $bg-tree && PYTHONPATH=$bg-tree:$PYTHONPATH GRAPHTREE_TEST_TIMES=$bg/test-times.txt timeout -s INT -k 20 ${SUITE_TIMEOUT:-1500} \
-    python3 -m pytest -q -m 'gpu and not own_process' -p no:cacheprovider --durations=30 tests/gpu > $bg/suite.log 2>&1; \
+    python3 -m pytest -q -m '${MARK:-gpu and not own_process}' -p no:cacheprovider --durations=30 tests/gpu > $bg/suite.log 2>&1; \
     echo \$? > $bg/rc" > /dev/null 2>&1 < /dev/null &
   echo "suite ($bg, ${*:-GRAPHTREE_NATIVE=${GRAPHTREE_NATIVE:-}}) started in the background at $(date +%T)" | tee "$OUT/suite_bg$(basename "$bg" | sed 's/^bg//').txt"
 }
@@ -306,6 +306,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rf', *sys.a
       ;;
     suites_wait)  # suite_wait for both of suites_bg's runs
       suite_waited /tmp/bg; suite_waited /tmp/bg-off
+      ;;
+    all_bg)  # suites_bg, and `own` in the background beside them: on a machine of one GPU, all three
+             # share it (the suites' 2 x ~700 s and own's ~360 s do not fit in sequence in a session)
+      suite_in_background /tmp/bg
+      off_gpu=${CUDA_VISIBLE_DEVICES:-}
+      [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && off_gpu=1
+      suite_in_background /tmp/bg-off GRAPHTREE_NATIVE=0 ${off_gpu:+CUDA_VISIBLE_DEVICES=$off_gpu}
+      MARK="gpu and own_process" suite_in_background /tmp/bg-own
+      ;;
+    all_wait)  # all_bg's three runs: wait until each has ended (at most $WAIT_S seconds in all), bring their logs back
+      for _ in $(seq ${WAIT_S:-540}); do [ -f /tmp/bg/rc ] && [ -f /tmp/bg-off/rc ] && [ -f /tmp/bg-own/rc ] && break; sleep 1; done
+      WAIT_S=0 suite_waited /tmp/bg; WAIT_S=0 suite_waited /tmp/bg-off; WAIT_S=0 suite_waited /tmp/bg-own
       ;;
     suite_wait)  # wait for suite_bg's run in $BG (at most $WAIT_S seconds), then bring its log back
       suite_waited "${BG:-/tmp/bg}"
