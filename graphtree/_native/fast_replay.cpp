@@ -480,6 +480,14 @@ static PyObject* entry_call(PyObject* bound, PyObject* const* args, Py_ssize_t n
   return fast_call(nullptr, full, 3 + k);
 }
 
+// The C function `def` with a tuple of `args` as its self: an entry with its fixed arguments bound.
+static PyObject* bound_to(PyMethodDef* def, PyObject* const* args, Py_ssize_t nargs) {
+  Ref bound(PyTuple_New(nargs));
+  if (bound.get() == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(bound.get(), i, Py_NewRef(args[i]));
+  return PyCFunction_NewEx(def, bound.get(), nullptr);
+}
+
 static PyMethodDef entry_def = {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(entry_call)),
                                 METH_FASTCALL, "entry(gc, hits, args) -> outputs | miss: fast_call with its bound arguments"};
 
@@ -494,10 +502,7 @@ PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                     "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature])");
     return nullptr;
   }
-  Ref bound(PyTuple_New(nargs));
-  if (bound.get() == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(bound.get(), i, Py_NewRef(args[i]));
-  return PyCFunction_NewEx(&entry_def, bound.get(), nullptr);
+  return bound_to(&entry_def, args, nargs);
 }
 
 // A module's entry made by module_entry, `bound` its self: (package, owner, fallback, hooked,
@@ -580,10 +585,7 @@ PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                     "module_entry(package, owner, fallback, hooked, global_hooks: tuple, tracing, user_code, fast_hit, miss)");
     return nullptr;
   }
-  Ref bound(PyTuple_New(nargs));
-  if (bound.get() == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(bound.get(), i, Py_NewRef(args[i]));
-  return PyCFunction_NewEx(&module_call_def, bound.get(), nullptr);
+  return bound_to(&module_call_def, args, nargs);
 }
 
 }  // namespace graphtree_native
