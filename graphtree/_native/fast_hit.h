@@ -89,8 +89,22 @@ inline Names* names() {
 enum PlanItem {
   kMiss, kTree, kNode, kParent, kChildKey, kDevice, kAmbient, kModule, kTraining, kHandleClass, kHandles,
   kEpochCell, kEpoch, kFree, kModels, kReads, kThreadState, kGcId, kMaxPath, kGradEnabled,
-  kCollected, kUseCount, kTorch, kPlanSize
+  kCollected, kUseCount, kTorch, kChildHash, kPlanSize
 };
+
+// dict[key] for a key whose hash the caller has (a recording's key, hashed once when its fast hit
+// was made: hashing a call's key walks all of its nested tuples); a borrowed reference, nullptr
+// where it is missing or on error. Python 3.13 keeps the known-hash lookup to itself: plain lookup.
+inline PyObject* dict_item(PyObject* dict, PyObject* key, PyObject* hash) {
+#if PY_VERSION_HEX < 0x030D0000
+  const Py_hash_t h = PyLong_AsSsize_t(hash);
+  if (h == -1 && PyErr_Occurred()) return nullptr;
+  return _PyDict_GetItem_KnownHash(dict, key, h);
+#else
+  (void)hash;
+  return PyDict_GetItemWithError(dict, key);
+#endif
+}
 
 // The int 1 (a borrowed reference, made once).
 inline PyObject* one() {

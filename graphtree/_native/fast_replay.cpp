@@ -15,6 +15,7 @@ PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream);
 PyObject* detach_now(PyObject* t);
+bool jit_tracing_now();  // fastpath.cpp
 int single_output_now(PyObject* single, PyObject* device, PyObject** tensor, PyObject** ref);  // outputs.cpp
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -330,7 +331,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Ref children(PyObject_GetAttr(parent.get(), s->children));
   if (children.get() == nullptr) return nullptr;
   if (!PyDict_Check(children.get())) return missed();
-  PyObject* kids = PyDict_GetItemWithError(children.get(), plan[kChildKey]);
+  PyObject* kids = dict_item(children.get(), plan[kChildKey], plan[kChildHash]);
   if (kids == nullptr || !PyList_Check(kids) || PyList_GET_SIZE(kids) == 0 || PyList_GET_ITEM(kids, 0) != node) {
     return PyErr_Occurred() ? nullptr : missed();
   }
@@ -506,7 +507,7 @@ PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // A module's entry made by module_entry, `bound` its self: (package, owner, fallback, hooked,
-// global_hooks, tracing, user_code, fast_hit, miss). What GraphedModule.__call__ calls for
+// global_hooks, user_code, fast_hit, miss). What GraphedModule.__call__ calls for
 // (module, args, kwargs), its Python twin graphed_module._plain_call in C: `hooked` where
 // nn.Module.__call__ would do more than call forward (a hook on the module or a global one, a
 // compiled call from module.compile(), a torch.jit trace under way); else the call made as
@@ -516,7 +517,7 @@ PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // fallback(module, args, kwargs) once package.loaded is no longer owner, or where the module's
 // state is not where nn.Module keeps it (its instance dict).
 static PyObject* module_call(PyObject* bound, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_Check(bound) || PyTuple_GET_SIZE(bound) != 9 || !PyTuple_Check(args[1]) ||
+  if (nargs != 3 || !PyTuple_Check(bound) || PyTuple_GET_SIZE(bound) != 8 || !PyTuple_Check(args[1]) ||
       !PyDict_Check(args[2])) {
     PyErr_SetString(PyExc_TypeError, "graphtree module entry(module, args: tuple, kwargs: dict)");
     return nullptr;
@@ -550,9 +551,7 @@ static PyObject* module_call(PyObject* bound, PyObject* const* args, Py_ssize_t 
     const int set = PyObject_IsTrue(PyTuple_GET_ITEM(global, i));
     if (set != 0) return set < 0 ? nullptr : Py_NewRef(item(3));
   }
-  Ref tracing(PyObject_CallNoArgs(item(5)));
-  if (tracing.get() == nullptr) return nullptr;
-  if (tracing.get() != Py_None) return Py_NewRef(item(3));
+  if (jit_tracing_now()) return Py_NewRef(item(3));  // (torch._C._get_tracing_state() is not None)
   PyObject* found = PyDict_GetItemWithError(dict.get(), s->graphtree_call);
   if (found == nullptr) return PyErr_Occurred() ? nullptr : fallback();
   Ref gc(Py_NewRef(found));  // (the dict may lose it while the call runs Python)
@@ -560,14 +559,14 @@ static PyObject* module_call(PyObject* bound, PyObject* const* args, Py_ssize_t 
   if (hits.get() == nullptr) return nullptr;
   const int any_hits = PyObject_IsTrue(hits.get());
   if (any_hits < 0) return nullptr;
-  const int inside = any_hits && PyDict_GET_SIZE(args[2]) == 0 ? attr_true(item(6), s->active) : 1;
+  const int inside = any_hits && PyDict_GET_SIZE(args[2]) == 0 ? attr_true(item(5), s->active) : 1;
   if (inside < 0) return nullptr;
   if (inside) return PyObject_Call(gc.get(), args[1], args[2]);
-  Ref entry(PyObject_GetAttr(item(7), s->entry));
+  Ref entry(PyObject_GetAttr(item(6), s->entry));
   if (entry.get() == nullptr) return nullptr;
   PyObject* entry_args[3] = {gc.get(), hits.get(), args[1]};
   Ref out(PyObject_Vectorcall(entry.get(), entry_args, 3, nullptr));
-  if (out.get() == nullptr || out.get() != item(8)) return out.release();
+  if (out.get() == nullptr || out.get() != item(7)) return out.release();
   return PyObject_CallMethodObjArgs(gc.get(), s->past_fast_hit, args[1], args[2], nullptr);
 }
 
@@ -575,14 +574,14 @@ static PyMethodDef module_call_def = {
     "module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_call)), METH_FASTCALL,
     "entry(module, args, kwargs) -> outputs | hooked: a graphed module's call, its checks in C"};
 
-// module_entry(package, owner, fallback, hooked, global_hooks, tracing, user_code, fast_hit, miss)
+// module_entry(package, owner, fallback, hooked, global_hooks, user_code, fast_hit, miss)
 // -> entry: GraphedModule.__call__'s checks and call as a C function taking (module, args,
 // kwargs), with the arguments that never change bound (module_call above); fallback, the Python
 // twin, once package.loaded is no longer owner.
 PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 9 || !PyTuple_Check(args[4])) {
+  if (nargs != 8 || !PyTuple_Check(args[4])) {
     PyErr_SetString(PyExc_TypeError,
-                    "module_entry(package, owner, fallback, hooked, global_hooks: tuple, tracing, user_code, fast_hit, miss)");
+                    "module_entry(package, owner, fallback, hooked, global_hooks: tuple, user_code, fast_hit, miss)");
     return nullptr;
   }
   return bound_to(&module_call_def, args, nargs);

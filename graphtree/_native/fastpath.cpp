@@ -11,6 +11,7 @@
 
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <ATen/Context.h>
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -539,7 +540,7 @@ const PyMethodDef methods[] = {
     {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fast_entry)), METH_FASTCALL,
      "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry(gc, hits, args)"},
     {"module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_entry)), METH_FASTCALL,
-     "module_entry(package, owner, fallback, hooked, global_hooks, tracing, user_code, fast_hit, miss) -> entry(module, args, kwargs)"},
+     "module_entry(package, owner, fallback, hooked, global_hooks, user_code, fast_hit, miss) -> entry(module, args, kwargs)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -571,6 +572,7 @@ PyObject* copy_in_now(PyObject* const* args) { return copy_in(nullptr, args, 4);
 PyObject* addresses_unchanged_now(PyObject* const* args) { return addresses_unchanged(nullptr, args, 2); }
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream) { return launch_graph(exec, device, stream); }
 PyObject* detach_now(PyObject* t) { return detach(nullptr, &t, 1); }
+bool jit_tracing_now() { return torch::jit::tracer::isTracing(); }  // (torch._C._get_tracing_state() is not None)
 int storage_of_now(PyObject* t, PyObject** out) { return storage_of(t, out); }
 }  // namespace graphtree_native
 

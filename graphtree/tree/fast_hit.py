@@ -131,7 +131,7 @@ class FastHit:
             MISS, self.tree, self.node, self.parent, self.child_key, device, ambient, self.module, self.training,
             _HANDLE_CLASS, self.handles, _EPOCH_CELL, self.epoch, gc.free, self.models,
             reads, _THREADS, gc.id, MAX_PATH_DEPTH, torch.is_grad_enabled,
-            _COLLECTED, _torch.storage_use_count, _torch,
+            _COLLECTED, _torch.storage_use_count, _torch, hash(self.child_key),
         )  # fmt: skip
 
     def same_as(self, other: FastHit) -> bool:

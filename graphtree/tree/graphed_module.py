@@ -156,9 +156,7 @@ def _plain_call(gm: GraphedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
     native = _native.loaded
     make = getattr(native, "module_entry", None)
     if make is not None and _made_by is not native:
-        _call = make(
-            _native, native, _plain_call, HOOKED, _GLOBAL_HOOKS, _jit_tracing, user_code, _fast_hit, _fast_hit.MISS
-        )
+        _call = make(_native, native, _plain_call, HOOKED, _GLOBAL_HOOKS, user_code, _fast_hit, _fast_hit.MISS)
         _made_by = native
     if (
         gm._forward_hooks
