@@ -6,7 +6,9 @@ each piece, then a cProfile of the whole call (sorted by own time).
 
 from __future__ import annotations
 
+import array
 import cProfile
+import itertools
 import pstats
 import statistics
 import time
@@ -78,6 +80,8 @@ def _module_rows(x: torch.Tensor) -> dict:
     ptrs = [t.data_ptr() for t in statics]
     idx = list(range(len(statics)))
     check = _torch.data_ptrs_checker()
+    triples = ((_torch.tensor_impl(t), _torch.storage_id(t), t.data_ptr()) for t in statics)
+    packed = array.array("Q", itertools.chain.from_iterable(triples)).tobytes()
     ident = torch.nn.Identity()
     native = _native.loaded
     return {
@@ -86,6 +90,12 @@ def _module_rows(x: torch.Tensor) -> dict:
         "module: nn.Identity()(x)": lambda: ident(x),
         "module: check 100 addresses (torch's C++)": lambda: check(statics, ptrs, idx),
         **({"module: check 100 (native)": lambda: native.ptrs_equal(statics, ptrs, idx)} if native else {}),
+        # (as a replay checks them: each TensorImpl, StorageImpl and address, packed as Node packs them)
+        **(
+            {"module: check 100 (native, packed)": lambda: native.addresses_unchanged(statics, packed)}
+            if native
+            else {}
+        ),
         "module: check 100, list(map(data_ptr))": lambda: list(map(_data_ptr, statics)) == ptrs,
         "module: static_tensors()": gc.static_tensors,
         "module: param_epoch()": _inputs.param_epoch,
