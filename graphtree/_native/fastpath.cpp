@@ -116,11 +116,21 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // Python object.
 constexpr Py_ssize_t kAhead = 8;
 
-inline void fetch_ahead(PyObject* tensor, const uint64_t* packed) {
+// The k-th uint64 of a packed buffer (read as bytes: no alignment assumed).
+inline uint64_t packed_at(const char* packed, Py_ssize_t k) {
+  uint64_t v;
+  std::memcpy(&v, packed + k * sizeof(uint64_t), sizeof(uint64_t));
+  return v;
+}
+
+// The i-th tensor's lines fetched ahead: its Python object, its TensorImpl (storage pointer and
+// flags; offset, size and type) and its StorageImpl (data pointer), from the packed pointers.
+inline void fetch_ahead(PyObject* tensor, const char* packed, Py_ssize_t i) {
+  const char* impl = reinterpret_cast<const char*>(packed_at(packed, 3 * i));
   __builtin_prefetch(tensor);
-  __builtin_prefetch(reinterpret_cast<const char*>(packed[0]));        // (its storage pointer and flags)
-  __builtin_prefetch(reinterpret_cast<const char*>(packed[0]) + 128);  // (its offset, size and type)
-  __builtin_prefetch(reinterpret_cast<const char*>(packed[1]));        // (its StorageImpl's data pointer)
+  __builtin_prefetch(impl);
+  __builtin_prefetch(impl + 128);
+  __builtin_prefetch(reinterpret_cast<const char*>(packed_at(packed, 3 * i + 1)));
 }
 
 PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -131,19 +141,12 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   PyObject* tensors = args[0];
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
   if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(3 * sizeof(uint64_t))) Py_RETURN_FALSE;
-  std::vector<uint64_t> aligned;  // (a bytes object's buffer is aligned for uint64_t in CPython; copied if not)
-  const char* raw = PyBytes_AS_STRING(args[1]);
-  const uint64_t* expected = reinterpret_cast<const uint64_t*>(raw);
-  if (reinterpret_cast<uintptr_t>(raw) % alignof(uint64_t) != 0) {
-    aligned.resize(3 * n);
-    std::memcpy(aligned.data(), raw, 3 * n * sizeof(uint64_t));
-    expected = aligned.data();
-  }
-  for (Py_ssize_t i = 0; i < n && i < kAhead; ++i) fetch_ahead(PyList_GET_ITEM(tensors, i), expected + 3 * i);
+  const char* expected = PyBytes_AS_STRING(args[1]);
+  for (Py_ssize_t i = 0; i < n && i < kAhead; ++i) fetch_ahead(PyList_GET_ITEM(tensors, i), expected, i);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) fetch_ahead(PyList_GET_ITEM(tensors, i + kAhead), expected + 3 * (i + kAhead));
+    if (i + kAhead < n) fetch_ahead(PyList_GET_ITEM(tensors, i + kAhead), expected, i + kAhead);
     PyObject* t = PyList_GET_ITEM(tensors, i);
-    auto* packed = reinterpret_cast<c10::TensorImpl*>(expected[3 * i]);
+    auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(expected, 3 * i));
     void* have = nullptr;
     if (THPVariable_CheckExact(t) && THPVariable_Unpack(t).unsafeGetTensorImpl() == packed) {
       try {
@@ -155,7 +158,7 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
     } else if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) {
       return nullptr;
     }
-    if (reinterpret_cast<uint64_t>(have) != expected[3 * i + 2]) Py_RETURN_FALSE;
+    if (reinterpret_cast<uint64_t>(have) != packed_at(expected, 3 * i + 2)) Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
 }
