@@ -6,9 +6,7 @@ each piece, then a cProfile of the whole call (sorted by own time).
 
 from __future__ import annotations
 
-import array
 import cProfile
-import itertools
 import pstats
 import statistics
 import time
@@ -21,6 +19,7 @@ from graphtree import _native, _torch
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import inputs as _inputs
 from graphtree.tree import manager as _manager
+from graphtree.tree.node import statics_packed
 
 
 def _us(fn, n=3000, reps=7):
@@ -80,8 +79,7 @@ def _module_rows(x: torch.Tensor) -> dict:
     ptrs = [t.data_ptr() for t in statics]
     idx = list(range(len(statics)))
     check = _torch.data_ptrs_checker()
-    triples = ((_torch.tensor_impl(t), _torch.storage_id(t), t.data_ptr()) for t in statics)
-    packed = array.array("Q", itertools.chain.from_iterable(triples)).tobytes()
+    packed = statics_packed(statics)
     ident = torch.nn.Identity()
     native = _native.loaded
     return {
@@ -90,7 +88,7 @@ def _module_rows(x: torch.Tensor) -> dict:
         "module: nn.Identity()(x)": lambda: ident(x),
         "module: check 100 addresses (torch's C++)": lambda: check(statics, ptrs, idx),
         **({"module: check 100 (native)": lambda: native.ptrs_equal(statics, ptrs, idx)} if native else {}),
-        # (as a replay checks them: each TensorImpl, StorageImpl and address, packed as Node packs them)
+        # (as a replay checks them, packed as Node packs them)
         **(
             {"module: check 100 (native, packed)": lambda: native.addresses_unchanged(statics, packed)}
             if native

@@ -51,14 +51,10 @@ def test_ptrs_equal_sees_every_way_a_tensor_changes_address(native) -> None:
 
 @needs_toolchain
 def test_addresses_unchanged_compares_packed_addresses(native) -> None:
-    import array
+    from graphtree.tree.node import statics_packed
 
     ts = [torch.nn.Parameter(torch.randn(3)) for _ in range(100)]
-
-    def packed_now() -> bytes:  # (each tensor's TensorImpl, StorageImpl and address, as Node packs them)
-        return array.array("Q", [v for t in ts for v in (t._cdata, t.untyped_storage()._cdata, t.data_ptr())]).tobytes()
-
-    packed = packed_now()
+    packed = statics_packed(ts)  # (each tensor's TensorImpl, StorageImpl and address)
     assert native.addresses_unchanged(ts, packed) is True
     assert native.addresses_unchanged(ts[:-1], packed) is False  # a count that differs never matches
     ts[57].data = torch.randn(3)  # (the same TensorImpl, another storage)
@@ -73,10 +69,10 @@ def test_addresses_unchanged_compares_packed_addresses(native) -> None:
 def test_addresses_unchanged_answers_as_data_ptr_whatever_moved_underneath(native) -> None:
     """A tensor read through the TensorImpl packed with it, or, where it holds another, through its
     Python object: either way the answer is ``data_ptr()``'s."""
-    import array
+    from graphtree.tree.node import statics_packed
 
     ts = [torch.nn.Parameter(torch.randn(4)) for _ in range(6)]
-    packed = array.array("Q", [v for t in ts for v in (t._cdata, t.untyped_storage()._cdata, t.data_ptr())]).tobytes()
+    packed = statics_packed(ts)
     want = [t.data_ptr() for t in ts]
 
     def answers_as_data_ptr() -> bool:
@@ -93,7 +89,7 @@ def test_addresses_unchanged_answers_as_data_ptr_whatever_moved_underneath(nativ
     ts[2].untyped_storage().resize_(64)  # the same TensorImpl and StorageImpl, other memory
     assert not answers_as_data_ptr()
     ts[2].untyped_storage().resize_(16)
-    packed = array.array("Q", [v for t in ts for v in (t._cdata, t.untyped_storage()._cdata, t.data_ptr())]).tobytes()
+    packed = statics_packed(ts)
     want = [t.data_ptr() for t in ts]
     assert answers_as_data_ptr()
     with torch.no_grad():

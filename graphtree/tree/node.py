@@ -148,9 +148,7 @@ class Node:
         self.statics = list(statics)
         self.static_ptrs = [t.data_ptr() for t in statics]
         self.static_idx = list(range(len(statics)))
-        # for the native check (_native: addresses_unchanged): each TensorImpl, StorageImpl and address
-        triples = ((_torch.tensor_impl(t), _torch.storage_id(t), p) for t, p in zip(self.statics, self.static_ptrs))
-        self.static_packed = array.array("Q", itertools.chain.from_iterable(triples)).tobytes()
+        self.static_packed = statics_packed(self.statics)  # for the native check
         self.epoch = epoch
         self.capture_seconds = capture_seconds
         self.input_refs = input_refs
@@ -299,6 +297,19 @@ def below(parent: Node | Root) -> list[Node]:
     broken at host reads, the recordings of the call's other values (found through the first
     segment they share, not among the children: :mod:`graphtree.tree.breaks`)."""
     return [x for kids in parent.children.values() for k in kids for x in (k, *k.branches())]
+
+
+def statics_packed(statics: Sequence[torch.Tensor]) -> bytes:
+    """What the native ``addresses_unchanged`` checks ``statics`` against: each tensor's
+    ``TensorImpl``, ``StorageImpl`` and address, as native-endian uint64 triples.
+
+    Example::
+
+        packed = statics_packed(params)
+        assert _native.loaded.addresses_unchanged(params, packed)
+    """
+    triples = ((_torch.tensor_impl(t), _torch.storage_id(t), t.data_ptr()) for t in statics)
+    return array.array("Q", itertools.chain.from_iterable(triples)).tobytes()
 
 
 def drop_subtree(node: Node) -> None:
