@@ -296,6 +296,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rf', *sys.a
                # off, beside or after the first (or use suites_bg)
       suite_in_background "${BG:-/tmp/bg}"
       ;;
+    all_bg)  # `own` in the background, then (falling through) suites_bg's two suites beside it: on a
+             # machine of one GPU all three share it (the suites' 2 x ~700 s and own's ~360 s do not
+             # fit in sequence in a session)
+      MARK="gpu and own_process" suite_in_background /tmp/bg-own
+      ;&
     suites_bg)  # both one-process suites in the background: the helpers on (GPU 0) and off
                 # (GRAPHTREE_NATIVE=0, on GPU 1 where the machine has two, else beside the first);
                 # `suites_wait` brings both logs back
@@ -306,14 +311,6 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rf', *sys.a
       ;;
     suites_wait)  # suite_wait for both of suites_bg's runs
       suite_waited /tmp/bg; suite_waited /tmp/bg-off
-      ;;
-    all_bg)  # suites_bg, and `own` in the background beside them: on a machine of one GPU, all three
-             # share it (the suites' 2 x ~700 s and own's ~360 s do not fit in sequence in a session)
-      suite_in_background /tmp/bg
-      off_gpu=${CUDA_VISIBLE_DEVICES:-}
-      [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && off_gpu=1
-      suite_in_background /tmp/bg-off GRAPHTREE_NATIVE=0 ${off_gpu:+CUDA_VISIBLE_DEVICES=$off_gpu}
-      MARK="gpu and own_process" suite_in_background /tmp/bg-own
       ;;
     all_wait)  # all_bg's three runs: wait until each has ended (at most $WAIT_S seconds in all), bring their logs back
       for _ in $(seq ${WAIT_S:-540}); do [ -f /tmp/bg/rc ] && [ -f /tmp/bg-off/rc ] && [ -f /tmp/bg-own/rc ] && break; sleep 1; done
