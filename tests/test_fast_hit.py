@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from gt_fast_hit import count_fast_replays, module_stops, plant_recording, stand_in_helpers, stand_in_signature
+from gt_fast_hit import (
+    count_fast_replays,
+    module_stops,
+    plant_recording,
+    stand_in_helpers,
+    stand_in_signature,
+    with_native_hit,
+)
 
 import graphtree
 from graphtree import _native
@@ -45,16 +52,8 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         real = _native.wait(600)
         if real is None:
             pytest.skip(f"no native helpers: {_native.status()}")
-        fake.fast_replay = real.fast_replay
-        # replay_again's native whole (signature, lookup, replay), with the stand-in signature
-        fake.fast_call = lambda gc, hits, args, plain, miss, threads, float_part: real.fast_call(
-            gc, hits, args, plain, miss, threads, float_part, fake.signature
-        )
-        # its C entry (fast_hit.entry once bound), with the stand-in signature
-        fake.fast_entry = lambda package, owner, fallback, plain, miss, threads, float_part: real.fast_entry(
-            package, owner, fallback, plain, miss, threads, float_part, fake.signature
-        )
-        fake.module_entry = real.module_entry  # (a graphed module's checks and call in C: its twin's calls)
+        # the native replay, replay_again's native whole and its C entry, a module's C entry
+        with_native_hit(fake, real)
     monkeypatch.setattr(_native, "loaded", fake)
     monkeypatch.setattr(fast_hit, "entry", fast_hit.replay_again)  # (bound again to these helpers)
     monkeypatch.setattr(ambient, "_checked", fake)

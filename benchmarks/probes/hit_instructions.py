@@ -45,14 +45,7 @@ def _child(case: str, calls: int) -> None:
     stand_ins = p.STAND_INS
     stand_ins.ambient = timed.ambient._python_state
     p._install()
-    stand_ins.fast_replay = real.fast_replay
-    stand_ins.module_entry = real.module_entry
-    stand_ins.fast_call = lambda gc, hits, args, plain, miss, threads, part: real.fast_call(
-        gc, hits, args, plain, miss, threads, part, stand_ins.signature
-    )
-    stand_ins.fast_entry = lambda package, owner, fallback, plain, miss, threads, part: real.fast_entry(
-        package, owner, fallback, plain, miss, threads, part, stand_ins.signature
-    )
+    importlib.import_module("gt_fast_hit").with_native_hit(stand_ins, real)
     walk_mod._torch.invalidate_storage = lambda ref, msg: None  # type: ignore[assignment]
     torch.set_grad_enabled(False)
     if case == "function":

@@ -60,6 +60,21 @@ def stand_in_helpers(ambient: Callable[[], Any]) -> types.SimpleNamespace:
     )
 
 
+def with_native_hit(fake: types.SimpleNamespace, real: Any) -> types.SimpleNamespace:
+    """``fake`` (:func:`stand_in_helpers`) with the real native hit: ``fast_replay``, ``fast_call``
+    and ``fast_entry`` (given the stand-in signature, for CPU tensors) and a module's
+    ``module_entry``. Returns ``fake``."""
+    fake.fast_replay = real.fast_replay
+    fake.fast_call = lambda gc, hits, args, plain, miss, threads, float_part: real.fast_call(
+        gc, hits, args, plain, miss, threads, float_part, fake.signature
+    )
+    fake.fast_entry = lambda package, owner, fallback, plain, miss, threads, float_part: real.fast_entry(
+        package, owner, fallback, plain, miss, threads, float_part, fake.signature
+    )
+    fake.module_entry = real.module_entry
+    return fake
+
+
 def count_fast_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now until the test ends: 1 for each call a fast hit replayed, 0 for each it left to the
     Python path (``fast_hit.entry``: a counting ``replay_again``, restored by ``monkeypatch``)."""
