@@ -769,6 +769,65 @@ def test_a_modules_call_asks_its_fast_hit_once_hit_or_miss(stand_ins, monkeypatc
     assert (graphed_module._made_by is stand_ins) == native
 
 
+def _python_calls(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """``fn(*args, **kwargs)`` and the Python functions it called, as (file name, function name)."""
+    seen: list[tuple[str, str]] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            seen.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return out, seen
+
+
+def test_a_graphed_modules_class_calls_its_entry_in_c_and_keeps_its_python_call(stand_ins, request):
+    """Once the helpers' ``module_entry`` made the module's entry, ``module_type_call`` makes
+    GraphedModule's call in C: a replay calls no Python function of graphtree's, and gives what the
+    Python ``GraphedModule.__call__`` gives, which stays the class's ``__call__`` (what torch.compile
+    traces; a subclass calls it); other helpers loaded since, or none, go back to the Python path."""
+    if request.node.callspec.params["stand_ins"] != "native":
+        pytest.skip("the native entry")
+    x = torch.randn(8, 8)
+    net = torch.nn.Linear(8, 8)
+    gm = graphtree.graphed(net)
+    with torch.no_grad():
+        _record(gm._graphtree_call, x)
+        for _ in range(3):
+            gm(x)
+        out, seen = _python_calls(gm, x)
+        out = out.clone()  # (the replay's output dropped before the next: none held)
+        assert torch.equal(out, graphed_module.GraphedModule.__call__(gm, x)), "the same replay"
+        assert not [s for s in seen if s[0] in ("graphed_module.py", "graphed.py", "fast_hit.py")], seen
+        assert type(graphed_module.GraphedModule.__dict__["__call__"]).__name__ == "function"
+
+        class Sub(graphed_module.GraphedModule):
+            pass
+
+        sub = Sub(net, gm._graphtree_call)
+        _, seen = _python_calls(sub, x)
+        assert ("graphed_module.py", "__call__") in seen, seen  # (a subclass: its class's Python call)
+
+        def refuse(module: Any, args: Any) -> None:
+            raise ValueError("a pre-hook refused")
+
+        handle = gm.register_forward_pre_hook(refuse)
+        with pytest.raises(ValueError, match="refused"):  # (through nn.Module.__call__, raised as it is)
+            gm(x)
+        handle.remove()
+        stand_ins_now = _native.loaded
+        try:
+            _native.loaded = None  # (GRAPHTREE_NATIVE=0 at run time: the Python path)
+            out, seen = _python_calls(gm, x)
+            assert ("graphed_module.py", "_plain_call") in seen, seen
+        finally:
+            _native.loaded = stand_ins_now
+
+
 def test_a_modules_call_goes_through_nn_modules_call_where_that_does_more_on_either_entry(stand_ins, monkeypatch):
     """The module's entry (``graphed_module._plain_call`` or its C twin) answers each case as
     ``nn.Module.__call__`` would: a hook on the module, a global hook, ``m.compile()`` and a jit trace

@@ -608,3 +608,34 @@ def test_a_build_that_compiled_says_how_long_it_took_once(monkeypatch) -> None:
     monkeypatch.setattr(sp, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=next(outputs), stderr=""))
     assert _native._build_in_child() == (so, 17.4)
     assert _native._build_in_child() == (so, None)  # (found in the cache: nothing to say)
+
+
+def test_fields_are_instance_attributes():
+    """The native replay reads its names from an instance's ``__dict__`` where they are there
+    (``fast_hit.h``: ``field``), which is what ``getattr`` reads unless the class has a data
+    descriptor of that name: every graphtree class that has one (a slot, a namedtuple's field) has
+    no instance ``__dict__`` at all, so ``field`` reads those through ``getattr``."""
+    import importlib
+    import inspect
+    import pathlib
+    import pkgutil
+    import re
+
+    import graphtree.tree
+
+    header = pathlib.Path(_native.__file__).with_name("fast_hit.h").read_text()
+    listed = header[header.index("const char* all[] = {") :]
+    names = re.findall(r'"([^"]+)"', listed[: listed.index("};")])
+    assert "training" in names and "replays" in names, names[:5]
+    shadowed = []
+    for info in pkgutil.iter_modules(graphtree.tree.__path__):
+        module = importlib.import_module(f"graphtree.tree.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if not cls.__module__.startswith("graphtree"):
+                continue
+            for name in names:
+                found = inspect.getattr_static(cls, name, None)
+                if name != "__dict__" and found is not None and hasattr(type(found), "__set__"):
+                    shadowed.append((cls, name))
+    assert shadowed, "the classes with slots the replay reads (FastHit, Counters)"
+    assert [(cls.__qualname__, name) for cls, name in shadowed if cls.__dictoffset__ != 0] == []

@@ -42,8 +42,11 @@ log = logging.getLogger("graphtree")
 # functions in the CUDA part only)
 _SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "outputs.cpp", "fast_replay.cpp", "step_end.cpp")
-]
+    for f in (
+        "fastpath.cpp", "keys.cpp", "channel.cpp", "draws.cpp", "outputs.cpp", "fast_replay.cpp", "entries.cpp",
+        "step_end.cpp",
+    )
+]  # fmt: skip
 _HEADERS = [Path(__file__).with_name("fast_hit.h")]
 _ENV = "GRAPHTREE_NATIVE"
 

@@ -123,15 +123,39 @@ inline PyObject* alive(PyObject* ref) {
 #endif
 }
 
+// Attribute `name` of `obj` (a new reference; nullptr with the error set), as PyObject_GetAttr
+// reads it, in about half its instructions where it is an instance attribute: for a class that reads
+// attributes generically (no __getattr__, no __getattribute__) and a module, from the instance's
+// __dict__ where it is there, which is where PyObject_GenericGetAttr finds it unless the class has a
+// data descriptor of that name (a property, a slot: none of graphtree's classes, for the names read
+// here, tests/test_native.py: test_fields_are_instance_attributes), without consulting the type;
+// anything else, PyObject_GetAttr. (It gives the object a __dict__ of its own where its attributes
+// were kept inline: Python reads them from it as fast.)
+inline PyObject* field(PyObject* obj, PyObject* name) {
+  PyObject* dict = nullptr;  // (borrowed)
+  if (Py_TYPE(obj)->tp_getattro == PyObject_GenericGetAttr) {
+    PyObject** at = _PyObject_GetDictPtr(obj);
+    dict = at != nullptr ? *at : nullptr;
+  } else if (PyModule_CheckExact(obj)) {
+    dict = PyModule_GetDict(obj);
+  }
+  if (dict != nullptr && PyDict_CheckExact(dict)) {
+    PyObject* v = PyDict_GetItemWithError(dict, name);  // (borrowed)
+    if (v != nullptr) return Py_NewRef(v);
+    if (PyErr_Occurred()) return nullptr;
+  }
+  return PyObject_GetAttr(obj, name);
+}
+
 // 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is true.
 inline int attr_true(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
+  Ref v(field(obj, name));
   return v.get() == nullptr ? -1 : PyObject_IsTrue(v.get());
 }
 
 // 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is not None.
 inline int attr_set(PyObject* obj, PyObject* name) {
-  Ref v(PyObject_GetAttr(obj, name));
+  Ref v(field(obj, name));
   return v.get() == nullptr ? -1 : v.get() != Py_None;
 }
 

@@ -15,7 +15,6 @@ PyObject* addresses_unchanged_now(PyObject* const* args);
 PyObject* signature_now(PyObject* const* args);
 int launch_now(PyObject* exec, PyObject* device, PyObject* stream);
 PyObject* detach_now(PyObject* t);
-bool jit_tracing_now();  // fastpath.cpp
 int single_output_now(PyObject* single, PyObject* device, PyObject** tensor, PyObject** ref);  // outputs.cpp
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -41,10 +40,10 @@ int takes_python_path(PyObject* gc, PyObject* needs_grad, PyObject* const* plan,
     const int set = attr_set(gc, name);
     if (set != 0) return set;
   }
-  Ref reach(PyObject_GetAttr(gc, s->reach));
+  Ref reach(field(gc, s->reach));
   const int follows = reach.get() ? attr_true(reach.get(), s->cells) : -1;
   if (follows != 0) return follows;
-  Ref step(PyObject_GetAttr(gc, s->step));
+  Ref step(field(gc, s->step));
   if (step.get() == nullptr) return -1;
   if (step.get() != Py_None) {
     const int trains = attr_true(step.get(), s->trains);
@@ -67,9 +66,9 @@ int takes_python_path(PyObject* gc, PyObject* needs_grad, PyObject* const* plan,
 // module registered since its structure was read. Anything else (a value rebound, a closure's cell,
 // the first call, a restructure) calls part() itself, the reference. A new reference.
 PyObject* reads_part(PyObject* free, PyObject* const* plan, Names* s) {
-  Ref reads(PyObject_GetAttr(free, s->reads_));
-  Ref structure(reads.get() ? PyObject_GetAttr(free, s->structure) : nullptr);
-  Ref cache(structure.get() ? PyObject_GetAttr(free, s->cache) : nullptr);
+  Ref reads(field(free, s->reads_));
+  Ref structure(reads.get() ? field(free, s->structure) : nullptr);
+  Ref cache(structure.get() ? field(free, s->cache) : nullptr);
   if (cache.get() == nullptr) return nullptr;
   auto python = [&] { return PyObject_CallMethodNoArgs(free, s->part); };
   if (!PyList_Check(reads.get()) || PyList_GET_SIZE(reads.get()) == 0 || !PyList_Check(structure.get()) ||
@@ -77,7 +76,7 @@ PyObject* reads_part(PyObject* free, PyObject* const* plan, Names* s) {
     return python();
   }
   if (PyList_GET_SIZE(structure.get()) > 0) {  // (a module registered since: part() reads the structure again)
-    Ref epoch(PyObject_GetAttr(free, s->epoch_));
+    Ref epoch(field(free, s->epoch_));
     PyObject* cell = plan[kEpochCell];
     if (epoch.get() == nullptr) return nullptr;
     if (!PyList_Check(cell) || PyList_GET_SIZE(cell) < 1) return python();
@@ -105,16 +104,16 @@ PyObject* reads_part(PyObject* free, PyObject* const* plan, Names* s) {
 // it is another, -1 a Python error. `stream` gets the current raw stream (None without CUDA), which
 // the replay's copy and launch then use.
 int order_unchanged(PyObject* tree, Names* s, Ref& stream) {
-  Ref order(PyObject_GetAttr(tree, s->order));
-  Ref stream_of(order.get() ? PyObject_GetAttr(order.get(), s->raw_stream) : nullptr);
+  Ref order(field(tree, s->order));
+  Ref stream_of(order.get() ? field(order.get(), s->raw_stream) : nullptr);
   if (stream_of.get() == nullptr) return -1;
   if (stream_of.get() == Py_None) {  // (a build without CUDA: no streams to order)
     stream.reset(Py_NewRef(Py_None));
     return 1;
   }
-  Ref device(PyObject_GetAttr(order.get(), s->device));
+  Ref device(field(order.get(), s->device));
   stream.reset(device.get() ? PyObject_CallOneArg(stream_of.get(), device.get()) : nullptr);
-  Ref last(stream.get() ? PyObject_GetAttr(order.get(), s->last_raw) : nullptr);
+  Ref last(stream.get() ? field(order.get(), s->last_raw) : nullptr);
   return last.get() == nullptr ? -1 : PyObject_RichCompareBool(stream.get(), last.get(), Py_EQ);
 }
 
@@ -125,8 +124,8 @@ int order_unchanged(PyObject* tree, Names* s, Ref& stream) {
 int hand_out_single(PyObject* live, PyObject* device, Names* s, Ref& out) {
   const int keep = attr_true(live, s->keep_base);
   if (keep != 0) return keep < 0 ? -1 : 0;
-  Ref single(PyObject_GetAttr(live, s->single));
-  Ref refs(single.get() ? PyObject_GetAttr(live, s->refs) : nullptr);
+  Ref single(field(live, s->single));
+  Ref refs(single.get() ? field(live, s->refs) : nullptr);
   if (refs.get() == nullptr) return -1;
   if (single.get() == Py_None || !PyList_Check(refs.get())) return 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs.get()); ++i) {
@@ -154,8 +153,8 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
   Ref out;
   [&] {
     if (n.get() == nullptr) return;
-    Ref inputs(PyObject_GetAttr(node, s->inputs));
-    Ref copies(inputs.get() ? PyObject_GetAttr(inputs.get(), s->native) : nullptr);
+    Ref inputs(field(node, s->inputs));
+    Ref copies(inputs.get() ? field(inputs.get(), s->native) : nullptr);
     if (copies.get() == nullptr) return;
     bool copied = false;
     if (copies.get() != Py_None && stream != Py_None && PyTuple_Check(copies.get()) &&
@@ -171,12 +170,12 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
     }
     // A graph that draws nothing is launched here (Node.exec); any other, or another current
     // device, through the node's launcher (torch's replay, or launch_drawing for one that draws).
-    Ref exec(PyObject_GetAttr(node, s->exec));
+    Ref exec(field(node, s->exec));
     if (exec.get() == nullptr) return;
     const int launched = stream != Py_None ? launch_now(exec.get(), plan[kDevice], stream) : 0;
     if (launched < 0) return;
     if (launched == 0) {
-      Ref launch(PyObject_GetAttr(node, s->launch));
+      Ref launch(field(node, s->launch));
       Ref done(launch.get() ? PyObject_CallNoArgs(launch.get()) : nullptr);
       if (done.get() == nullptr) return;
     }
@@ -186,11 +185,11 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
       out.reset(PyObject_CallMethodObjArgs(node, s->hand_out, leaves, n.get(), nullptr));
       return;
     }
-    Ref count(PyObject_GetAttr(node, s->replays));
+    Ref count(field(node, s->replays));
     Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
     if (more.get() == nullptr || PyObject_SetAttr(node, s->replays, more.get()) < 0) return;
-    Ref live(PyObject_GetAttr(node, s->live));
-    Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+    Ref live(field(node, s->live));
+    Ref base(live.get() ? field(live.get(), s->base) : nullptr);
     if (base.get() == nullptr) return;
     if (base.get() != Py_None) {  // (OutputLiveness.hand_out's first case: a base the caller dropped)
       out.reset(detach_now(base.get()));
@@ -242,7 +241,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int off = takes_python_path(gc, args[3], plan, s);
   if (off != 0) return off < 0 ? nullptr : missed();
   // Hooks registered or parameters registered since (tree/hooks.py decides again), the models it calls.
-  Ref made(PyObject_GetAttr(plan[kHandleClass], s->next_id));
+  Ref made(field(plan[kHandleClass], s->next_id));
   if (made.get() == nullptr) return nullptr;
   int same = PyObject_RichCompareBool(made.get(), plan[kHandles], Py_EQ);
   if (same <= 0) return same < 0 ? nullptr : missed();
@@ -250,7 +249,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!PyList_Check(cell) || PyList_GET_SIZE(cell) < 1) return missed();
   same = PyObject_RichCompareBool(PyList_GET_ITEM(cell, 0), plan[kEpoch], Py_EQ);
   if (same <= 0) return same < 0 ? nullptr : missed();
-  Ref models(PyObject_GetAttr(plan[kFree], s->models));
+  Ref models(field(plan[kFree], s->models));
   if (models.get() == nullptr) return nullptr;
   if (models.get() != plan[kModels]) return missed();
   // The ambient state, the module's mode, the values its code reads.
@@ -262,7 +261,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   same = PyObject_RichCompareBool(now.get(), plan[kAmbient], Py_EQ);
   if (same <= 0) return same < 0 ? nullptr : missed();
   if (plan[kModule] != Py_None) {
-    Ref training(PyObject_GetAttr(plan[kModule], s->training));
+    Ref training(field(plan[kModule], s->training));
     if (training.get() == nullptr) return nullptr;
     if (training.get() != plan[kTraining]) return missed();
   }
@@ -272,7 +271,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (reads.get() == nullptr) return nullptr;
   if (reads.get() != plan[kReads]) return missed();
   // This thread's tree, and whether it may start a step by itself.
-  Ref here(PyObject_GetAttr(plan[kThreadState], s->dict));
+  Ref here(field(plan[kThreadState], s->dict));
   if (here.get() == nullptr || !PyDict_Check(here.get())) return here.get() ? missed() : nullptr;
   PyObject* managers = PyDict_GetItemWithError(here.get(), s->managers);
   if (managers == nullptr || !PyDict_Check(managers)) return PyErr_Occurred() ? nullptr : missed();
@@ -284,7 +283,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (depth == nullptr && PyErr_Occurred()) return nullptr;
   const int inside = depth == nullptr ? 0 : PyObject_IsTrue(depth);
   if (inside < 0) return nullptr;
-  Ref lock(PyObject_GetAttr(tree, s->lock));
+  Ref lock(field(tree, s->lock));
   if (lock.get() == nullptr) return nullptr;
   Ref taken(PyObject_CallMethodNoArgs(lock.get(), s->acquire));
   if (taken.get() == nullptr) return nullptr;
@@ -299,8 +298,8 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   } unlock{lock.get(), s->release};
   // The step, the node's place, the node first among its key's recordings, its checks, the stream.
-  Ref walk(PyObject_GetAttr(tree, s->walk));
-  Ref path(walk.get() ? PyObject_GetAttr(walk.get(), s->path) : nullptr);
+  Ref walk(field(tree, s->walk));
+  Ref path(walk.get() ? field(walk.get(), s->path) : nullptr);
   if (path.get() == nullptr) return nullptr;
   if (!PyList_Check(path.get())) return missed();
   const Py_ssize_t max_depth = PyLong_AsSsize_t(plan[kMaxPath]);
@@ -308,7 +307,7 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyList_GET_SIZE(path.get()) >= max_depth) return missed();
   const int requested = attr_true(walk.get(), s->step_requested), users = attr_true(tree, s->user_steps);
   if (requested < 0 || users < 0) return nullptr;
-  Ref called(PyObject_GetAttr(walk.get(), s->called));
+  Ref called(field(walk.get(), s->called));
   if (called.get() == nullptr) return nullptr;
   if (!PySet_Check(called.get())) return missed();
   const int in_step = PySet_Contains(called.get(), plan[kGcId]);
@@ -316,19 +315,19 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const bool new_step = requested || (!users && in_step && !inside);
   Ref parent;
   if (new_step) {
-    parent.reset(PyObject_GetAttr(walk.get(), s->root));
+    parent.reset(field(walk.get(), s->root));
   } else {
     const int warming = attr_true(walk.get(), s->warming);
     if (warming != 0) return warming < 0 ? nullptr : missed();
-    parent.reset(PyObject_GetAttr(walk.get(), s->current));
+    parent.reset(field(walk.get(), s->current));
   }
   if (parent.get() == nullptr) return nullptr;
   Ref parent_then(alive(plan[kParent]));
   if (parent.get() != parent_then.get()) return missed();
-  Ref first(PyObject_GetAttr(node, s->first));
+  Ref first(field(node, s->first));
   if (first.get() == nullptr) return nullptr;
   if (first.get() != Py_None) return missed();
-  Ref children(PyObject_GetAttr(parent.get(), s->children));
+  Ref children(field(parent.get(), s->children));
   if (children.get() == nullptr) return nullptr;
   if (!PyDict_Check(children.get())) return missed();
   PyObject* kids = dict_item(children.get(), plan[kChildKey], plan[kChildHash]);
@@ -343,11 +342,11 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!unconditional) {
     const int statics_only = attr_true(node, s->statics_only);
     if (statics_only <= 0) return statics_only < 0 ? nullptr : missed();
-    Ref epoch(PyObject_GetAttr(node, s->epoch));
+    Ref epoch(field(node, s->epoch));
     if (epoch.get() == nullptr) return nullptr;
     same = PyObject_RichCompareBool(epoch.get(), plan[kEpoch], Py_EQ);
     if (same <= 0) return same < 0 ? nullptr : missed();
-    Ref statics(PyObject_GetAttr(node, s->statics)), packed(PyObject_GetAttr(node, s->static_packed));
+    Ref statics(field(node, s->statics)), packed(field(node, s->static_packed));
     if (statics.get() == nullptr || packed.get() == nullptr) return nullptr;
     PyObject* a[2] = {statics.get(), packed.get()};
     Ref fits(addresses_unchanged_now(a));
@@ -366,15 +365,15 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   if (PySet_Add(called.get(), plan[kGcId]) < 0) return nullptr;
-  Ref memory(PyObject_GetAttr(tree, s->memory));
+  Ref memory(field(tree, s->memory));
   if (memory.get() == nullptr || PyObject_SetAttr(memory.get(), s->live, Py_False) < 0) return nullptr;
   Ref out(replay_node(gc, tree, node, plan, leaves, stream.get(), s));
   if (out.get() == nullptr) return nullptr;
-  Ref entered(PyObject_GetAttr(walk.get(), s->path));  // (a new list when the step began)
+  Ref entered(field(walk.get(), s->path));  // (a new list when the step began)
   if (entered.get() == nullptr || PyList_Append(entered.get(), node) < 0) return nullptr;
   if (PyObject_SetAttr(walk.get(), s->current, node) < 0) return nullptr;
-  Ref counters(PyObject_GetAttr(tree, s->counters));
-  Ref count(counters.get() ? PyObject_GetAttr(counters.get(), s->replays) : nullptr);
+  Ref counters(field(tree, s->counters));
+  Ref count(counters.get() ? field(counters.get(), s->replays) : nullptr);
   Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
   if (more.get() == nullptr || PyObject_SetAttr(counters.get(), s->replays, more.get()) < 0) return nullptr;
   if (PyObject_SetAttr(tree, s->hit, node) < 0) return nullptr;
@@ -396,8 +395,8 @@ PyObject* floats_keyed(PyObject* gc, PyObject* parts, PyObject* float_part, Name
       continue;
     }
     if (by_value.get() == nullptr) {
-      Ref numbers(PyObject_GetAttr(gc, s->numbers));
-      by_value.reset(numbers.get() ? PyObject_GetAttr(numbers.get(), s->by_value) : nullptr);
+      Ref numbers(field(gc, s->numbers));
+      by_value.reset(numbers.get() ? field(numbers.get(), s->by_value) : nullptr);
       if (by_value.get() == nullptr) return nullptr;
     }
     Ref index(PyLong_FromSsize_t(i));
@@ -440,7 +439,7 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* parts = PyTuple_GET_ITEM(sig.get(), 0);
   Ref keyed(args[6] != Py_None && PyTuple_Check(parts) ? floats_keyed(args[0], parts, args[6], s) : Py_NewRef(parts));
   if (keyed.get() == nullptr) return nullptr;
-  Ref here(PyObject_GetAttr(args[5], s->dict));
+  Ref here(field(args[5], s->dict));
   if (here.get() == nullptr) return nullptr;
   PyObject* managers = PyDict_Check(here.get()) ? PyDict_GetItemWithError(here.get(), s->managers) : nullptr;
   PyObject* tree = managers != nullptr && PyDict_Check(managers) ? PyDict_GetItemWithError(managers, device) : nullptr;
@@ -451,7 +450,7 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* hit = PyDict_GetItemWithError(args[1], key.get());  // (borrowed)
   if (hit == nullptr) return PyErr_Occurred() ? nullptr : Py_NewRef(miss);
   Ref held(Py_NewRef(hit));  // (the dict may lose it while the replay runs Python)
-  Ref plan(PyObject_GetAttr(hit, s->plan));
+  Ref plan(field(hit, s->plan));
   if (plan.get() == nullptr) {  // (a signature given up: no plan)
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
     PyErr_Clear();
@@ -459,132 +458,6 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* replay_args[4] = {args[0], plan.get(), args[2], PyTuple_GET_ITEM(sig.get(), 2)};
   return fast_replay(nullptr, replay_args, 4);
-}
-
-// An entry made by fast_entry, `bound` its `self`: (package, owner, fallback, *fast_call's fixed
-// arguments). fast_call(gc, hits, args, *fixed) while package.loaded is still `owner` (the helpers
-// it was made from); fallback(gc, hits, args) once another module or None was put there (tests
-// swap it; GRAPHTREE_NATIVE=0 never binds one).
-static PyObject* entry_call(PyObject* bound, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_Check(bound) || PyTuple_GET_SIZE(bound) < 7 || PyTuple_GET_SIZE(bound) > 8) {
-    PyErr_SetString(PyExc_TypeError, "graphtree fast entry(gc, hits, args)");
-    return nullptr;
-  }
-  Names* s = names();
-  if (s == nullptr) return nullptr;
-  Ref loaded(PyObject_GetAttr(PyTuple_GET_ITEM(bound, 0), s->loaded));
-  if (loaded.get() == nullptr) return nullptr;
-  if (loaded.get() != PyTuple_GET_ITEM(bound, 1)) return PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 2), args, 3, nullptr);
-  const Py_ssize_t k = PyTuple_GET_SIZE(bound) - 3;
-  PyObject* full[8] = {args[0], args[1], args[2]};
-  for (Py_ssize_t i = 0; i < k; ++i) full[3 + i] = PyTuple_GET_ITEM(bound, 3 + i);
-  return fast_call(nullptr, full, 3 + k);
-}
-
-// The C function `def` with a tuple of `args` as its self: an entry with its fixed arguments bound.
-static PyObject* bound_to(PyMethodDef* def, PyObject* const* args, Py_ssize_t nargs) {
-  Ref bound(PyTuple_New(nargs));
-  if (bound.get() == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(bound.get(), i, Py_NewRef(args[i]));
-  return PyCFunction_NewEx(def, bound.get(), nullptr);
-}
-
-static PyMethodDef entry_def = {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(entry_call)),
-                                METH_FASTCALL, "entry(gc, hits, args) -> outputs | miss: fast_call with its bound arguments"};
-
-// fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry:
-// fast_call with the arguments that never change bound, as a C function taking (gc, hits, args):
-// what GraphedCallable.__call__ calls, with no Python frame between it and fast_call
-// (tree/fast_hit.py: entry). It calls fallback instead once package.loaded is no longer owner.
-// `signature`, where given, the stand-in fast_call takes (tests on CPU tensors).
-PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 7 && nargs != 8) {
-    PyErr_SetString(PyExc_TypeError,
-                    "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature])");
-    return nullptr;
-  }
-  return bound_to(&entry_def, args, nargs);
-}
-
-// A module's entry made by module_entry, `bound` its self: (package, owner, fallback, hooked,
-// global_hooks, user_code, fast_hit, miss). What GraphedModule.__call__ calls for
-// (module, args, kwargs), its Python twin graphed_module._plain_call in C: `hooked` where
-// nn.Module.__call__ would do more than call forward (a hook on the module or a global one, a
-// compiled call from module.compile(), a torch.jit trace under way); else the call made as
-// GraphedCallable.__call__ would make it: fast_hit.entry (read on each call: tests count through
-// it) where fast hits are kept for a call of positional arguments outside user code, and on a
-// miss past_fast_hit, the Python path, with no second try; anything else gc(*args, **kwargs).
-// fallback(module, args, kwargs) once package.loaded is no longer owner, or where the module's
-// state is not where nn.Module keeps it (its instance dict).
-static PyObject* module_call(PyObject* bound, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_Check(bound) || PyTuple_GET_SIZE(bound) != 8 || !PyTuple_Check(args[1]) ||
-      !PyDict_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "graphtree module entry(module, args: tuple, kwargs: dict)");
-    return nullptr;
-  }
-  Names* s = names();
-  if (s == nullptr) return nullptr;
-  auto item = [bound](Py_ssize_t i) { return PyTuple_GET_ITEM(bound, i); };
-  auto fallback = [&] { return PyObject_Vectorcall(item(2), args, 3, nullptr); };
-  Ref loaded(PyObject_GetAttr(item(0), s->loaded));
-  if (loaded.get() == nullptr) return nullptr;
-  if (loaded.get() != item(1)) return fallback();
-  Ref dict(PyObject_GenericGetDict(args[0], nullptr));
-  if (dict.get() == nullptr) return nullptr;
-  for (PyObject* name : {s->forward_hooks, s->forward_pre_hooks, s->backward_hooks, s->backward_pre_hooks}) {
-    PyObject* hooks = PyDict_GetItemWithError(dict.get(), name);  // (borrowed; an OrderedDict)
-    if (hooks == nullptr) return PyErr_Occurred() ? nullptr : fallback();
-    const int set = PyObject_IsTrue(hooks);
-    if (set != 0) return set < 0 ? nullptr : Py_NewRef(item(3));
-  }
-  PyObject* compiled = PyDict_GetItemWithError(dict.get(), s->compiled_call_impl);  // (module.compile() sets it)
-  if (compiled == nullptr && PyErr_Occurred()) return nullptr;
-  if (compiled == nullptr) {  // (else nn.Module's own: None)
-    Ref declared(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(args[0])), s->compiled_call_impl));
-    if (declared.get() == nullptr) return nullptr;
-    if (declared.get() != Py_None) return Py_NewRef(item(3));
-  } else if (compiled != Py_None) {
-    return Py_NewRef(item(3));
-  }
-  PyObject* global = item(4);  // (torch's global module hooks: the dicts themselves)
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(global); ++i) {
-    const int set = PyObject_IsTrue(PyTuple_GET_ITEM(global, i));
-    if (set != 0) return set < 0 ? nullptr : Py_NewRef(item(3));
-  }
-  if (jit_tracing_now()) return Py_NewRef(item(3));  // (torch._C._get_tracing_state() is not None)
-  PyObject* found = PyDict_GetItemWithError(dict.get(), s->graphtree_call);
-  if (found == nullptr) return PyErr_Occurred() ? nullptr : fallback();
-  Ref gc(Py_NewRef(found));  // (the dict may lose it while the call runs Python)
-  Ref hits(PyObject_GetAttr(gc.get(), s->fast_hits));
-  if (hits.get() == nullptr) return nullptr;
-  const int any_hits = PyObject_IsTrue(hits.get());
-  if (any_hits < 0) return nullptr;
-  const int inside = any_hits && PyDict_GET_SIZE(args[2]) == 0 ? attr_true(item(5), s->active) : 1;
-  if (inside < 0) return nullptr;
-  if (inside) return PyObject_Call(gc.get(), args[1], args[2]);
-  Ref entry(PyObject_GetAttr(item(6), s->entry));
-  if (entry.get() == nullptr) return nullptr;
-  PyObject* entry_args[3] = {gc.get(), hits.get(), args[1]};
-  Ref out(PyObject_Vectorcall(entry.get(), entry_args, 3, nullptr));
-  if (out.get() == nullptr || out.get() != item(7)) return out.release();
-  return PyObject_CallMethodObjArgs(gc.get(), s->past_fast_hit, args[1], args[2], nullptr);
-}
-
-static PyMethodDef module_call_def = {
-    "module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_call)), METH_FASTCALL,
-    "entry(module, args, kwargs) -> outputs | hooked: a graphed module's call, its checks in C"};
-
-// module_entry(package, owner, fallback, hooked, global_hooks, user_code, fast_hit, miss)
-// -> entry: GraphedModule.__call__'s checks and call as a C function taking (module, args,
-// kwargs), with the arguments that never change bound (module_call above); fallback, the Python
-// twin, once package.loaded is no longer owner.
-PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyTuple_Check(args[4])) {
-    PyErr_SetString(PyExc_TypeError,
-                    "module_entry(package, owner, fallback, hooked, global_hooks: tuple, user_code, fast_hit, miss)");
-    return nullptr;
-  }
-  return bound_to(&module_call_def, args, nargs);
 }
 
 }  // namespace graphtree_native

@@ -502,8 +502,9 @@ PyObject* ambient(PyObject*, PyObject* const*, Py_ssize_t) {
 namespace graphtree_native {
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);    // fast_replay.cpp
-PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);   // fast_replay.cpp
-PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
+PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);        // entries.cpp
+PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);      // entries.cpp
+PyObject* module_type_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // entries.cpp
 extern const PyMethodDef keys_methods[];                                    // keys.cpp
 extern const PyMethodDef channel_methods[];                                 // channel.cpp
 #ifdef GRAPHTREE_CUDA
@@ -517,6 +518,7 @@ namespace {
 using graphtree_native::fast_call;
 using graphtree_native::fast_entry;
 using graphtree_native::module_entry;
+using graphtree_native::module_type_call;
 using graphtree_native::fast_replay;
 
 const PyMethodDef methods[] = {
@@ -544,6 +546,8 @@ const PyMethodDef methods[] = {
      "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry(gc, hits, args)"},
     {"module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_entry)), METH_FASTCALL,
      "module_entry(package, owner, fallback, hooked, global_hooks, user_code, fast_hit, miss) -> entry(module, args, kwargs)"},
+    {"module_type_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_type_call)), METH_FASTCALL,
+     "module_type_call(cls, entry, module_class, hooked) -> bool: cls's instances called through entry (its tp_call)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -30,13 +30,13 @@ int uses_of(PyObject* ref, PyObject* const* plan, Py_ssize_t* uses) {
 // (OutputLiveness._base_shared false: the storage's use count and the storage object's refcount
 // are those taken when the base was built), 0 where it may (or there is no base), -1 an error.
 int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
-  Ref live(PyObject_GetAttr(node, s->live));
-  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
+  Ref live(field(node, s->live));
+  Ref base(live.get() ? field(live.get(), s->base) : nullptr);
   if (base.get() == nullptr) return -1;
   if (base.get() == Py_None) return 0;
-  Ref storage(PyObject_GetAttr(live.get(), s->base_storage));  // (held once here, as the twin's stack holds it)
-  Ref refs(storage.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
-  Ref holders(refs.get() ? PyObject_GetAttr(live.get(), s->base_holders) : nullptr);
+  Ref storage(field(live.get(), s->base_storage));  // (held once here, as the twin's stack holds it)
+  Ref refs(storage.get() ? field(live.get(), s->refs) : nullptr);
+  Ref holders(refs.get() ? field(live.get(), s->base_holders) : nullptr);
   if (holders.get() == nullptr) return -1;
   if (!PyList_Check(refs.get()) || PyList_GET_SIZE(refs.get()) < 1 || !PyTuple_Check(holders.get()) ||
       PyTuple_GET_SIZE(holders.get()) != 2) {
@@ -55,10 +55,10 @@ int base_dropped(PyObject* node, PyObject* const* plan, Names* s) {
 // Walk.end_step to invalidate. 1 with `live`, `ref` and `message` set (new references), 0 where the
 // node is not that case, -1 an error.
 int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref& ref, Ref& message) {
-  live.reset(PyObject_GetAttr(node, s->live));
-  Ref base(live.get() ? PyObject_GetAttr(live.get(), s->base) : nullptr);
-  Ref single(base.get() ? PyObject_GetAttr(live.get(), s->single) : nullptr);
-  Ref refs(single.get() ? PyObject_GetAttr(live.get(), s->refs) : nullptr);
+  live.reset(field(node, s->live));
+  Ref base(live.get() ? field(live.get(), s->base) : nullptr);
+  Ref single(base.get() ? field(live.get(), s->single) : nullptr);
+  Ref refs(single.get() ? field(live.get(), s->refs) : nullptr);
   if (refs.get() == nullptr) return -1;
   if (base.get() != Py_None || single.get() == Py_None || !PyList_Check(refs.get()) ||
       PyList_GET_SIZE(refs.get()) != 1) {
@@ -70,11 +70,11 @@ int held_single(PyObject* node, PyObject* const* plan, Names* s, Ref& live, Ref&
   Py_ssize_t uses = 0;  // (none: _torch.weak_expired's answer, torch's use count of 0)
   if (uses_of(ref.get(), plan, &uses) < 0) return -1;
   if (uses == 0) return 0;  // (the caller dropped it: release frees the reference)
-  Ref out_plan(PyObject_GetAttr(live.get(), s->plan));
-  Ref groups(out_plan.get() ? PyObject_GetAttr(out_plan.get(), s->groups) : nullptr);
+  Ref out_plan(field(live.get(), s->plan));
+  Ref groups(out_plan.get() ? field(out_plan.get(), s->groups) : nullptr);
   if (groups.get() == nullptr) return -1;
   if (!PyList_Check(groups.get()) || PyList_GET_SIZE(groups.get()) < 1) return 0;
-  message.reset(PyObject_GetAttr(PyList_GET_ITEM(groups.get(), 0), s->message));
+  message.reset(field(PyList_GET_ITEM(groups.get(), 0), s->message));
   return message.get() == nullptr ? -1 : 1;
 }
 
@@ -115,7 +115,7 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
   Ref zero(PyLong_FromLong(0));
   if (zero.get() == nullptr) return -1;
   for (Py_ssize_t h = 0; h < held; ++h) {
-    Ref live_refs(PyObject_GetAttr(lives[h].get(), s->refs));
+    Ref live_refs(field(lives[h].get(), s->refs));
     if (live_refs.get() == nullptr || PyList_SetItem(live_refs.get(), 0, Py_NewRef(zero.get())) < 0 ||
         PyObject_SetAttr(lives[h].get(), s->keep_base, Py_False) < 0) {
       return -1;
@@ -128,7 +128,7 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
     const int native = invalidate_storage_now(refs[h].get(), messages[h].get());
     if (native < 0) return -1;
     if (native == 1) continue;
-    if (invalidate.get() == nullptr) invalidate.reset(PyObject_GetAttr(plan[kTorch], s->invalidate_storage));
+    if (invalidate.get() == nullptr) invalidate.reset(field(plan[kTorch], s->invalidate_storage));
     PyObject* a[2] = {refs[h].get(), messages[h].get()};
     Ref done(invalidate.get() ? PyObject_Vectorcall(invalidate.get(), a, 2, nullptr) : nullptr);
     if (done.get() == nullptr) return -1;
@@ -137,7 +137,7 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
     const int native = weak_free_now(refs[h].get());
     if (native < 0) return -1;
     if (native == 1) continue;
-    if (free_ref.get() == nullptr) free_ref.reset(PyObject_GetAttr(plan[kTorch], s->weak_free));
+    if (free_ref.get() == nullptr) free_ref.reset(field(plan[kTorch], s->weak_free));
     Ref freed(free_ref.get() ? PyObject_CallOneArg(free_ref.get(), refs[h].get()) : nullptr);
     if (freed.get() == nullptr) return -1;
   }
@@ -152,8 +152,8 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
 }  // namespace
 
 int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject* const* plan, Names* s) {
-  Ref retired(PyObject_GetAttr(walk, s->retired));
-  Ref seen(retired.get() ? PyObject_GetAttr(tree, s->collected_seen) : nullptr);
+  Ref retired(field(walk, s->retired));
+  Ref seen(retired.get() ? field(tree, s->collected_seen) : nullptr);
   if (seen.get() == nullptr) return -1;
   if (!PyList_Check(retired.get()) || PyList_GET_SIZE(retired.get()) != 0 || !PyList_Check(plan[kCollected])) {
     return 0;
@@ -161,7 +161,7 @@ int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject
   const Py_ssize_t n = PyLong_AsSsize_t(seen.get());
   if (n < 0 && PyErr_Occurred()) return -1;
   if (n != PyList_GET_SIZE(plan[kCollected])) return 0;
-  Ref path(PyObject_GetAttr(walk, s->path));
+  Ref path(field(walk, s->path));
   if (path.get() == nullptr) return -1;
   if (!PyList_Check(path.get())) return 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path.get()); ++i) {
@@ -176,18 +176,18 @@ int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject
   const Py_ssize_t depth = PyList_GET_SIZE(path.get());
   if (depth > 0 && PyObject_SetAttr(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
   Ref fresh(PyList_New(0));
-  Ref root(fresh.get() ? PyObject_GetAttr(walk, s->root) : nullptr);
+  Ref root(fresh.get() ? field(walk, s->root) : nullptr);
   if (root.get() == nullptr || PyObject_SetAttr(walk, s->path, fresh.get()) < 0 ||
       PyObject_SetAttr(walk, s->current, root.get()) < 0 || PyObject_SetAttr(walk, s->warming, Py_False) < 0) {
     return -1;
   }
-  Ref called(PyObject_GetAttr(walk, s->called));
+  Ref called(field(walk, s->called));
   if (called.get() == nullptr || !PySet_Check(called.get()) || PySet_Clear(called.get()) < 0) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "graphtree: Walk.called is not a set");
     return -1;
   }
   if (PyObject_SetAttr(walk, s->step_requested, Py_False) < 0) return -1;
-  Ref generation(PyObject_GetAttr(walk, s->generation));
+  Ref generation(field(walk, s->generation));
   Ref next(generation.get() ? PyNumber_Add(generation.get(), one()) : nullptr);
   return next.get() == nullptr || PyObject_SetAttr(walk, s->generation, next.get()) < 0 ? -1 : 1;
 }

@@ -56,7 +56,9 @@ class GraphedModule(torch.nn.Module):
         # nn.Module.__call__ reaches forward through two frames more (_wrapped_call_impl, _call_impl),
         # about a microsecond of a replay. Where it would only call forward, graphtree's call is made
         # from here: _call (_plain_call, or its native twin) answers HOOKED where it would do more.
-        # torch.compile's trace goes through nn.Module.__call__, as for any module.
+        # torch.compile's trace goes through nn.Module.__call__, as for any module. Once the helpers
+        # have loaded, the class's call is these same steps in C (graphtree/_native/entries.cpp:
+        # module_type_call), and this function is what Python reads: a trace, a subclass.
         if not _is_dynamo_compiling():
             out = _call(self, args, kwargs)
             if out is not HOOKED:
@@ -158,6 +160,9 @@ def _plain_call(gm: GraphedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
     if make is not None and _made_by is not native:
         _call = make(_native, native, _plain_call, HOOKED, _GLOBAL_HOOKS, user_code, _fast_hit, _fast_hit.MISS)
         _made_by = native
+        install = getattr(native, "module_type_call", None)
+        if install is not None:  # (GraphedModule's call made in C: GraphedModule.__call__ without its frame)
+            install(GraphedModule, _call, torch.nn.Module, HOOKED)
     if (
         gm._forward_hooks
         or gm._forward_pre_hooks

@@ -63,7 +63,7 @@ def stand_in_helpers(ambient: Callable[[], Any]) -> types.SimpleNamespace:
 def with_native_hit(fake: types.SimpleNamespace, real: Any) -> types.SimpleNamespace:
     """``fake`` (:func:`stand_in_helpers`) with the real native hit: ``fast_replay``, ``fast_call``
     and ``fast_entry`` (given the stand-in signature, for CPU tensors) and a module's
-    ``module_entry``. Returns ``fake``."""
+    ``module_entry`` and ``module_type_call``. Returns ``fake``."""
     fake.fast_replay = real.fast_replay
     fake.fast_call = lambda gc, hits, args, plain, miss, threads, float_part: real.fast_call(
         gc, hits, args, plain, miss, threads, float_part, fake.signature
@@ -72,6 +72,7 @@ def with_native_hit(fake: types.SimpleNamespace, real: Any) -> types.SimpleNames
         package, owner, fallback, plain, miss, threads, float_part, fake.signature
     )
     fake.module_entry = real.module_entry
+    fake.module_type_call = real.module_type_call
     return fake
 
 
