@@ -86,6 +86,7 @@ def _run(case: str, calls: int, whole: bool, tmp: str) -> subprocess.Popen:
          f"--callgrind-out-file={out}", sys.executable, __file__, "--child", "--case", case,
          "--calls", str(calls), *(["--whole"] if whole else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={"PYTHONHASHSEED": "0", **os.environ},  # (dicts laid out alike in every run: counts that repeat)
     )  # fmt: skip
 
 
