@@ -785,7 +785,7 @@ def _python_calls(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[tuple[s
     return out, seen
 
 
-def test_a_graphed_modules_class_calls_its_entry_in_c_and_keeps_its_python_call(stand_ins, request):
+def test_a_graphed_modules_class_calls_its_entry_in_c_and_keeps_its_python_call(stand_ins, request, monkeypatch):
     """Once the helpers' ``module_entry`` made the module's entry, ``module_type_call`` makes
     GraphedModule's call in C: a replay calls no Python function of graphtree's, and gives what the
     Python ``GraphedModule.__call__`` gives, which stays the class's ``__call__`` (what torch.compile
@@ -819,13 +819,9 @@ def test_a_graphed_modules_class_calls_its_entry_in_c_and_keeps_its_python_call(
         with pytest.raises(ValueError, match="refused"):  # (through nn.Module.__call__, raised as it is)
             gm(x)
         handle.remove()
-        stand_ins_now = _native.loaded
-        try:
-            _native.loaded = None  # (GRAPHTREE_NATIVE=0 at run time: the Python path)
-            out, seen = _python_calls(gm, x)
-            assert ("graphed_module.py", "_plain_call") in seen, seen
-        finally:
-            _native.loaded = stand_ins_now
+        monkeypatch.setattr(_native, "loaded", None)  # (GRAPHTREE_NATIVE=0 at run time: the Python path)
+        _, seen = _python_calls(gm, x)
+        assert ("graphed_module.py", "_plain_call") in seen, seen
 
 
 def test_a_modules_call_goes_through_nn_modules_call_where_that_does_more_on_either_entry(stand_ins, monkeypatch):

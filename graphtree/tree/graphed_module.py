@@ -185,7 +185,7 @@ def _plain_call(gm: GraphedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 _call: Callable[[GraphedModule, tuple[Any, ...], dict[str, Any]], Any] = _plain_call
 """What ``GraphedModule.__call__`` calls: :func:`_plain_call`, or once the helpers have loaded its
-native twin (``graphtree/_native/fast_replay.cpp``: ``module_call``)."""
+native twin (``graphtree/_native/entries.cpp``: ``module_call``)."""
 _made_by: Any = None  # (the helpers whose module_entry made _call)
 
 
