@@ -14,7 +14,8 @@
 #   files     the GPU suite file by file, each in its own process ($FILES: some files only)
 #   per_call  benchmarks/per_call.py for the code before the change (.before/, an export of the
 #             base commit: git archive BASE graphtree | tar -x -C .before) and after it, alternated
-#             $ROUNDS times (default 2) on the same machine
+#             $ROUNDS times (default 2) on the same machine; and a variant of it where .variant/ is
+#             there (another copy of graphtree/, git-ignored too)
 #
 # Set-up on a fresh clone (both folders are git-ignored through .git/info/exclude):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -387,6 +388,11 @@ PY
             timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_before_$round.json" 2>&1 | sed -n 3,18p)
         fi
         PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/per_call.py --json "$OUT/per_call_after_$round.json" 2>&1 | sed -n 3,18p
+        if [ -d .variant ]; then  # (a variant of the change to weigh against it: .variant/graphtree, git-ignored)
+          echo "== variant"
+          (cd .variant && TORCH_EXTENSIONS_DIR=/tmp/ext_variant PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+            timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_variant_$round.json" 2>&1 | sed -n 3,18p)
+        fi
       done
       ;;
   esac

@@ -185,11 +185,14 @@ def build_here() -> str:
     # digest goes in the flags
     headers = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:16]
 
+    # -DNDEBUG as setuptools builds extensions (Python's own CFLAGS): without it every
+    # PyTuple_GET_ITEM and PyList_GET_ITEM checks its type again (a quarter of a parameter's
+    # address check: DESIGN.md)
     def load(name: str, cflags: list[str], ldflags: list[str], include: list[str] | None) -> str:
         module = cpp_extension.load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O2", f"-DGRAPHTREE_HEADERS_{headers}", *cflags],
+            extra_cflags=["-O2", "-DNDEBUG", f"-DGRAPHTREE_HEADERS_{headers}", *cflags],
             extra_ldflags=["-ldl", *ldflags],
             extra_include_paths=include,
             is_python_module=True,

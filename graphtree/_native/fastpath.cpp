@@ -107,30 +107,17 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // address packed for it in expected, for every i: native-endian uint64 triples (the tensor's
 // TensorImpl, as Tensor._cdata gives it, its StorageImpl, as its untyped storage's _cdata, then its
 // address). The check of a module's parameters and buffers on every replay: packed once, at the
-// recording, so a call converts no Python ints. Each address is a chain of reads (the Python
-// object, its TensorImpl, its StorageImpl), mostly cache misses in a loop that launches graphs
-// between calls; the packed pointers let them start together instead: where a tensor still holds
-// the TensorImpl packed with it, data_ptr() is read through the packed pointer (the same function
-// of the same object), and the objects kAhead tensors further are fetched ahead (a prefetch of a
-// freed object reads nothing: it only warms a cache line). Any other tensor is read through its
-// Python object.
-constexpr Py_ssize_t kAhead = 8;
+// recording, so a call converts no Python ints. Where a tensor still holds the TensorImpl packed
+// with it, data_ptr() is read through the packed pointer (the same function of the same object),
+// so that its loads do not wait on the Python object's; any other tensor is read through its Python
+// object. (Prefetching the next tensors' lines, tried in the twenty-eighth session, was compiled
+// away: GCC found the helper free of side effects and dropped its calls; DESIGN.md.)
 
 // The k-th uint64 of a packed buffer (read as bytes: no alignment assumed).
 inline uint64_t packed_at(const char* packed, Py_ssize_t k) {
   uint64_t v;
   std::memcpy(&v, packed + k * sizeof(uint64_t), sizeof(uint64_t));
   return v;
-}
-
-// The i-th tensor's lines fetched ahead: its Python object, its TensorImpl (storage pointer and
-// flags; offset, size and type) and its StorageImpl (data pointer), from the packed pointers.
-inline void fetch_ahead(PyObject* tensor, const char* packed, Py_ssize_t i) {
-  const char* impl = reinterpret_cast<const char*>(packed_at(packed, 3 * i));
-  __builtin_prefetch(tensor);
-  __builtin_prefetch(impl);
-  __builtin_prefetch(impl + 128);
-  __builtin_prefetch(reinterpret_cast<const char*>(packed_at(packed, 3 * i + 1)));
 }
 
 PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -142,10 +129,9 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
   if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(3 * sizeof(uint64_t))) Py_RETURN_FALSE;
   const char* expected = PyBytes_AS_STRING(args[1]);
-  for (Py_ssize_t i = 0; i < n && i < kAhead; ++i) fetch_ahead(PyList_GET_ITEM(tensors, i), expected, i);
+  PyObject* const* items = PySequence_Fast_ITEMS(tensors);  // (a recording's own list: nothing here changes it)
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) fetch_ahead(PyList_GET_ITEM(tensors, i + kAhead), expected, i + kAhead);
-    PyObject* t = PyList_GET_ITEM(tensors, i);
+    PyObject* t = items[i];
     auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(expected, 3 * i));
     void* have = nullptr;
     if (THPVariable_CheckExact(t) && THPVariable_Unpack(t).unsafeGetTensorImpl() == packed) {
