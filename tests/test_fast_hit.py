@@ -541,6 +541,37 @@ def test_two_threads_calling_one_callable_each_replay_through_a_fast_hit_of_thei
     assert fast_hit._GAVE_UP not in step.fast_hits.values() and len(step.fast_hits) == 2
 
 
+def test_user_code_counts_the_threads_inside_it_and_each_thread_keeps_its_own_flag():
+    """A graphed call reads ``UserCode.threads`` before its thread's own ``user_code.active``: the
+    count must be the number of threads whose flag is set, whatever order they set and clear it in."""
+    from graphtree.tree.callee import UserCode, user_code
+
+    assert UserCode.threads == 0 and not user_code.active
+    inside, leave = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def other() -> None:
+        user_code.active = True
+        user_code.active = True  # (set twice: counted once)
+        inside.set()
+        leave.wait(10)
+        seen.append(user_code.active)
+        user_code.active = False
+        user_code.active = False
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(10)
+    assert UserCode.threads == 1 and not user_code.active  # (the other thread's flag, not this one's)
+    user_code.active = True
+    assert UserCode.threads == 2
+    leave.set()
+    t.join(10)
+    assert seen == [True] and UserCode.threads == 1 and user_code.active
+    user_code.active = False
+    assert UserCode.threads == 0 and not user_code.active
+
+
 def test_the_same_tensors_on_another_device_are_not_replayed_from_this_devices_hit(stand_ins, monkeypatch):
     """Hits are keyed by the tensors' parts and their device: the same shapes on a second GPU met
     the first GPU's hit and replayed its recording (outputs on the wrong device)."""
@@ -860,6 +891,11 @@ def test_a_modules_call_goes_through_nn_modules_call_where_that_does_more_on_eit
         monkeypatch.setattr(graphed_module.user_code, "active", True)  # (inside another's warm-up: inline)
         assert torch.allclose(gm(x), want) and len(seen) == n  # (forward run inline: no fast hit asked)
         monkeypatch.setattr(graphed_module.user_code, "active", False)
+        with monkeypatch.context() as m:  # (another thread in user code: this one's own flag decides)
+            m.setattr(graphed_module.UserCode, "threads", 1)
+            gm(x)
+            assert len(seen) == n + 1, seen
+        n = len(seen)
         with monkeypatch.context() as m:
             m.setattr(gc, "past_fast_hit", lambda args, kwargs: ("the Python path", args, kwargs))
             assert gm(input=x) == ("the Python path", (), {"input": x}) and len(seen) == n  # (no fast hit asked)

@@ -127,7 +127,13 @@ static PyObject* module_call(PyObject* bound, PyObject* const* args, Py_ssize_t 
   const int any_hits = PyObject_IsTrue(hits.get());
   if (any_hits < 0) return nullptr;
   const bool positional = args[2] == Py_None || PyDict_GET_SIZE(args[2]) == 0;
-  const int inside = any_hits && positional ? attr_true(item(5), s->active) : 1;
+  int inside = 1;
+  if (any_hits && positional) {  // (user_code.active, read where UserCode.threads counts any thread in user code)
+    Ref threads(field(reinterpret_cast<PyObject*>(Py_TYPE(item(5))), s->threads));
+    if (threads.get() == nullptr) return nullptr;
+    inside = PyObject_IsTrue(threads.get());
+    if (inside > 0) inside = attr_true(item(5), s->active);
+  }
   if (inside < 0) return nullptr;
   if (inside) return PyObject_Call(gc.get(), args[1], args[2] == Py_None ? nullptr : args[2]);
   Ref entry(field(item(6), s->entry));

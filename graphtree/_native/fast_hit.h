@@ -42,7 +42,7 @@ struct Names {
       *refs, *base_holders, *last_replayed, *generation, *numbers, *by_value, *loaded, *exec, *single, *keep_base,
       *groups, *message, *invalidate_storage, *weak_free, *reads_, *structure, *cache, *epoch_, *forward_hooks,
       *forward_pre_hooks, *backward_hooks, *backward_pre_hooks, *compiled_call_impl, *graphtree_call, *fast_hits,
-      *entry, *past_fast_hit;
+      *entry, *past_fast_hit, *threads;
   bool ok = false;
 };
 
@@ -61,7 +61,7 @@ inline Names* names() {
                        "generation", "numbers", "by_value", "loaded", "exec", "_single", "_keep_base", "groups",
                        "message", "invalidate_storage", "weak_free", "_reads", "_structure", "_cache", "_epoch",
                        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                       "_compiled_call_impl", "_graphtree_call", "fast_hits", "entry", "past_fast_hit"};
+                       "_compiled_call_impl", "_graphtree_call", "fast_hits", "entry", "past_fast_hit", "threads"};
   PyObject** slots[] = {&n.takes_python_path, &n.next_id, &n.models, &n.training, &n.active, &n.part, &n.dict,
                         &n.managers, &n.one_step, &n.lock, &n.acquire, &n.release, &n.walk, &n.path,
                         &n.step_requested, &n.user_steps, &n.called, &n.root, &n.warming, &n.current, &n.first,
@@ -75,7 +75,7 @@ inline Names* names() {
                         &n.exec, &n.single, &n.keep_base, &n.groups, &n.message, &n.invalidate_storage,
                         &n.weak_free, &n.reads_, &n.structure, &n.cache, &n.epoch_, &n.forward_hooks,
                         &n.forward_pre_hooks, &n.backward_hooks, &n.backward_pre_hooks, &n.compiled_call_impl,
-                        &n.graphtree_call, &n.fast_hits, &n.entry, &n.past_fast_hit};
+                        &n.graphtree_call, &n.fast_hits, &n.entry, &n.past_fast_hit, &n.threads};
   static_assert(sizeof(all) / sizeof(all[0]) == sizeof(slots) / sizeof(slots[0]), "one slot per name");
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
     *slots[i] = PyUnicode_InternFromString(all[i]);  // (never released: they live as long as the module)

@@ -18,7 +18,7 @@ from graphtree.tree import ambient as _ambient
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import manager as _manager
 from graphtree.tree.bucket_warmup import record_buckets
-from graphtree.tree.callee import user_code
+from graphtree.tree.callee import UserCode, user_code
 from graphtree.tree.churn import Churn
 from graphtree.tree.graphed_module import GraphedModule
 from graphtree.tree.hf_cache import CacheLayouts
@@ -180,7 +180,7 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_dynamo_compiling():  # traced by torch.compile: graphtree's call runs outside the trace
             return _outside_compile(self, args, kwargs)
-        if user_code.active:  # called from another graphed function's warm-up or recording
+        if UserCode.threads and user_code.active:  # called from another graphed function's warm-up or recording
             return self.fn(*args, **kwargs)
         if self.fast_hits and not kwargs:  # the same replay as this signature's last (tree/fast_hit.py)
             out = _fast_hit.entry(self, self.fast_hits, args)

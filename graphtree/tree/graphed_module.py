@@ -16,7 +16,7 @@ import torch
 
 from graphtree import _native, _torch
 from graphtree.tree import fast_hit as _fast_hit
-from graphtree.tree.callee import user_code
+from graphtree.tree.callee import UserCode, user_code
 
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _GLOBAL_HOOKS = _torch.GLOBAL_MODULE_HOOKS
@@ -175,7 +175,7 @@ def _plain_call(gm: GraphedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
         return HOOKED
     call = gm._graphtree_call
     hits = call.fast_hits
-    if hits and not kwargs and not user_code.active:
+    if hits and not kwargs and not (UserCode.threads and user_code.active):
         out = _fast_hit.entry(call, hits, args)
         if out is not _fast_hit.MISS:
             return out
