@@ -21,7 +21,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl cupti-python==13.0.1 cloudpickle expecttest   # the device has no network
 #   mkdir -p .before && git archive b6016dc graphtree benchmarks | tar -x -C .before   # issue 24's base
-# and pass carry=[".whl", ".before"] to the device call.
+# and pass carry=[".whl", ".before"] to the device call (and ".variant", a copy of graphtree/ to
+# time beside the change, where there is one: git-ignored likewise).
 set -u
 if [ $# -eq 0 ]; then  # (a bare call once ran the default whole suite and spent a session's last device time)
   echo "usage: bash benchmarks/gpu_session.sh STAGE... (setup: the set-up alone; suite own: the whole GPU suite)" >&2
@@ -64,6 +65,15 @@ suite_waited() {
   for _ in $(seq ${WAIT_S:-540}); do [ -f "$bg/rc" ] && break; sleep 1; done
   cp "$bg/suite.log" "$OUT/suite$tag.log" 2>/dev/null; cp "$bg/test-times.txt" "$OUT/suite$tag-test-times.txt" 2>/dev/null
   echo "suite ($bg) rc: $(cat "$bg/rc" 2>/dev/null || echo 'still running') at $(date +%T)"; tail -40 "$OUT/suite$tag.log"
+}
+
+# per_call.py run from the copy of graphtree/ in $1 (.before/ or .variant/, git-ignored), where it is
+# there, with helpers built apart; its JSON as per_call_$2_$3.json.
+per_call_in() {
+  [ -d "$1" ] || return 0
+  echo "== $2"
+  (cd "$1" && TORCH_EXTENSIONS_DIR=/tmp/ext_$2 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+    timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_$2_$3.json" 2>&1 | sed -n 3,18p)
 }
 
 stages=$*
@@ -383,16 +393,9 @@ PY
     per_call)  # before (.before/) and after, alternated $ROUNDS times (default 2): eager moved 4 us between
                # two processes of the same code on the H100 (nineteenth session), so one of each tells little
       for round in $(seq ${ROUNDS:-2}); do
-        if [ -d .before ]; then
-          (cd .before && TORCH_EXTENSIONS_DIR=/tmp/ext_before PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
-            timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_before_$round.json" 2>&1 | sed -n 3,18p)
-        fi
+        per_call_in .before before "$round"
         PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/per_call.py --json "$OUT/per_call_after_$round.json" 2>&1 | sed -n 3,18p
-        if [ -d .variant ]; then  # (a variant of the change to weigh against it: .variant/graphtree, git-ignored)
-          echo "== variant"
-          (cd .variant && TORCH_EXTENSIONS_DIR=/tmp/ext_variant PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
-            timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_variant_$round.json" 2>&1 | sed -n 3,18p)
-        fi
+        per_call_in .variant variant "$round"  # (a variant of the change to weigh against it)
       done
       ;;
   esac
