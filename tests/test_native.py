@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,26 @@ def test_addresses_unchanged_answers_as_data_ptr_whatever_moved_underneath(nativ
     with torch.no_grad():
         ts[3].set_(ts[3].untyped_storage(), 1, (3,), (1,))  # the same memory, read from an offset
     assert not answers_as_data_ptr()
+    ts[3].data = ts[3].data  # (back where it was packed)
+    packed = statics_packed(ts)
+    want = [t.data_ptr() for t in ts]
+    assert answers_as_data_ptr()
+    ts[4].data = torch.randn(4).view(torch.float16)[2:6]  # an offset counted in another dtype's items
+    want[4] = ts[4].data_ptr()
+    packed = statics_packed(ts)
+    assert answers_as_data_ptr()
+    ts[4].data = ts[4].data.view(torch.float32)  # (the same memory: its offset in bytes unchanged)
+    assert answers_as_data_ptr()
+    ts[4].data = ts[4].data[:0]  # empty: data_ptr() is 0 wherever its storage is
+    assert ts[4].data_ptr() == 0 and not answers_as_data_ptr()
+    packed = statics_packed(ts)
+    want = [t.data_ptr() for t in ts]
+    assert answers_as_data_ptr()  # (an empty tensor packed: 0 matches 0)
+    torch._C._set_throw_on_mutable_data_ptr(ts[5])  # data_ptr() raises now (as on memory graphtree freed)
+    with pytest.raises(RuntimeError) as raised:
+        ts[5].data_ptr()
+    with pytest.raises(RuntimeError, match=re.escape(str(raised.value))):
+        native.addresses_unchanged(ts, packed)
 
 
 @needs_toolchain

@@ -108,16 +108,33 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // TensorImpl, as Tensor._cdata gives it, its StorageImpl, as its untyped storage's _cdata, then its
 // address). The check of a module's parameters and buffers on every replay: packed once, at the
 // recording, so a call converts no Python ints. Where a tensor still holds the TensorImpl packed
-// with it, data_ptr() is read through the packed pointer (the same function of the same object),
-// so that its loads do not wait on the Python object's; any other tensor is read through its Python
-// object. (Prefetching the next tensors' lines, tried in the twenty-eighth session, was compiled
-// away: GCC found the helper free of side effects and dropped its calls; DESIGN.md.)
+// with it, its address is read through the packed pointer (packed_address), so that its loads do
+// not wait on the Python object's; any other tensor is read through its Python object. (Prefetching
+// the next tensors' lines, tried in the twenty-eighth session, was compiled away: GCC found the
+// helper free of side effects and dropped its calls; DESIGN.md.)
 
 // The k-th uint64 of a packed buffer (read as bytes: no alignment assumed).
 inline uint64_t packed_at(const char* packed, Py_ssize_t k) {
   uint64_t v;
   std::memcpy(&v, packed + k * sizeof(uint64_t), sizeof(uint64_t));
   return v;
+}
+
+// impl->mutable_data() (Tensor.data_ptr()) in its steps, as TensorImpl::data_impl takes them (the
+// dtype's check, the storage's mutable_data() with its own checks and materialization, null where
+// the tensor is empty, else the data plus itemsize x storage offset), less its virtual
+// has_storage() call: storage_ set is what has_storage() answers in TensorImpl, and the classes that
+// override it (undefined, sparse, opaque, batched) answer false and hold no storage. The offset is
+// storage_offset(), which is data_impl's storage_offset_ in every TensorImpl but a Python-dispatch
+// one with custom sizes, a subclass's, never read here. False, having read nothing, where
+// mutable_data() itself is to answer: no storage. May throw as mutable_data() throws.
+inline bool packed_address(c10::TensorImpl* impl, void** out) {
+  c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr) return false;
+  const size_t itemsize = impl->itemsize();
+  char* data = static_cast<char*>(storage->mutable_data());
+  *out = impl->is_empty() ? nullptr : data + itemsize * impl->storage_offset();
+  return true;
 }
 
 PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -130,18 +147,21 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(3 * sizeof(uint64_t))) Py_RETURN_FALSE;
   const char* expected = PyBytes_AS_STRING(args[1]);
   PyObject* const* items = PySequence_Fast_ITEMS(tensors);  // (a recording's own list: nothing here changes it)
+  // (THPVariable_CheckExact's two classes, read once: a module's parameters first)
+  auto* const parameter = reinterpret_cast<PyTypeObject*>(ParameterClass);
+  auto* const variable = reinterpret_cast<PyTypeObject*>(THPVariableClass);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* t = items[i];
     auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(expected, 3 * i));
-    void* have = nullptr;
-    if (THPVariable_CheckExact(t) && THPVariable_Unpack(t).unsafeGetTensorImpl() == packed) {
-      try {
-        have = packed->mutable_data();  // (Tensor.data_ptr(): TensorBase::data_ptr of this very TensorImpl)
-      } catch (const std::exception& e) {
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-        return nullptr;
+    PyTypeObject* type = Py_TYPE(t);
+    void* have;
+    try {
+      if (!((type == parameter || type == variable) && THPVariable_Unpack(t).unsafeGetTensorImpl() == packed &&
+            packed_address(packed, &have))) {
+        if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) return nullptr;
       }
-    } else if (!tensor_address(t, "addresses_unchanged: expected a list of tensors", &have)) {
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
       return nullptr;
     }
     if (reinterpret_cast<uint64_t>(have) != packed_at(expected, 3 * i + 2)) Py_RETURN_FALSE;
