@@ -397,6 +397,8 @@ PY
         PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/per_call.py --json "$OUT/per_call_after_$round.json" 2>&1 | sed -n 3,18p
         per_call_in .variant variant "$round"  # (a variant of the change to weigh against it)
       done
+      # one process's figures carry a bias of their own: the targets are read off the median over processes
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/per_call.py --summary "$OUT"/per_call_*_*.json
       ;;
   esac
 done

@@ -256,12 +256,62 @@ def measure(calls: int, repeats: int) -> dict:
     return res
 
 
+# The rows issue 47 sets a target for, with it (paired ratio to the raw replay + copy).
+TARGETS = {"graphtree": 1.10, "graphtree, output kept": 1.25, MODULE_GT: 1.15}
+
+
+def summary(paths: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each row's paired ratio over several processes: per tag (``before``, ``after``, ``variant``:
+    the ``<tag>`` of ``per_call_<tag>_<round>.json``, as ``gpu_session.sh per_call`` names them), its
+    median, least, most and count. One process's figures carry a bias of their own (the same code
+    moved by 0.05-0.1 between processes on the H100, thirty-first session), so a target is read off
+    the median over processes.
+
+    Example::
+
+        summary(glob.glob("results/*/per_call_*.json"))["after"]["graphtree"]["median"]
+    """
+    by_tag: dict[str, dict[str, list[float]]] = {}
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        parts = name.removesuffix(".json").split("_")
+        if not name.startswith("per_call_") or len(parts) < 4:
+            raise ValueError(f"{path}: expected per_call_<tag>_<round>.json, as gpu_session.sh per_call writes")
+        with open(path) as f:
+            paired = json.load(f)["paired_ratio_to_raw"]
+        rows = by_tag.setdefault("_".join(parts[2:-1]), {})
+        for row, ratio in paired.items():
+            rows.setdefault(row, []).append(ratio)
+    return {
+        tag: {
+            row: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for row, v in rows.items()
+        }
+        for tag, rows in by_tag.items()
+    }
+
+
+def print_summary(paths: list[str]) -> None:
+    """:func:`summary` as a table: the target rows, then the module without parameters and reduce-overhead."""
+    got = summary(paths)
+    print("paired ratio to raw, median over processes (least-most, processes)")
+    print(f"{'contender':38} " + " ".join(f"{tag:>22}" for tag in got) + "  target")
+    for row in [*TARGETS, MODULE0_GT, "torch.compile reduce-overhead"]:
+        cells = [got[tag].get(row) for tag in got]
+        shown = [f"{c['median']:.2f} ({c['min']:.2f}-{c['max']:.2f}, {c['n']})" if c else "-" for c in cells]
+        target = f"<= {TARGETS[row]:.2f}" if row in TARGETS else ""
+        print(f"{row:38} " + " ".join(f"{c:>22}" for c in shown) + f"  {target}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--summary", nargs="+", metavar="JSON", help="summarize earlier runs' JSON files instead (no GPU)")
     a = p.parse_args(argv)
+    if a.summary:
+        print_summary(a.summary)
+        return 0
     if not torch.cuda.is_available():
         print("per_call needs a CUDA GPU")
         return 2
