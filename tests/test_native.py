@@ -631,35 +631,104 @@ def test_a_build_that_compiled_says_how_long_it_took_once(monkeypatch) -> None:
     assert _native._build_in_child() == (so, None)  # (found in the cache: nothing to say)
 
 
-def test_fields_are_instance_attributes():
-    """The native replay reads its names from an instance's ``__dict__`` where they are there
-    (``fast_hit.h``: ``field``), which is what ``getattr`` reads unless the class has a data
-    descriptor of that name: every graphtree class that has one (a slot, a namedtuple's field) has
-    no instance ``__dict__`` at all, or attribute access of its own (``threading.local``'s:
-    ``user_code.active`` is a property), so ``field`` reads those through ``getattr``."""
-    import importlib
+def test_the_fields_a_hit_reads_most_are_slots():
+    """The native replay reads a slot at its offset (``fast_hit.h``: ``field``, a few instructions)
+    and an instance attribute through a dict lookup (~100): every name it reads of the classes it
+    reads on every hit is a slot of that class (a member descriptor), and the classes whose own
+    attribute access answers instead (``threading.local``'s ``user_code.active``) are read through
+    ``getattr`` (the test above holds ``field`` to ``getattr``'s answers in every case)."""
     import inspect
     import pathlib
-    import pkgutil
     import re
 
-    import graphtree.tree
+    from graphtree.tree import fast_hit, graphed, launch_order, liveness, manager, memory, node, reach, stats, walk
 
     header = pathlib.Path(_native.__file__).with_name("fast_hit.h").read_text()
     listed = header[header.index("const char* all[] = {") :]
-    names = re.findall(r'"([^"]+)"', listed[: listed.index("};")])
-    assert "training" in names and "replays" in names, names[:5]
-    shadowed = []
-    for info in pkgutil.iter_modules(graphtree.tree.__path__):
-        module = importlib.import_module(f"graphtree.tree.{info.name}")
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if not cls.__module__.startswith("graphtree"):
-                continue
-            for name in names:
-                found = inspect.getattr_static(cls, name, None)
-                if name != "__dict__" and found is not None and hasattr(type(found), "__set__"):
-                    shadowed.append((cls, name))
-    assert shadowed, "the classes with slots the replay reads (FastHit, Counters)"
-    generic = [(c, name) for c, name in shadowed if c.__getattribute__ is object.__getattribute__]
-    assert ("UserCode", "active") in [(c.__qualname__, name) for c, name in shadowed if (c, name) not in generic]
-    assert [(cls.__qualname__, name) for cls, name in generic if cls.__dictoffset__ != 0] == []
+    names = set(re.findall(r'"([^"]+)"', listed[: listed.index("};")]))
+    assert {"training", "replays", "current", "statics"} <= names
+    read = {
+        walk.Walk: {"path", "current", "root", "called", "warming", "step_requested", "retired", "generation"},
+        node.Node: {"first", "children", "unconditional", "statics_only", "epoch", "statics", "static_packed",
+                    "inputs", "exec", "writes", "grads", "replays", "live"},
+        node.Root: {"children"},
+        manager.TreeManager: {"lock", "walk", "user_steps", "order", "memory", "counters", "hit"},
+        liveness.OutputLiveness: {"_base", "_single", "refs", "_keep_base", "_base_storage", "_base_holders"},
+        launch_order.LaunchOrder: {"_raw_stream", "_last_raw", "device"},
+        memory.TreeMemory: {"live"},
+        stats.Counters: {"replays"},
+        fast_hit.FastHit: {"plan"},
+        reach.FreeValues: {"models", "active", "_reads", "_structure", "_cache", "_epoch"},
+        graphed.GraphedCallable: {"_snapshots", "disabled_reason", "bucketing", "_reach", "_step",
+                                  "_grad_off_inside", "_forward", "fast_hits", "numbers"},
+    }  # fmt: skip
+    not_slots = []
+    for cls, fields in read.items():
+        assert fields <= names, (cls, fields - names)  # (names the hit reads: fast_hit.h)
+        not_slots += [
+            (cls.__qualname__, f)
+            for f in fields
+            if type(inspect.getattr_static(cls, f)).__name__ != "member_descriptor"
+        ]
+    assert not_slots == []
+
+
+@needs_toolchain
+def test_the_hits_own_attribute_reads_and_writes_answer_as_getattr_and_setattr(native) -> None:
+    """``field`` and ``set_field`` (``fast_hit.h``), which the native replay reads and writes every
+    attribute through, reading a slot at its offset from a table kept per (class, name): the same
+    answers and errors as ``getattr``/``setattr`` for a slot (set, unset, set again), an instance
+    attribute, a class attribute, a property, a subclass's property over a slot, a class changed
+    after its slot was read (a property put over the slot), and a class with ``__getattr__``."""
+
+    class Slotted:
+        __slots__ = ("a", "b")
+        k = "class"
+
+    class Props(Slotted):
+        __slots__ = ()
+
+        @property
+        def a(self):  # (over the base's slot: a data descriptor found first)
+            return "property"
+
+    class Plain:
+        k = "class"
+
+        def __init__(self) -> None:
+            self.x = 1
+
+    class Lazy:
+        def __getattr__(self, name):
+            return f"lazy {name}"
+
+    s = Slotted()
+    with pytest.raises(AttributeError):
+        native.fast_field(s, "a")  # (unset: getattr's error)
+    assert native.fast_field(s, "a", [1]) is None
+    assert native.fast_field(s, "a") == [1] and s.a == [1]
+    held = s.a
+    native.fast_field(s, "a", "again")
+    assert s.a == "again" and sys.getrefcount(held) == 2  # (the old value let go: held and the call's)
+    assert native.fast_field(s, "k") == "class"
+    with pytest.raises(AttributeError):
+        native.fast_field(s, "k", 1)  # (a class attribute of a slotted class: setattr's error)
+    p = Props()
+    assert native.fast_field(p, "a") == "property"
+    with pytest.raises(AttributeError):
+        native.fast_field(p, "a", 2)  # (a property without a setter)
+    object.__setattr__(s, "b", 3)
+    assert native.fast_field(s, "b") == 3
+    Slotted.b = property(lambda self: "now a property")  # (the class changed: its version tag too)
+    assert native.fast_field(s, "b") == "now a property" == s.b
+    plain = Plain()
+    assert native.fast_field(plain, "x") == 1 and native.fast_field(plain, "k") == "class"
+    native.fast_field(plain, "x", 5)
+    native.fast_field(plain, "k", "mine")
+    assert plain.x == 5 and plain.k == "mine" and Plain.k == "class"
+    with pytest.raises(AttributeError):
+        native.fast_field(plain, "missing")
+    assert native.fast_field(Lazy(), "anything") == "lazy anything"
+    assert native.fast_field(os, "sep") == os.sep  # (a module's dict)
+    for _ in range(3):  # (from the table once it is filled: the same answers)
+        assert native.fast_field(s, "a") == "again" and native.fast_field(p, "a") == "property"

@@ -7,8 +7,10 @@
 #pragma once
 
 #include <Python.h>
+#include <structmember.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace graphtree_native::fast {
 
@@ -123,19 +125,59 @@ inline PyObject* alive(PyObject* ref) {
 #endif
 }
 
+// Where attribute `name` of an instance of `type` is read, as PyObject_GenericGetAttr finds it:
+// > 0 the offset of a slot (a __slots__ member, which is a data descriptor: the instance's dict,
+// if any, never answers for it), 0 the instance's __dict__ (nothing of that name on the type, or
+// a non-data descriptor or class attribute, which the dict's entry overrides), -1 elsewhere (another
+// data descriptor: a property). Kept per (type, name) in a small table, valid while the type's
+// version tag is (CPython gives a type a new one whenever it or a base changes; tags are never
+// reused), as CPython's own attribute cache keys it; a type without a valid tag is looked up each
+// time.
+struct SlotEntry {
+  PyTypeObject* type;
+  PyObject* name;
+  unsigned int version;
+  Py_ssize_t offset;
+};
+
+inline Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {
+  static SlotEntry table[512];
+  const uintptr_t h = (reinterpret_cast<uintptr_t>(type) >> 4) * 31 + (reinterpret_cast<uintptr_t>(name) >> 4);
+  SlotEntry& e = table[(h ^ (h >> 9)) & 511];
+  const bool valid = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
+  if (valid && e.type == type && e.name == name && e.version == type->tp_version_tag) return e.offset;
+  PyObject* found = _PyType_Lookup(type, name);  // (borrowed; sets no error; gives the type a tag)
+  Py_ssize_t offset = 0;
+  if (found != nullptr && Py_IS_TYPE(found, &PyMemberDescr_Type)) {
+    const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(found)->d_member;
+    offset = m->type == T_OBJECT_EX && !(m->flags & READONLY) && m->offset > 0 ? m->offset : -1;
+  } else if (found != nullptr && Py_TYPE(found)->tp_descr_set != nullptr) {
+    offset = -1;
+  }
+  if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) e = SlotEntry{type, name, type->tp_version_tag, offset};
+  return offset;
+}
+
 // Attribute `name` of `obj` (a new reference; nullptr with the error set), as PyObject_GetAttr
-// reads it, in about half its instructions where it is an instance attribute: for a class that reads
-// attributes generically (no __getattr__, no __getattribute__) and a module, from the instance's
-// __dict__ where it is there, which is where PyObject_GenericGetAttr finds it unless the class has a
-// data descriptor of that name (a property, a slot: none of graphtree's classes, for the names read
-// here, tests/test_native.py: test_fields_are_instance_attributes), without consulting the type;
-// anything else, PyObject_GetAttr. (It gives the object a __dict__ of its own where its attributes
-// were kept inline: Python reads them from it as fast.)
+// reads it, in a fraction of its instructions for a class that reads attributes generically (no
+// __getattr__, no __getattribute__): a slot read at its offset (slot_offset), an instance
+// attribute from the instance's __dict__ where it is there, and a module's from its dict; anything
+// else (a class attribute, a method, an unset slot's error), PyObject_GetAttr. (Reading the
+// __dict__ gives the object one of its own where its attributes were kept inline: Python reads
+// them from it as fast.)
 inline PyObject* field(PyObject* obj, PyObject* name) {
   PyObject* dict = nullptr;  // (borrowed)
-  if (Py_TYPE(obj)->tp_getattro == PyObject_GenericGetAttr) {
-    PyObject** at = _PyObject_GetDictPtr(obj);
-    dict = at != nullptr ? *at : nullptr;
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type->tp_getattro == PyObject_GenericGetAttr) {
+    const Py_ssize_t at = slot_offset(type, name);
+    if (at > 0) {
+      PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + at);
+      return v != nullptr ? Py_NewRef(v) : PyObject_GetAttr(obj, name);
+    }
+    if (at == 0) {
+      PyObject** where = _PyObject_GetDictPtr(obj);
+      dict = where != nullptr ? *where : nullptr;
+    }
   } else if (PyModule_CheckExact(obj)) {
     dict = PyModule_GetDict(obj);
   }
@@ -145,6 +187,24 @@ inline PyObject* field(PyObject* obj, PyObject* name) {
     if (PyErr_Occurred()) return nullptr;
   }
   return PyObject_GetAttr(obj, name);
+}
+
+// obj.name = value, as PyObject_SetAttr sets it: a slot of a class that sets attributes generically
+// written at its offset (what its member descriptor does), anything else through PyObject_SetAttr.
+// 0 done, -1 an error.
+inline int set_field(PyObject* obj, PyObject* name, PyObject* value) {
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type->tp_setattro == PyObject_GenericSetAttr && type->tp_getattro == PyObject_GenericGetAttr) {
+    const Py_ssize_t at = slot_offset(type, name);
+    if (at > 0) {
+      PyObject** where = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + at);
+      PyObject* old = *where;
+      *where = Py_NewRef(value);
+      Py_XDECREF(old);
+      return 0;
+    }
+  }
+  return PyObject_SetAttr(obj, name, value);
 }
 
 // 1 true, 0 false, -1 a Python error: attribute `name` of `obj` is true.

@@ -18,6 +18,7 @@ PyObject* detach_now(PyObject* t);
 int single_output_now(PyObject* single, PyObject* device, PyObject** tensor, PyObject** ref);  // outputs.cpp
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* fast_field(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace graphtree_native
 
 namespace {
@@ -139,7 +140,7 @@ int hand_out_single(PyObject* live, PyObject* device, Names* s, Ref& out) {
   Ref now(PyList_New(1));
   if (now.get() == nullptr) return -1;
   PyList_SET_ITEM(now.get(), 0, r.release());
-  if (PyObject_SetAttr(live, s->refs, now.get()) < 0) return -1;
+  if (set_field(live, s->refs, now.get()) < 0) return -1;
   out.reset(t.release());
   return 1;
 }
@@ -187,7 +188,7 @@ PyObject* replay_node(PyObject* gc, PyObject* tree, PyObject* node, PyObject* co
     }
     Ref count(field(node, s->replays));
     Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
-    if (more.get() == nullptr || PyObject_SetAttr(node, s->replays, more.get()) < 0) return;
+    if (more.get() == nullptr || set_field(node, s->replays, more.get()) < 0) return;
     Ref live(field(node, s->live));
     Ref base(live.get() ? field(live.get(), s->base) : nullptr);
     if (base.get() == nullptr) return;
@@ -366,17 +367,17 @@ PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (PySet_Add(called.get(), plan[kGcId]) < 0) return nullptr;
   Ref memory(field(tree, s->memory));
-  if (memory.get() == nullptr || PyObject_SetAttr(memory.get(), s->live, Py_False) < 0) return nullptr;
+  if (memory.get() == nullptr || set_field(memory.get(), s->live, Py_False) < 0) return nullptr;
   Ref out(replay_node(gc, tree, node, plan, leaves, stream.get(), s));
   if (out.get() == nullptr) return nullptr;
   Ref entered(field(walk.get(), s->path));  // (a new list when the step began)
   if (entered.get() == nullptr || PyList_Append(entered.get(), node) < 0) return nullptr;
-  if (PyObject_SetAttr(walk.get(), s->current, node) < 0) return nullptr;
+  if (set_field(walk.get(), s->current, node) < 0) return nullptr;
   Ref counters(field(tree, s->counters));
   Ref count(counters.get() ? field(counters.get(), s->replays) : nullptr);
   Ref more(count.get() ? PyNumber_Add(count.get(), one()) : nullptr);
-  if (more.get() == nullptr || PyObject_SetAttr(counters.get(), s->replays, more.get()) < 0) return nullptr;
-  if (PyObject_SetAttr(tree, s->hit, node) < 0) return nullptr;
+  if (more.get() == nullptr || set_field(counters.get(), s->replays, more.get()) < 0) return nullptr;
+  if (set_field(tree, s->hit, node) < 0) return nullptr;
   return out.release();
 }
 
@@ -458,6 +459,21 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* replay_args[4] = {args[0], plan.get(), args[2], PyTuple_GET_ITEM(sig.get(), 2)};
   return fast_replay(nullptr, replay_args, 4);
+}
+
+// fast_field(obj, name[, value]) -> obj.name, or None having set obj.name = value: the fast hit's
+// own attribute read and write (fast_hit.h: field, set_field), for tests to hold them to getattr's
+// and setattr's answers (a slot, an instance dict, a property, a class changed since).
+PyObject* fast_field(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if ((nargs != 2 && nargs != 3) || !PyUnicode_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "fast_field(obj, name: str[, value])");
+    return nullptr;
+  }
+  Ref name(Py_NewRef(args[1]));
+  PyUnicode_InternInPlace(&name.p);  // (the names the hit reads are interned: the cache keys them so)
+  if (nargs == 2) return field(args[0], name.get());
+  if (set_field(args[0], name.get(), args[2]) < 0) return nullptr;
+  Py_RETURN_NONE;
 }
 
 }  // namespace graphtree_native

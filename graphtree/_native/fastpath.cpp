@@ -508,6 +508,7 @@ PyObject* ambient(PyObject*, PyObject* const*, Py_ssize_t) {
 namespace graphtree_native {
 PyObject* fast_replay(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // fast_replay.cpp
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);    // fast_replay.cpp
+PyObject* fast_field(PyObject*, PyObject* const* args, Py_ssize_t nargs);   // fast_replay.cpp
 PyObject* fast_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);        // entries.cpp
 PyObject* module_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs);      // entries.cpp
 PyObject* module_type_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);  // entries.cpp
@@ -523,6 +524,7 @@ namespace {
 
 using graphtree_native::fast_call;
 using graphtree_native::fast_entry;
+using graphtree_native::fast_field;
 using graphtree_native::module_entry;
 using graphtree_native::module_type_call;
 using graphtree_native::fast_replay;
@@ -548,6 +550,8 @@ const PyMethodDef methods[] = {
      "fast_replay(gc, plan, leaves, needs_grad) -> outputs | plan[0]"},
     {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fast_call)), METH_FASTCALL,
      "fast_call(gc, hits, args, plain_types, miss, threads, float_part[, signature]) -> outputs | miss"},
+    {"fast_field", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fast_field)), METH_FASTCALL,
+     "fast_field(obj, name[, value]) -> obj.name | None: the fast hit's attribute read and write"},
     {"fast_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fast_entry)), METH_FASTCALL,
      "fast_entry(package, owner, fallback, plain_types, miss, threads, float_part[, signature]) -> entry(gc, hits, args)"},
     {"module_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(module_entry)), METH_FASTCALL,

@@ -117,7 +117,7 @@ int invalidate_held(PyObject* path, Py_ssize_t first, PyObject* leaves, PyObject
   for (Py_ssize_t h = 0; h < held; ++h) {
     Ref live_refs(field(lives[h].get(), s->refs));
     if (live_refs.get() == nullptr || PyList_SetItem(live_refs.get(), 0, Py_NewRef(zero.get())) < 0 ||
-        PyObject_SetAttr(lives[h].get(), s->keep_base, Py_False) < 0) {
+        set_field(lives[h].get(), s->keep_base, Py_False) < 0) {
       return -1;
     }
   }
@@ -174,11 +174,11 @@ int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject
     }
   }
   const Py_ssize_t depth = PyList_GET_SIZE(path.get());
-  if (depth > 0 && PyObject_SetAttr(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
+  if (depth > 0 && set_field(walk, s->last_replayed, PyList_GET_ITEM(path.get(), depth - 1)) < 0) return -1;
   Ref fresh(PyList_New(0));
   Ref root(fresh.get() ? field(walk, s->root) : nullptr);
-  if (root.get() == nullptr || PyObject_SetAttr(walk, s->path, fresh.get()) < 0 ||
-      PyObject_SetAttr(walk, s->current, root.get()) < 0 || PyObject_SetAttr(walk, s->warming, Py_False) < 0) {
+  if (root.get() == nullptr || set_field(walk, s->path, fresh.get()) < 0 ||
+      set_field(walk, s->current, root.get()) < 0 || set_field(walk, s->warming, Py_False) < 0) {
     return -1;
   }
   Ref called(field(walk, s->called));
@@ -186,10 +186,10 @@ int end_step_natively(PyObject* tree, PyObject* walk, PyObject* leaves, PyObject
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "graphtree: Walk.called is not a set");
     return -1;
   }
-  if (PyObject_SetAttr(walk, s->step_requested, Py_False) < 0) return -1;
+  if (set_field(walk, s->step_requested, Py_False) < 0) return -1;
   Ref generation(field(walk, s->generation));
   Ref next(generation.get() ? PyNumber_Add(generation.get(), one()) : nullptr);
-  return next.get() == nullptr || PyObject_SetAttr(walk, s->generation, next.get()) < 0 ? -1 : 1;
+  return next.get() == nullptr || set_field(walk, s->generation, next.get()) < 0 ? -1 : 1;
 }
 
 }  // namespace graphtree_native::fast

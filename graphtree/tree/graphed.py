@@ -80,6 +80,12 @@ def mark_static(t: torch.Tensor) -> torch.Tensor:
 class GraphedCallable:
     """A callable whose calls run as replays of CUDA graphs (see :func:`graphed`)."""
 
+    # The attributes its fast hit reads on every call, as slots (the native hit reads them at their
+    # offsets: graphtree/_native/fast_hit.h); the rest in its __dict__ (functools.update_wrapper's too).
+    __slots__ = (
+        "__dict__", "__weakref__", "_forward", "_grad_off_inside", "_reach", "_snapshots", "_step", "bucketing",
+        "disabled_reason", "fast_hits", "free", "id", "numbers",
+    )  # fmt: skip
     graphtree_callable = True  # (how tree/parts.py knows one among a module's attributes)
     hooks_around = False  # its module's own hooks run around its calls, not inside (a part's: GraphedPart)
 

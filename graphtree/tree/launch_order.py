@@ -24,6 +24,8 @@ from graphtree import _torch
 class LaunchOrder:
     """The stream a tree's last call ran on, on ``device``; :meth:`follow` orders the next after it."""
 
+    __slots__ = ("_last", "_last_raw", "_raw_stream", "device")  # (read natively at their offsets: fast_hit.h)
+
     def __init__(self, device: int) -> None:
         self.device = device
         self._raw_stream = _torch.raw_stream_getter()  # (None on a build without CUDA)

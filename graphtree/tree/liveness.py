@@ -42,6 +42,9 @@ class OutputLiveness:
         refs: the weak references of the outputs of the call that recorded it.
     """
 
+    # (slots: the native fast hit reads and writes them at their offsets, graphtree/_native/fast_hit.h)
+    __slots__ = ("_base", "_base_holders", "_base_storage", "_device", "_keep_base", "_single", "plan", "refs")
+
     def __init__(self, plan: OutputPlan, device: int, refs: list[int]) -> None:
         self.plan = plan
         self.refs = refs

@@ -135,6 +135,12 @@ class TreeManager:
     """A tree of recordings on one device for one thread, with its memory pool: where a call replays
     (:meth:`call`), and where it warms up or records instead (:class:`~graphtree.tree.grow.Grower`)."""
 
+    # (slots: the native fast hit reads them at their offsets, graphtree/_native/fast_hit.h)
+    __slots__ = (
+        "__weakref__", "_collected_seen", "check", "counters", "device", "grow", "hit", "lock", "memory", "order",
+        "thread", "user_steps", "walk", "warmed",
+    )  # fmt: skip
+
     def __init__(self, device: int, user_steps: bool = False) -> None:
         self.device = device
         self.lock = threading.RLock()  # against reset() from another thread; eager fallbacks may re-enter

@@ -30,6 +30,8 @@ class TreeMemory:
     """The pool a tree's recordings share (made at its first warm-up or recording, replaced after a
     failed capture) and the stream they run on, on one device."""
 
+    __slots__ = ("__weakref__", "_pool", "_stream", "device", "live")  # (live set natively: fast_hit.h)
+
     def __init__(self, device: int) -> None:
         self.device = device
         self.live = True  # the allocator's view of the pool is exact (False once a replay ran)

@@ -63,6 +63,8 @@ class Root:
     id = "root"
     depth = -1
 
+    __slots__ = ("__weakref__", "children")  # (children read natively at its offset: graphtree/_native/fast_hit.h)
+
     def __init__(self) -> None:
         self.children: dict[Any, list[Node]] = {}
 
@@ -104,6 +106,15 @@ class Node:
         grads: a training step's (parameter, gradient tensor) pairs: the graph writes each
             gradient there, and a replay sets ``.grad`` to it (:mod:`graphtree.tree.training_step`).
     """
+
+    # (slots: the native fast hit reads them at their offsets, graphtree/_native/fast_hit.h)
+    __slots__ = (
+        "__weakref__", "_external_ptrs", "_external_refs", "_launch", "_not_kept", "adoption",
+        "alive_at_checkpoint", "capture_seconds", "checkpoint", "children", "dead_before", "depth", "epoch",
+        "exec", "externals", "first", "grads", "graph", "graph_sites", "id", "input_refs", "inputs", "key",
+        "live", "name", "outputs", "parent", "reads", "replays", "static_idx", "static_packed",
+        "static_ptrs", "statics", "statics_only", "unconditional", "writes",
+    )  # fmt: skip
 
     def __init__(
         self,

@@ -131,6 +131,13 @@ def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
             yield cell, v
 
 
+# FreeValues' attributes, as slots: the native fast hit reads them at their offsets (_native/fast_hit.h).
+_FREE_VALUES_SLOTS = (
+    "_anchors", "_cache", "_changes", "_containers", "_ddps", "_epoch", "_fn", "_lock", "_methods", "_module", "_own",
+    "_owner", "_reads", "_sources", "_state", "_structure", "active", "follows_modules", "kept_hint", "models",
+)  # fmt: skip
+
+
 class FreeValues:
     """The plain values a graphed callable reads besides its arguments, as a key part:
 
@@ -170,6 +177,8 @@ class FreeValues:
     an object of settings a module holds (an HF model's ``config``: its plain attributes, once for
     all the layers holding it); a callable that reads none (``nn.Linear``, a function of tensors
     alone) costs nothing."""
+
+    __slots__ = _FREE_VALUES_SLOTS  # (read natively at their offsets: graphtree/_native/fast_hit.h)
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._fn = fn

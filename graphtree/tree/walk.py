@@ -32,6 +32,11 @@ from graphtree.tree.pool import Pool
 class Walk:
     """The path of one tree's current step, from its root, and the trees retired during it."""
 
+    # (slots: the native fast hit reads and writes them at their offsets, graphtree/_native/fast_hit.h)
+    __slots__ = (
+        "called", "current", "generation", "last_replayed", "path", "retired", "root", "step_requested", "warming",
+    )  # fmt: skip
+
     def __init__(self) -> None:
         self.clear()
 
