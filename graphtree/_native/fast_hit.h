@@ -140,12 +140,22 @@ struct SlotEntry {
   Py_ssize_t offset;
 };
 
+// Whether `type`'s version tag is valid (a flag up to Python 3.12, a nonzero tag after).
+inline bool tag_valid(PyTypeObject* type) {
+#ifdef Py_TPFLAGS_VALID_VERSION_TAG
+  return PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
+#else
+  return type->tp_version_tag != 0;
+#endif
+}
+
+// (Names are keyed by their pointer: every name read here lives as long as the process, the
+// interned names of `names()` and those fast_field keeps.)
 inline Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {
   static SlotEntry table[512];
   const uintptr_t h = (reinterpret_cast<uintptr_t>(type) >> 4) * 31 + (reinterpret_cast<uintptr_t>(name) >> 4);
   SlotEntry& e = table[(h ^ (h >> 9)) & 511];
-  const bool valid = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
-  if (valid && e.type == type && e.name == name && e.version == type->tp_version_tag) return e.offset;
+  if (tag_valid(type) && e.type == type && e.name == name && e.version == type->tp_version_tag) return e.offset;
   PyObject* found = _PyType_Lookup(type, name);  // (borrowed; sets no error; gives the type a tag)
   Py_ssize_t offset = 0;
   if (found != nullptr && Py_IS_TYPE(found, &PyMemberDescr_Type)) {
@@ -154,7 +164,7 @@ inline Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {
   } else if (found != nullptr && Py_TYPE(found)->tp_descr_set != nullptr) {
     offset = -1;
   }
-  if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) e = SlotEntry{type, name, type->tp_version_tag, offset};
+  if (tag_valid(type)) e = SlotEntry{type, name, type->tp_version_tag, offset};
   return offset;
 }
 

@@ -469,10 +469,10 @@ PyObject* fast_field(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "fast_field(obj, name: str[, value])");
     return nullptr;
   }
-  Ref name(Py_NewRef(args[1]));
-  PyUnicode_InternInPlace(&name.p);  // (the names the hit reads are interned: the cache keys them so)
-  if (nargs == 2) return field(args[0], name.get());
-  if (set_field(args[0], name.get(), args[2]) < 0) return nullptr;
+  PyObject* name = Py_NewRef(args[1]);
+  PyUnicode_InternInPlace(&name);  // (interned, as the hit's names are, and kept: the table keys names by pointer)
+  if (nargs == 2) return field(args[0], name);
+  if (set_field(args[0], name, args[2]) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
