@@ -24,13 +24,11 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import inspect
 import itertools
 import operator
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -38,28 +36,10 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.code_scan import (
-    MISSING,
-    callable_object,
-    content,
-    sources,
-    user_class,
-    user_methods,
-    user_module,
-)
+from graphtree.tree.code_scan import MISSING, callable_object, content, sources, user_methods
+from graphtree.tree.free_reads import find_reads
 from graphtree.tree.inputs import param_epoch, statics_replaced, watch_parameter_changes
-from graphtree.tree.settings import (
-    FUNCTIONS,
-    PLAIN_SET,
-    class_level_reads,
-    held_settings,
-    keyable,
-    owner_reads,
-    plain_reads,
-    settings_object,
-    user_object,
-    value_part,
-)
+from graphtree.tree.settings import PLAIN_SET, value_part
 
 
 class Reach:
@@ -131,13 +111,6 @@ def _contents(cells: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
             yield cell, v
 
 
-# FreeValues' attributes, as slots: the native fast hit reads them at their offsets (_native/fast_hit.h).
-_FREE_VALUES_SLOTS = (
-    "_anchors", "_cache", "_changes", "_containers", "_ddps", "_epoch", "_fn", "_lock", "_methods", "_module", "_own",
-    "_owner", "_reads", "_sources", "_state", "_structure", "active", "follows_modules", "kept_hint", "models",
-)  # fmt: skip
-
-
 class FreeValues:
     """The plain values a graphed callable reads besides its arguments, as a key part:
 
@@ -178,7 +151,12 @@ class FreeValues:
     all the layers holding it); a callable that reads none (``nn.Linear``, a function of tensors
     alone) costs nothing."""
 
-    __slots__ = _FREE_VALUES_SLOTS  # (read natively at their offsets: graphtree/_native/fast_hit.h)
+    # (slots: the native fast hit reads them at their offsets, graphtree/_native/fast_hit.h)
+    __slots__ = (
+        "_anchors", "_cache", "_changes", "_containers", "_ddps", "_epoch", "_fn", "_lock", "_methods",
+        "_module", "_own", "_owner", "_reads", "_sources", "_state", "_structure", "active",
+        "follows_modules", "kept_hint", "models",
+    )  # fmt: skip
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None = None) -> None:
         self._fn = fn
@@ -304,89 +282,25 @@ class FreeValues:
             self.follows_modules = self._own > 0
 
     def _resolve(self) -> list[tuple[Any, str, str]]:
-        """Follow the names the code reads as they are now (at the first call: globals defined after
-        the function are there by then): plain values, and the models, functions and objects of
-        settings it reaches by name (by identity, with what of them is keyed; see the class)."""
+        """Find what the code reads as it is now (``free_reads.find_reads``) and follow that."""
         owner = self._module if self._module is not None else self._owner
-        mine, settings = owner_reads(owner)
-        reads: list[tuple[Any, str, str]] = list(mine)
-        # A module attribute the call changes is dropped after it (a capture that changes one fails,
-        # writes.module_changes); another object's stays keyed: each change is a new signature
-        own = len(reads) if isinstance(owner, torch.nn.Module) else 0
-        reads.extend(settings)  # (after `own`: not scanned after each call)
-        anchors: list[int] = []
-        if user_object(owner):  # (a graphed method's object, a callable object of the user's class)
-            for n, v in vars(owner).items():  # the models it holds: `self.model(x)` in `predictor.predict`
-                if isinstance(v, torch.nn.Module):  # (their modes and settings, as a model read by name)
-                    anchors.append(len(reads))
-                    reads.append((vars(owner), n, f"self.{n}"))
-                    reads.extend(itertools.chain(*owner_reads(v, f"self.{n}", training=True)))
-        containers: list[tuple[str, Any]] = []
-        seen: set[tuple[int, str]] = set()
-        for env, names, cells, strings in self._sources:
-            spaces: list[tuple[Any, str]] = [(env, n) for n in sorted(names)] + [(_Cell(c), n) for c, n in cells]
-            for space, n in spaces:
-                key = (id(env), n) if isinstance(space, dict) else (id(space.cell), n)
-                if key in seen:
-                    continue
-                seen.add(key)
-                v = space.get(n, MISSING)
-                if type(v) in PLAIN_SET or (keyable(v) and not isinstance(v, FUNCTIONS)):
-                    reads.append((space, n, n))  # (`x * SCALE`; an Enum, a numpy scalar, a tuple `SIZE = (2, 2)`)
-                elif isinstance(v, torch.Tensor) and isinstance(space, dict):
-                    reads.append((space, n, n))  # (`x @ W`: rebound, by identity; a closure's: Reach.follow)
-                elif isinstance(v, _CONTAINERS):
-                    containers.append((n, v))
-                    if isinstance(v, dict):  # `CONFIG["temperature"]`: the plain values of the keys the code names
-                        reads.extend((v, k, f"{n}[{k!r}]") for k in sorted(strings) if type(v.get(k)) in PLAIN_SET)
-                elif isinstance(v, types.ModuleType) and user_module(v):  # `mycfg.SCALE`: a config module
-                    reads.extend(plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set()))
-                elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, _CONTAINERS):
-                    containers.append((n, v.__self__))  # (`log = LOSSES.append`: the list it grows)
-                elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
-                    anchors.append(len(reads))
-                    reads.append((space, n, n))
-                    reads.extend(itertools.chain(*owner_reads(v, n, training=True)))
-                elif isinstance(v, FUNCTIONS):  # a function the code calls by name: rebound, another is called
-                    anchors.append(len(reads))
-                    reads.append((space, n, n))
-                elif settings_object(v) or held_settings(v) or (isinstance(v, type) and user_class(v)):
-                    # an object whose attributes the code reads (a config or a dataclass of the user's,
-                    # a library's: an HF GenerationConfig, an argparse Namespace; a class of the user's
-                    # used as a namespace): the plain attributes its code names, its class's too
-                    inst = vars(v) if not isinstance(v, type) else {}
-                    attrs = plain_reads(inst, f"{n}.", frozenset(names), frozenset(), set())
-                    attrs += class_level_reads(v if isinstance(v, type) else type(v), names, inst, f"{n}.")
-                    if attrs:  # (`x * CFG.scale`: keyed as `x * SCALE` is, the object by its identity)
-                        anchors.append(len(reads))
-                        reads.append((space, n, n))
-                        reads.extend(attrs)
-        anchored = [space.get(n, None) for space, n, _ in (reads[i] for i in anchors)]
-        models = [owner] + [m for m in anchored if isinstance(m, torch.nn.Module)]
+        found = find_reads(owner, self._sources)
+        models = (owner, *found.models) if isinstance(owner, torch.nn.Module) else found.models
         # DistributedDataParallel collects runtime stats with CUDA events in its first 10 iterations
         # and rebuilds its buckets in its second: PyTorch's CUDA-graph notes ask for 11 eager ones first
-        ddps = [weakref.ref(m) for m in models if isinstance(m, torch.nn.Module) and _is_ddp(m)]
-        fsdp2 = any(_is_fsdp2(m) for m in models)
-        structure = [
-            (sub._modules, name, child)
-            for m in models
-            if isinstance(m, torch.nn.Module)
-            for sub in m.modules()
-            for name, child in sub._modules.items()
-            if child is not None
-        ]
-        if structure:
+        ddps = [weakref.ref(m) for m in models if _is_ddp(m)]
+        if found.structure:
             watch_parameter_changes()  # (a module registered anywhere bumps the epoch part() checks)
         with self._lock:
             self._ddps = ddps
-            self.kept_hint = FSDP2_KEPT if fsdp2 else ""
-            self._reads, self._own, self._anchors, self._containers = reads, own, anchors, containers
-            self._structure, self._epoch = structure, param_epoch()
+            self.kept_hint = FSDP2_KEPT if any(_is_fsdp2(m) for m in models) else ""
+            self._reads, self._own, self._anchors = found.reads, found.own, found.anchors
+            self._containers, self._structure, self._epoch = found.containers, found.structure, param_epoch()
             self._cache = ([], None)
-            self.active = bool(reads) or bool(structure)
-            self.follows_modules = own > 0
-            self.models = tuple(m for m in models[1:] if isinstance(m, torch.nn.Module))
-        return reads
+            self.active = bool(found.reads) or bool(found.structure)
+            self.follows_modules = found.own > 0
+            self.models = found.models
+        return found.reads
 
 
 class ModuleArguments:
@@ -454,22 +368,6 @@ def _is_fsdp2(m: Any) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # (not imported: nothing was sharded)
     cls = getattr(fsdp, "FSDPModule", None)
     return isinstance(cls, type) and isinstance(m, cls)
-
-
-class _Cell:
-    """A closure cell read as a namespace of one name (``get`` as ``dict.get``)."""
-
-    __slots__ = ("cell",)
-
-    def __init__(self, cell: Any) -> None:
-        self.cell = cell
-
-    def get(self, name: str, default: Any) -> Any:
-        v = content(self.cell)
-        return default if v is MISSING else v
-
-
-_CONTAINERS = (list, dict, set, collections.deque)
 
 
 class Containers:
