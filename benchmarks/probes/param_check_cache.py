@@ -8,8 +8,9 @@ each. If the tight loop is much cheaper than the same check between replays, the
 cache lines each check loads, not its instructions. ``--variants`` also builds (with
 ``torch.utils.cpp_extension.load_inline``, ~1 min) two copies of the check's loop, one as the
 helpers have it and one that first prefetches every line the loop will load (each tensor's Python
-object, its ``TensorImpl``'s first three lines and its ``StorageImpl``'s, from the packed
-pointers), and times both between replays. Prints ns per parameter for each. Run on a GPU machine::
+object and its ``TensorImpl``'s first three lines, from the packed pointers, then, those loads under
+way, its ``StorageImpl``'s), and times both between replays. Prints ns per parameter for each.
+Run on a GPU machine::
 
     PYTHONPATH=. python benchmarks/probes/param_check_cache.py [--params 100] [--variants] [--json out.json]
 """
@@ -57,26 +58,29 @@ static bool check(PyObject* tensors, PyObject* expected) {
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
   const char* want = PyBytes_AS_STRING(expected);
   PyObject* const* items = PySequence_Fast_ITEMS(tensors);
-  if (kPrefetch) {
+  if (kPrefetch) {  // (the objects and TensorImpls first; then, those loads under way, each StorageImpl)
     for (Py_ssize_t i = 0; i < n; ++i) {
-      const char* impl = reinterpret_cast<const char*>(packed_at(want, 3 * i));
-      const char* storage = reinterpret_cast<const char*>(packed_at(want, 3 * i + 1));
+      const char* impl = reinterpret_cast<const char*>(packed_at(want, 2 * i));
       __builtin_prefetch(items[i]);
       __builtin_prefetch(impl);
       __builtin_prefetch(impl + 64);
       __builtin_prefetch(impl + 128);
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      auto* impl = reinterpret_cast<c10::TensorImpl*>(packed_at(want, 2 * i));
+      const char* storage = reinterpret_cast<const char*>(impl->unsafe_storage().unsafeGetStorageImpl());
       __builtin_prefetch(storage);
       __builtin_prefetch(storage + 32);
     }
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(want, 3 * i));
+    auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(want, 2 * i));
     if (THPVariable_Unpack(items[i]).unsafeGetTensorImpl() != packed) return false;
     c10::StorageImpl* storage = packed->unsafe_storage().unsafeGetStorageImpl();
     if (storage == nullptr) return false;
     char* data = static_cast<char*>(storage->mutable_data());
     void* have = packed->is_empty() ? nullptr : data + packed->itemsize() * packed->storage_offset();
-    if (reinterpret_cast<uint64_t>(have) != packed_at(want, 3 * i + 2)) return false;
+    if (reinterpret_cast<uint64_t>(have) != packed_at(want, 2 * i + 1)) return false;
   }
   return true;
 }

@@ -258,10 +258,10 @@ def _check(module: ModuleType) -> None:
     ptrs = [t.data_ptr() for t in ts]
     if module.ptrs_equal(ts, ptrs, [0, 1]) is not True or module.ptrs_equal(ts, [0, ptrs[1]], [0, 1]) is not False:
         raise RuntimeError("ptrs_equal disagrees with Tensor.data_ptr()")
-    places = [(t._cdata, t.untyped_storage()._cdata) for t in ts]
-    packed = array.array("Q", [*places[0], ptrs[0], *places[1], ptrs[1]]).tobytes()
-    other = array.array("Q", [*places[0], ptrs[0], *places[1], 0]).tobytes()
-    moved = array.array("Q", [*places[0], ptrs[0], 0, 0, ptrs[1]]).tobytes()  # (another TensorImpl: read as data_ptr())
+    impls = [t._cdata for t in ts]
+    packed = array.array("Q", [impls[0], ptrs[0], impls[1], ptrs[1]]).tobytes()
+    other = array.array("Q", [impls[0], ptrs[0], impls[1], 0]).tobytes()
+    moved = array.array("Q", [impls[0], ptrs[0], 0, ptrs[1]]).tobytes()  # (another TensorImpl: read as data_ptr())
     if module.addresses_unchanged(ts, packed) is not True or module.addresses_unchanged(ts, other) is not False:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr()")
     if module.addresses_unchanged(ts, moved) is not True:

@@ -104,9 +104,8 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // addresses_unchanged(tensors: list, expected: bytes) -> bool: tensors[i].data_ptr() equals the
-// address packed for it in expected, for every i: native-endian uint64 triples (the tensor's
-// TensorImpl, as Tensor._cdata gives it, its StorageImpl, as its untyped storage's _cdata, then its
-// address). The check of a module's parameters and buffers on every replay: packed once, at the
+// address packed for it in expected, for every i: native-endian uint64 pairs (the tensor's
+// TensorImpl, as Tensor._cdata gives it, then its address). The check of a module's parameters and buffers on every replay: packed once, at the
 // recording, so a call converts no Python ints. Where a tensor still holds the TensorImpl packed
 // with it, its address is read through the packed pointer (packed_address), so that its loads do
 // not wait on the Python object's; any other tensor is read through its Python object. (Prefetching
@@ -144,7 +143,7 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   }
   PyObject* tensors = args[0];
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
-  if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(3 * sizeof(uint64_t))) Py_RETURN_FALSE;
+  if (PyBytes_GET_SIZE(args[1]) != n * static_cast<Py_ssize_t>(2 * sizeof(uint64_t))) Py_RETURN_FALSE;
   const char* expected = PyBytes_AS_STRING(args[1]);
   PyObject* const* items = PySequence_Fast_ITEMS(tensors);  // (a recording's own list: nothing here changes it)
   // (THPVariable_CheckExact's two classes, read once: a module's parameters first)
@@ -152,7 +151,7 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
   auto* const variable = reinterpret_cast<PyTypeObject*>(THPVariableClass);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* t = items[i];
-    auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(expected, 3 * i));
+    auto* packed = reinterpret_cast<c10::TensorImpl*>(packed_at(expected, 2 * i));
     PyTypeObject* type = Py_TYPE(t);
     void* have;
     try {
@@ -164,7 +163,7 @@ PyObject* addresses_unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return nullptr;
     }
-    if (reinterpret_cast<uint64_t>(have) != packed_at(expected, 3 * i + 2)) Py_RETURN_FALSE;
+    if (reinterpret_cast<uint64_t>(have) != packed_at(expected, 2 * i + 1)) Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
 }
@@ -535,7 +534,7 @@ const PyMethodDef methods[] = {
     {"weak_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(weak_unchanged)), METH_FASTCALL,
      "weak_unchanged(refs: bytes, expected: bytes) -> bool"},
     {"addresses_unchanged", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(addresses_unchanged)), METH_FASTCALL,
-     "addresses_unchanged(tensors: list, expected: bytes of (TensorImpl, StorageImpl, address) triples) -> bool"},
+     "addresses_unchanged(tensors: list, expected: bytes of (TensorImpl, address) pairs) -> bool"},
     {"copy_d2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_d2d)), METH_FASTCALL,
      "copy_d2d(dst, src, nbytes, stream) -> bool"},
     {"copy_in", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_in)), METH_FASTCALL,

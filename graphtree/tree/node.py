@@ -312,15 +312,15 @@ def below(parent: Node | Root) -> list[Node]:
 
 def statics_packed(statics: Sequence[torch.Tensor]) -> bytes:
     """What the native ``addresses_unchanged`` checks ``statics`` against: each tensor's
-    ``TensorImpl``, ``StorageImpl`` and address, as native-endian uint64 triples.
+    ``TensorImpl`` and address, as native-endian uint64 pairs.
 
     Example::
 
         packed = statics_packed(params)
         assert _native.loaded.addresses_unchanged(params, packed)
     """
-    triples = ((_torch.tensor_impl(t), _torch.storage_id(t), t.data_ptr()) for t in statics)
-    return array.array("Q", itertools.chain.from_iterable(triples)).tobytes()
+    pairs = ((_torch.tensor_impl(t), t.data_ptr()) for t in statics)
+    return array.array("Q", itertools.chain.from_iterable(pairs)).tobytes()
 
 
 def drop_subtree(node: Node) -> None:
