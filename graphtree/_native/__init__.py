@@ -254,11 +254,13 @@ def _check(module: ModuleType) -> None:
     """A built module must answer as its Python twins do before graphtree relies on it."""
     import torch
 
+    from graphtree._torch.gate import tensor_impl, weak_free, weak_ref  # (not the package: it imports this one)
+
     ts = [torch.zeros(2), torch.nn.Parameter(torch.zeros(3))]
     ptrs = [t.data_ptr() for t in ts]
     if module.ptrs_equal(ts, ptrs, [0, 1]) is not True or module.ptrs_equal(ts, [0, ptrs[1]], [0, 1]) is not False:
         raise RuntimeError("ptrs_equal disagrees with Tensor.data_ptr()")
-    impls = [t._cdata for t in ts]
+    impls = [tensor_impl(t) for t in ts]
     packed = array.array("Q", [impls[0], ptrs[0], impls[1], ptrs[1]]).tobytes()
     other = array.array("Q", [impls[0], ptrs[0], impls[1], 0]).tobytes()
     moved = array.array("Q", [impls[0], ptrs[0], 0, ptrs[1]]).tobytes()  # (another TensorImpl: read as data_ptr())
@@ -267,7 +269,7 @@ def _check(module: ModuleType) -> None:
     if module.addresses_unchanged(ts, moved) is not True:
         raise RuntimeError("addresses_unchanged disagrees with Tensor.data_ptr() for a TensorImpl swapped")
     storage = torch.zeros(4).untyped_storage()
-    ref: int = storage._weak_ref()  # type: ignore[assignment]  # (typed as a storage by torch)
+    ref = weak_ref(storage)
     try:
         refs, at = array.array("Q", [ref]).tobytes(), array.array("Q", [storage.data_ptr()]).tobytes()
         if module.weak_unchanged(refs, at) is not True or module.weak_unchanged(refs, bytes(8)) is not False:
@@ -276,7 +278,7 @@ def _check(module: ModuleType) -> None:
         if module.weak_unchanged(refs, at) is not False:
             raise RuntimeError("weak_unchanged reads a freed storage as alive")
     finally:
-        torch.UntypedStorage._free_weak_ref(ref)
+        weak_free(ref)
     if module.signature((1, None), (int, type(None))) != (((int, 1), (type(None), None)), -2, False):
         raise RuntimeError("signature disagrees with read_call")
     obj = _Probe()

@@ -39,6 +39,7 @@ from graphtree._torch.gate import (  # noqa: F401 - re-exported: the version gat
     has_private,
     storage_ptr,
     storage_use_count,
+    tensor_impl,
     weak_expired,
     weak_free,
     weak_ref,
@@ -178,12 +179,6 @@ def storage_ref(s: torch.UntypedStorage) -> int:
     """The ``StorageImpl*`` of a storage object, as :func:`storage_use_count` takes it (equals a live
     :func:`weak_ref` of it)."""
     return cast(int, s._cdata)
-
-
-def tensor_impl(t: torch.Tensor) -> int:
-    """The address of ``t``'s C++ ``TensorImpl`` (``Tensor._cdata``): the native address check of a
-    module's parameters reads a parameter's address through it while the parameter still holds it."""
-    return cast(int, t._cdata)
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -365,6 +360,32 @@ def torch_profiler_active() -> bool:
         return bool(torch._C._autograd._profiler_enabled())
     except Exception:  # noqa: BLE001 - a moved private API means no profiler we can see
         return False
+
+
+def switch_getter(name: str) -> Callable[[], Any]:
+    """``torch._C.<name>``: the getter of a global switch that decides which kernels a call runs
+    (determinism, cuDNN, TF32, the SDPA backends: ``tree/ambient.py`` keys calls by them), or a getter
+    of False where this torch has no such switch (it then runs as with the switch off)."""
+    return getattr(torch._C, name, None) or (lambda: False)
+
+
+float32_matmul_precision = cast(Callable[[], str], torch._C._get_float32_matmul_precision)
+"""``torch.get_float32_matmul_precision()`` without its Python frame: "highest", "high" or "medium"
+(raises under torch's ``fp32_precision`` API, as the public one does)."""
+cublas_fp16_reduction = torch._C._get_cublas_allow_fp16_reduced_precision_reduction
+"""cuBLAS's fp16 reduced-precision reduction: a bool, or ``(allow_reduced, allow_splitk)`` (torch 2.12 on)."""
+cublas_bf16_reduction = torch._C._get_cublas_allow_bf16_reduced_precision_reduction
+"""The same for bf16."""
+preferred_blas = torch._C._get_blas_preferred_backend
+"""The preferred BLAS backend (``torch.backends.cuda.preferred_blas_library()`` without its frame),
+an enum whose ``int`` is its value."""
+
+
+def gpu_spin(cycles: int) -> None:
+    """Queue a kernel on the current stream that spins for ``cycles`` GPU clock cycles
+    (``torch.cuda._sleep``, torch's own test helper): benchmarks keep the GPU busy with it while the
+    host queues the work they time."""
+    torch.cuda._sleep(cycles)
 
 
 _HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")

@@ -78,6 +78,12 @@ reference (0 once it died): what tells a replay output the caller dropped from o
 while graphtree keeps a tensor on it itself."""
 
 
+def tensor_impl(t: torch.Tensor) -> int:
+    """The address of ``t``'s C++ ``TensorImpl`` (``Tensor._cdata``): the native address check of a
+    module's parameters reads a parameter's address through it while the parameter still holds it."""
+    return cast(int, t._cdata)
+
+
 def generator_key(gen: torch.Generator) -> int:
     """What tells two ``torch.Generator`` objects of one C++ generator apart from others (``_cdata``):
     a dispatch mode is handed a new Python object for the generator its caller passed."""

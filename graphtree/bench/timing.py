@@ -108,13 +108,15 @@ def calibrate_spin(cycles: int = 1_000_000) -> float:
     """
     import torch
 
+    from graphtree import _torch
+
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(3):
         start.record()
-        torch.cuda._sleep(cycles)
+        _torch.gpu_spin(cycles)
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
@@ -136,11 +138,13 @@ def gpu_time(fn: Callable[[], Any], spin_cycles: int = 0) -> float:
     """
     import torch
 
+    from graphtree import _torch
+
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     if spin_cycles > 0:
-        torch.cuda._sleep(spin_cycles)
+        _torch.gpu_spin(spin_cycles)
     start.record()
     fn()
     end.record()

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from graphtree import _native
+from graphtree import _native, _torch
 
-_C: Any = torch._C
 log = logging.getLogger("graphtree")
 
 BITS = (
@@ -86,13 +85,8 @@ def _reduction(v: Any) -> int:
     return 0 if v else 1
 
 
-def _flag(name: str) -> Callable[[], Any]:
-    """``torch._C.<name>``, or a getter of False where this torch has no such switch."""
-    return getattr(_C, name, None) or (lambda: False)
-
-
 _FLAGS = tuple(
-    _flag(name)
+    _torch.switch_getter(name)
     for name in (  # BITS 3 to 15, in order
         "_get_deterministic_algorithms",
         "_get_deterministic_fill_uninitialized_memory",
@@ -112,16 +106,16 @@ _FLAGS = tuple(
 
 
 def _python_state(
-    grad: Callable[[], bool] = _C.is_grad_enabled,
+    grad: Callable[[], bool] = torch.is_grad_enabled,
     inference: Callable[[], bool] = torch.is_inference_mode_enabled,
     autocast: Callable[[str], bool] = torch.is_autocast_enabled,
     autocast_dtype: Callable[[str], torch.dtype] = torch.get_autocast_dtype,
     default_dtype: Callable[[], torch.dtype] = torch.get_default_dtype,
     flags: tuple[Callable[[], Any], ...] = _FLAGS,
-    precision: Callable[[], str] = _C._get_float32_matmul_precision,
-    fp16: Callable[[], Any] = _C._get_cublas_allow_fp16_reduced_precision_reduction,
-    bf16: Callable[[], Any] = _C._get_cublas_allow_bf16_reduced_precision_reduction,
-    blas: Callable[[], Any] = _C._get_blas_preferred_backend,
+    precision: Callable[[], str] = _torch.float32_matmul_precision,
+    fp16: Callable[[], Any] = _torch.cublas_fp16_reduction,
+    bf16: Callable[[], Any] = _torch.cublas_bf16_reduction,
+    blas: Callable[[], Any] = _torch.preferred_blas,
 ) -> tuple[int, torch.dtype, torch.dtype | None]:
     """:func:`state` computed in Python (the native helper's twin).
 
