@@ -19,6 +19,9 @@ from graphtree import _native, _torch
 from graphtree.tree import fast_hit as _fast_hit
 from graphtree.tree import inputs as _inputs
 from graphtree.tree import manager as _manager
+from graphtree.tree import object_state as _object_state
+from graphtree.tree import readable as _readable
+from graphtree.tree import state_epoch as _state_epoch
 from graphtree.tree.node import statics_packed
 
 
@@ -96,7 +99,7 @@ def _module_rows(x: torch.Tensor) -> dict:
         ),
         "module: check 100, list(map(data_ptr))": lambda: list(map(_data_ptr, statics)) == ptrs,
         "module: static_tensors()": gc.static_tensors,
-        "module: param_epoch()": _inputs.param_epoch,
+        "module: param_epoch()": _state_epoch.param_epoch,
     }
 
 
@@ -133,7 +136,7 @@ def main() -> None:
         "tensor_on": lambda: _torch.tensor_on(meta, st),
         "weak_ref + free": lambda: _torch.weak_free(_torch.weak_ref(st)),
         "read_call": lambda: _inputs.read_call((x,), {}, None),
-        **({"native signature((x,))": lambda: native.signature((x,), _inputs.PLAIN_TYPES)} if native else {}),
+        **({"native signature((x,))": lambda: native.signature((x,), _readable.PLAIN_TYPES)} if native else {}),
         "is_grad_enabled": torch.is_grad_enabled,
         "tree_for": lambda: _manager.tree_for(0),
         "graphtree copier (cudaMemcpyAsync)": _raw_memcpy(sx, x),
@@ -161,7 +164,7 @@ def main() -> None:
             "key parts (shape, dtype, stride)": lambda: (x.shape, x.dtype, x.stride()),
             "x.get_device() + requires_grad": lambda: (x.get_device(), x.requires_grad),
             "Call(...)": lambda: _inputs.Call((x,), None, (), 0, False, -1, -1, (), 1),
-            "HeldTensors()": _inputs.HeldTensors,
+            "HeldTensors()": _object_state.HeldTensors,
             "flatten((x,), {})": lambda: _inputs.flatten((x,), {}),
             "tensor via set_": lambda: torch.empty(0, device=dev).set_(st, 0, meta["size"], meta["stride"]),
             "layer 1: node.replay": lambda: node.replay((x,), -1),

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import graphtree
-from graphtree.tree.inputs import Bucketing, Unsupported, flatten, read_call, unflatten
+from graphtree.tree.inputs import Bucketing, flatten, read_call, unflatten
 from graphtree.tree.outputs import Constant, FromInput, FromPool, OutputPlan, Repeat, stale_message
+from graphtree.tree.readable import Unsupported
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
 
@@ -320,7 +321,7 @@ def test_a_decorated_method_runs_eagerly_and_correctly_without_cuda():
 
 
 def test_object_arguments_are_keyed_by_type_and_plain_state():
-    from graphtree.tree.inputs import HeldTensors, read_object
+    from graphtree.tree.object_state import HeldTensors, read_object
 
     @dataclasses.dataclass
     class State:
@@ -362,7 +363,7 @@ def test_object_arguments_are_keyed_by_type_and_plain_state():
 def test_slots_named_by_one_string_or_private_are_keyed_too():
     """A lone string is one slot (iterated, it was read letter by letter: its value was never
     keyed), and a private ``__slot`` lives under its mangled name (it was skipped)."""
-    from graphtree.tree.inputs import HeldTensors, read_object
+    from graphtree.tree.object_state import HeldTensors, read_object
 
     class One:
         __slots__ = "step"
@@ -389,7 +390,7 @@ def test_functions_among_the_arguments_are_keyed_by_what_they_run():
     the first's graph."""
     import functools
 
-    from graphtree.tree.inputs import HeldTensors, read_object
+    from graphtree.tree.object_state import HeldTensors, read_object
 
     def key(obj):
         return read_object(obj, HeldTensors())
@@ -429,7 +430,7 @@ def test_functions_among_the_arguments_are_keyed_by_what_they_run():
 def test_plain_values_inside_objects_are_keyed_with_their_type():
     """1, 1.0 and True are equal in Python, but ``x * cfg.scale`` computes in another dtype for
     each: an object whose value changed type must not replay the other's recording."""
-    from graphtree.tree.inputs import HeldTensors, read_object
+    from graphtree.tree.object_state import HeldTensors, read_object
 
     @dataclasses.dataclass
     class Cfg:

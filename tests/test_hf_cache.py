@@ -130,7 +130,7 @@ def test_sliding_window_lengths_are_moved_for_calls_inside_the_window_and_genera
     inside the window every decode step gets the same key (the int at 0, the length read from the
     device), the int is right again after each call, and the tokens equal those of plain calls.
     Past the window's end (window 9: a 5-token prompt and 8 new tokens) the int is left as it is."""
-    from graphtree.tree.inputs import HeldTensors, read_object
+    from graphtree.tree.object_state import HeldTensors, read_object
 
     model = _mistral(window)
     ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))

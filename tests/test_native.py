@@ -16,7 +16,7 @@ import torch
 
 import graphtree
 from graphtree import _native
-from graphtree.tree import inputs
+from graphtree.tree import inputs, object_state, readable
 
 needs_toolchain = pytest.mark.skipif(
     shutil.which("c++") is None or shutil.which("ninja") is None, reason="needs a C++ compiler and ninja"
@@ -158,7 +158,7 @@ def test_ptrs_equal_refuses_bad_input_with_python_errors(native) -> None:
 @needs_toolchain
 def test_signature_matches_read_call_for_plain_values_and_defers_the_rest(native, monkeypatch) -> None:
     args = (3, 2.5, True, "s", None, torch.float16, torch.device("cpu"))
-    got = native.signature(args, inputs.PLAIN_TYPES)
+    got = native.signature(args, readable.PLAIN_TYPES)
     monkeypatch.setattr(_native, "loaded", None)
     want = inputs.read_call(args, {}, None)
     assert got == (want.key, want.device, want.needs_grad)
@@ -167,12 +167,12 @@ def test_signature_matches_read_call_for_plain_values_and_defers_the_rest(native
         pass
 
     # Anything the Python path must see (it names the reason, or reads the object): None.
-    assert native.signature((torch.zeros(2),), inputs.PLAIN_TYPES) is None  # CPU tensor
-    assert native.signature((torch.zeros(2).as_subclass(Sub),), inputs.PLAIN_TYPES) is None
-    assert native.signature((object(),), inputs.PLAIN_TYPES) is None
-    assert native.signature((1, [2]), inputs.PLAIN_TYPES) is None
+    assert native.signature((torch.zeros(2),), readable.PLAIN_TYPES) is None  # CPU tensor
+    assert native.signature((torch.zeros(2).as_subclass(Sub),), readable.PLAIN_TYPES) is None
+    assert native.signature((object(),), readable.PLAIN_TYPES) is None
+    assert native.signature((1, [2]), readable.PLAIN_TYPES) is None
     with pytest.raises(TypeError):
-        native.signature([1], inputs.PLAIN_TYPES)
+        native.signature([1], readable.PLAIN_TYPES)
 
 
 @needs_toolchain
@@ -185,7 +185,7 @@ def test_read_call_gives_the_same_answers_with_and_without_the_helpers(native, m
             try:
                 c = inputs.read_call(args, kwargs, None)
                 out.append((c.key, c.device))
-            except inputs.Unsupported as e:
+            except readable.Unsupported as e:
                 out.append(str(e))
         return out
 
@@ -579,10 +579,10 @@ def test_object_state_reads_objects_as_read_object_does_or_defers(native, monkey
     walked = set()
     for name, obj in _objects().items():
         try:
-            want = inputs.read_object(obj, inputs.HeldTensors())
-        except inputs.Unsupported as e:
+            want = object_state.read_object(obj, object_state.HeldTensors())
+        except readable.Unsupported as e:
             want = e
-        got = native.object_state(obj, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096)
+        got = native.object_state(obj, readable.PLAIN_TYPES, object_state._OPAQUE, 4096)
         if got is None:  # the Python path decides (and names what it cannot read)
             continue
         walked.add(name)
@@ -602,8 +602,8 @@ def test_read_object_gives_the_same_keys_with_and_without_the_helpers(native, mo
         out = []
         for obj in objects.values():
             try:
-                out.append(inputs.read_object(obj, inputs.HeldTensors()))
-            except inputs.Unsupported as e:
+                out.append(object_state.read_object(obj, object_state.HeldTensors()))
+            except readable.Unsupported as e:
                 out.append(str(e))
         return out
 

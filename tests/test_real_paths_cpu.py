@@ -14,7 +14,8 @@ import torch
 import graphtree
 from graphtree import _native, _torch
 from graphtree.tree import ambient, manager
-from graphtree.tree.inputs import Unsupported, read_call, tensor_kind
+from graphtree.tree.inputs import read_call
+from graphtree.tree.readable import Unsupported, tensor_kind
 
 
 def _switches():
@@ -285,9 +286,9 @@ def test_compiled_code_that_builds_modules_compiles_once_with_graphtrees_hooks_i
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from graphtree.tree import inputs
+    from graphtree.tree import state_epoch
 
-    inputs.watch_parameter_changes()
+    state_epoch.watch_parameter_changes()
 
     def f(x: torch.Tensor) -> torch.Tensor:
         layers = torch.nn.ModuleList()
@@ -298,10 +299,10 @@ def test_compiled_code_that_builds_modules_compiles_once_with_graphtrees_hooks_i
     counters.clear()
     g = torch.compile(f, backend="eager")
     x = torch.ones(3)
-    epoch = inputs.param_epoch()
+    epoch = state_epoch.param_epoch()
     for _ in range(4):
         assert torch.equal(g(x), x * 2)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch.nn.ModuleList().append(torch.nn.Identity())  # outside compiled code the epoch still moves
-    assert inputs.param_epoch() > epoch
+    assert state_epoch.param_epoch() > epoch
     torch._dynamo.reset()

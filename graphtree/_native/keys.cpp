@@ -1,7 +1,8 @@
 // The recording key of a call, read in C++ (see DESIGN.md beside this file): `signature` for a call
 // of tensors and plain values, `object_state` for an object argument's tensors and plain state, each
-// the twin of graphtree.tree.inputs' Python reads. Built with fastpath.cpp into one module, whose
-// method table lists them. Only exact torch.Tensor and nn.Parameter objects are read here.
+// the twin of a Python read (graphtree.tree.inputs', graphtree.tree.object_state's). Built with
+// fastpath.cpp into one module, whose method table lists them. Only exact torch.Tensor and
+// nn.Parameter objects are read here.
 
 #include <Python.h>
 
@@ -126,7 +127,7 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // object_state(obj, plain_types, opaque_types, room) -> (parts, tensors, device, needs_grad) | None
 //
-// The key part of an object argument, as graphtree.tree.inputs.read_object builds it for an
+// The key part of an object argument, as graphtree.tree.object_state.read_object builds it for an
 // object that is not a module: (type(obj), tuple(out)), out walked as _read_state walks it. tensors
 // are the CUDA tensors it holds, in order (read in place); device their one device (-2: none);
 // room how many more tensors the call may hold. None where the Python path must decide or name a
@@ -134,7 +135,7 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // that is not plain, a type with __slots__ or its own attribute lookup, a tensor subclass or
 // unusual tensor, several devices, a limit reached. Runs no Python code: borrowed references stay
 // valid for the walk.
-constexpr Py_ssize_t kMaxItems = 20000;  // graphtree.tree.inputs._MAX_ITEMS
+constexpr Py_ssize_t kMaxItems = 20000;  // graphtree.tree.object_state._MAX_ITEMS
 constexpr int kMaxDepth = 6;             // _MAX_DEPTH
 
 struct Walk {

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from graphtree.tree.inputs import PLAIN_TYPES as _PLAIN_TYPES
+from graphtree.tree.readable import PLAIN_TYPES as _PLAIN_TYPES
 
 LIMIT = 8
 """Warm-ups of never-met signatures in a row without a recording before new signatures run plain

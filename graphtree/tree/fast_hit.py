@@ -50,11 +50,13 @@ import torch
 from graphtree import _native, _torch
 from graphtree.tree import inputs as _inputs
 from graphtree.tree import manager as _manager
+from graphtree.tree import state_epoch as _state_epoch
 from graphtree.tree.ambient import state as _ambient
-from graphtree.tree.inputs import PLAIN_TYPES, Call
+from graphtree.tree.inputs import Call
 from graphtree.tree.manager import MAX_PATH_DEPTH, TreeManager
 from graphtree.tree.node import Node
 from graphtree.tree.numbers import number_part
+from graphtree.tree.readable import PLAIN_TYPES
 
 MISS = object()
 """The answer of a call :class:`FastHit` does not decide: the Python path runs it."""
@@ -82,7 +84,7 @@ _FLOAT = number_part(0.0)  # (a float's key part where it is read as a device sc
 # after a new one) and the parameter epoch (parameters registered since).
 _THREADS = _manager.thread_state()
 _HANDLE_CLASS: Any = _torch.hook_handle_class()  # (its next_id)
-_EPOCH_CELL = _inputs.param_epoch_cell()  # (its item 0)
+_EPOCH_CELL = _state_epoch.param_epoch_cell()  # (its item 0)
 _COLLECTED = _manager.collected_ids()  # (a step that ends with more ends in Python: TreeManager.new_step)
 
 

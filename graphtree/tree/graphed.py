@@ -25,21 +25,15 @@ from graphtree.tree.hf_cache import CacheLayouts
 from graphtree.tree.hf_compile import CompiledTwins
 from graphtree.tree.hf_compile import install as install_compiled_twins
 from graphtree.tree.hooks import CallHooks
-from graphtree.tree.inputs import (
-    PLAIN_TYPES,
-    Bucketing,
-    Call,
-    Unsupported,
-    plain_tensor_parts,
-    read_call,
-    watch_parameter_changes,
-)
+from graphtree.tree.inputs import Bucketing, Call, plain_tensor_parts, read_call
 from graphtree.tree.lockstep import LOCKSTEP_TIMEOUT, Lockstep, for_groups, release_before_teardown
 from graphtree.tree.module_training import NOT_HELD, ModuleCalls
 from graphtree.tree.numbers import Numbers
 from graphtree.tree.options import MAX_VALUES, Options
 from graphtree.tree.parts import MIN_PART_OPS, Parts, own_copies
 from graphtree.tree.reach import FreeValues, ModuleArguments, Reach
+from graphtree.tree.readable import PLAIN_TYPES, Unsupported
+from graphtree.tree.state_epoch import watch_parameter_changes
 from graphtree.tree.stats import count_eager
 from graphtree.tree.teardown import drop_all
 from graphtree.tree.training_step import TrainingStep, is_forward

@@ -16,7 +16,7 @@ tensor parallelism's (``parallelize_module``: inputs made DTensors, outputs redi
 
 Cost: two integers read per call. torch numbers every hook handle it makes
 (``RemovableHandle.next_id``) and graphtree counts the registrations of submodules
-(``inputs.param_epoch``); only when one of them moved are the hook tables looked at again. A
+(``state_epoch.param_epoch``); only when one of them moved are the hook tables looked at again. A
 removal only empties a table, so a module found without hooks stays so until a registration;
 one found with hooks is looked at on every call (each such call runs eagerly anyway).
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import param_epoch, param_epoch_cell, watch_parameter_changes
+from graphtree.tree.state_epoch import param_epoch, param_epoch_cell, watch_parameter_changes
 
 _KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 # What every call reads, read where they live (no call into _torch or inputs on the common path):

@@ -32,11 +32,12 @@ import torch
 from graphtree import _native, _torch
 from graphtree.tree.callee import Callee
 from graphtree.tree.grow import Grower
-from graphtree.tree.inputs import Call, param_epoch, param_epoch_cell
+from graphtree.tree.inputs import Call
 from graphtree.tree.launch_order import LaunchOrder
 from graphtree.tree.memory import TreeMemory
 from graphtree.tree.node import Node, signature
 from graphtree.tree.replay_error import explain, is_cuda_error
+from graphtree.tree.state_epoch import param_epoch, param_epoch_cell
 from graphtree.tree.stats import Counters, Stats, log, untreed
 from graphtree.tree.walk import Walk
 

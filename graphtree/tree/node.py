@@ -22,11 +22,11 @@ from graphtree.tree import draws as _draws
 from graphtree.tree import writes as _writes
 from graphtree.tree.adoption import Adoption
 from graphtree.tree.breaks import Segment
-from graphtree.tree.inputs import PLAIN_TYPES
 from graphtree.tree.liveness import OutputLiveness
 from graphtree.tree.numbers import NUMBER
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import InputPlan
+from graphtree.tree.readable import PLAIN_TYPES
 from graphtree.tree.sites import Site
 from graphtree.tree.training_step import set_grads
 

@@ -18,8 +18,9 @@ import torch
 
 from graphtree import _torch
 from graphtree.tree.capture import CaptureFailed
-from graphtree.tree.inputs import PLAIN_TYPES as _PLAIN
-from graphtree.tree.inputs import HeldTensors, Unsupported, read_object
+from graphtree.tree.object_state import HeldTensors, read_object
+from graphtree.tree.readable import PLAIN_TYPES as _PLAIN
+from graphtree.tree.readable import Unsupported
 
 
 def _check_constant(value: Any, in_pool: Callable[[int], bool], fn_name: str) -> None:

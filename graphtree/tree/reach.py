@@ -5,7 +5,7 @@ and closure, which its graphs hold as constants.
 A closure's cell can be rebound between calls (``w = new_w`` in the enclosing function): the graphs
 recorded with the old tensor would read it, or its freed memory, where eager reads the new one.
 :meth:`Reach.follow` reads the cells at each call (a few attribute reads) and, when one holds another
-tensor, says so (``inputs.statics_replaced``): every recording checks the state it reads in place
+tensor, says so (``state_epoch.statics_replaced``): every recording checks the state it reads in place
 before its next replay, and those made with the old tensor no longer fit.
 
 A plain value (a number, a bool, a string, ``None``, a dtype, a device) that the code reads from a
@@ -38,8 +38,8 @@ import torch
 from graphtree import _torch
 from graphtree.tree.code_scan import MISSING, callable_object, content, sources, user_methods
 from graphtree.tree.free_reads import find_reads
-from graphtree.tree.inputs import param_epoch, statics_replaced, watch_parameter_changes
 from graphtree.tree.settings import PLAIN_SET, value_part
+from graphtree.tree.state_epoch import param_epoch, statics_replaced, watch_parameter_changes
 
 
 class Reach:
@@ -67,7 +67,7 @@ class Reach:
 
     def follow(self) -> None:
         """Read the cells again; if one holds another tensor (or none), the state graphs read in
-        place was replaced (``inputs.statics_replaced``)."""
+        place was replaced (``state_epoch.statics_replaced``)."""
         now = _cell_tensors(self.cells)
         if len(now) != len(self.tensors) or any(a is not b for a, b in zip(now, self.tensors)):
             self.tensors = now
@@ -77,7 +77,7 @@ class Reach:
         """The module's parameters and buffers and the closure's tensors: state graphs read in place.
 
         Read again only after a module registered a parameter, buffer or submodule, or a cell was
-        rebound (:func:`~graphtree.tree.inputs.param_epoch`): walking a large module on every call
+        rebound (:func:`~graphtree.tree.state_epoch.param_epoch`): walking a large module on every call
         would cost more than the replay.
         """
         epoch = param_epoch()
@@ -178,7 +178,7 @@ class FreeValues:
         self.kept_hint = ""  # why the models it reaches keep memory on every call, where known (FSDP2's)
         self.active = True  # whether part() may return a part (False once it found nothing to follow)
         self._structure: list[tuple[dict[str, Any], str, torch.nn.Module]] = []  # (parent's _modules, name, child)
-        self._epoch = -1  # the module-registration epoch the structure was read in (inputs.param_epoch)
+        self._epoch = -1  # the module-registration epoch the structure was read in (state_epoch.param_epoch)
         self._changes = 0  # replacements of submodules seen
         self.follows_modules = False  # whether it follows module attributes (after_call has work)
         self.models: tuple[torch.nn.Module, ...] = ()  # the models its code calls by name (read at part())
@@ -306,7 +306,7 @@ class FreeValues:
 class ModuleArguments:
     """The settings of the modules a call is passed (``step(model, batch)``, ``self`` of a graphed
     method of a module), read as a graphed module's are (:class:`FreeValues`): an argument is
-    keyed by its type, identity and mode (``inputs.read_object``), and without this a
+    keyed by its type, identity and mode (``object_state.read_object``), and without this a
     ``model.drop.p = 0.0`` between calls replayed the recorded ``p``. One reader per module,
     dropped with it.
 

@@ -31,13 +31,14 @@ from graphtree.tree.callee import Callee, user_code
 from graphtree.tree.capture import CaptureFailed, OpTracker, SyncWatch, clear_traceback, explain_capture_error
 from graphtree.tree.host_random import HostRandom
 from graphtree.tree.host_scalars import HostScalars, ScalarEscapes, placeholders_of
-from graphtree.tree.inputs import Call, param_epoch
+from graphtree.tree.inputs import Call
 from graphtree.tree.lockstep import UnagreedCollective, Vote, watch_collectives
 from graphtree.tree.node import External, Node, OutputRef, Root, next_node_id
 from graphtree.tree.numbers import Numbers
 from graphtree.tree.outputs import OutputPlan
 from graphtree.tree.placement import copied_inputs, place_inputs, state_watch
 from graphtree.tree.pool import Pool
+from graphtree.tree.state_epoch import param_epoch
 
 # Warm-ups and captures run one at a time across threads: they clear cuBLAS's workspaces, which
 # are shared by all threads, and a capture must not see another thread's workspace vanish.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import tensor_kind
+from graphtree.tree.readable import tensor_kind
 
 COMPILED_IN_CAPTURE = (
     "torch.compile traced code of `{name}` during its recording (a compiled part's guards failed, or it "

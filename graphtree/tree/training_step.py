@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from graphtree import _torch
-from graphtree.tree.inputs import param_epoch, watch_parameter_changes
+from graphtree.tree.state_epoch import param_epoch, watch_parameter_changes
 
 NOT_CAPTURABLE = (
     "`{name}` steps {opt} with capturable=False: it keeps its step count on the host, and a graph "
@@ -106,7 +106,7 @@ class TrainingStep:
 
     def _unique(self, mods: list[torch.nn.Module], opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
         """The parameters, each once; walked again only when a module registered one (the
-        epoch of :func:`~graphtree.tree.inputs.param_epoch`) or an optimizer's groups changed:
+        epoch of :func:`~graphtree.tree.state_epoch.param_epoch`) or an optimizer's groups changed:
         walking a ResNet's modules on every call cost more than its replay's other checks."""
         own = mods is self.modules and opts is self.optimizers  # (no module or optimizer among the arguments)
         stamp = (param_epoch(), tuple(id(g["params"]) for o in opts for g in o.param_groups)) if own else None

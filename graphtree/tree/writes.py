@@ -5,7 +5,7 @@ changes plain values (ints, floats, bools, strings, ...) inside an object it was
 that counts its length in a Python int (transformers' ``StaticSlidingWindowLayer.cumulative_length_int``),
 a step counter on ``self`` — a bare replay would leave them as they were, and the next call
 would read stale values: silently wrong. Those values are part of the call's key (see
-``inputs.read_object``), so a replay only ever happens from the same values the recording
+``object_state.read_object``), so a replay only ever happens from the same values the recording
 started from, and the recording's values after the call are the right ones to write: the
 recorder notes them (:func:`changes`), the node writes them on each replay (:func:`apply`).
 
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from graphtree.tree.inputs import PLAIN_TYPES, object_attributes
+from graphtree.tree.object_state import object_attributes
+from graphtree.tree.readable import PLAIN_TYPES
 
 __all__ = ["Unrepeatable", "apply", "changes", "module_changes", "module_values", "restore", "values"]
 

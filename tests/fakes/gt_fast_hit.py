@@ -25,9 +25,9 @@ import graphtree
 from graphtree._torch import meta_of, weak_ref
 from graphtree.tree import fast_hit
 from graphtree.tree import node as node_mod
-from graphtree.tree.inputs import param_epoch
 from graphtree.tree.outputs import FromPool, Group, OutputPlan
 from graphtree.tree.placement import InputPlan
+from graphtree.tree.state_epoch import param_epoch
 
 if TYPE_CHECKING:
     import pytest

@@ -6,7 +6,7 @@ import torch
 
 import graphtree
 from graphtree import _native, _torch
-from graphtree.tree import inputs
+from graphtree.tree import inputs, object_state, readable
 from graphtree.tree.outputs import SingleOutput
 
 DEV = "cuda"
@@ -38,13 +38,13 @@ def test_signature_of_cuda_tensors_equals_the_python_paths(native, monkeypatch):
         (torch.empty(0, 3, device=DEV), True, 2.5),
     ]
     for args in cases:
-        sig = native.signature(args, inputs.PLAIN_TYPES)
+        sig = native.signature(args, readable.PLAIN_TYPES)
         want = _python_call(monkeypatch, args)
         assert sig == (want.key, want.device, want.needs_grad), args
         assert hash(sig[0]) == hash(want.key)
     # A CPU tensor beside a CUDA one: the Python path names the reason.
-    assert native.signature((base, torch.zeros(1)), inputs.PLAIN_TYPES) is None
-    with pytest.raises(inputs.Unsupported, match="mixed-device"):
+    assert native.signature((base, torch.zeros(1)), readable.PLAIN_TYPES) is None
+    with pytest.raises(readable.Unsupported, match="mixed-device"):
         inputs.read_call((base, torch.zeros(1)), {}, None)
 
 
@@ -221,12 +221,12 @@ def test_object_arguments_holding_cuda_tensors_read_as_on_the_python_path(native
     ]
     x = torch.ones(2, device=DEV)  # one argument for both paths: the leaves are compared by identity
     for obj in objects:
-        got = native.object_state(obj, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096)
+        got = native.object_state(obj, readable.PLAIN_TYPES, object_state._OPAQUE, 4096)
         assert got is not None, vars(obj)
         with monkeypatch.context() as m:
             m.setattr(_native, "loaded", None)
-            held = inputs.HeldTensors()
-            want = inputs.read_object(obj, held)
+            held = object_state.HeldTensors()
+            want = object_state.read_object(obj, held)
             python_call = inputs.read_call((x,), {"state": obj}, None)
         key, tensors, device, needs_grad = got
         assert key == want and hash(key) == hash(want)
@@ -237,7 +237,7 @@ def test_object_arguments_holding_cuda_tensors_read_as_on_the_python_path(native
         assert [id(t) for t in native_call.leaves] == [id(t) for t in python_call.leaves]
     if torch.cuda.device_count() > 1:  # several devices: the Python path names it
         mixed = _State(a=torch.zeros(1, device=DEV), b=torch.zeros(1, device="cuda:1"))
-        assert native.object_state(mixed, inputs.PLAIN_TYPES, inputs._OPAQUE, 4096) is None
+        assert native.object_state(mixed, readable.PLAIN_TYPES, object_state._OPAQUE, 4096) is None
 
 
 def test_a_single_output_built_and_invalidated_in_cpp_is_what_torchs_bindings_make(native):

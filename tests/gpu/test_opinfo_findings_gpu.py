@@ -10,7 +10,7 @@ import torch
 
 import graphtree
 from graphtree import _native
-from graphtree.tree import inputs
+from graphtree.tree import readable
 
 DEV = "cuda"
 
@@ -180,4 +180,4 @@ def test_a_conjugate_view_input_replays_with_its_values_conjugated(name):
     assert s.replays >= 2 and not s.eager, s
     native = _native.wait(600)
     if native is not None:  # the C++ key reader leaves a lazy view to the Python path, which keys its bits
-        assert native.signature(tuple(args), inputs.PLAIN_TYPES) is None
+        assert native.signature(tuple(args), readable.PLAIN_TYPES) is None
