@@ -105,10 +105,11 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // addresses_unchanged(tensors: list, expected: bytes) -> bool: tensors[i].data_ptr() equals the
 // address packed for it in expected, for every i: native-endian uint64 pairs (the tensor's
-// TensorImpl, as Tensor._cdata gives it, then its address). The check of a module's parameters and buffers on every replay: packed once, at the
-// recording, so a call converts no Python ints. Where a tensor still holds the TensorImpl packed
-// with it, its address is read through the packed pointer (packed_address), so that its loads do
-// not wait on the Python object's; any other tensor is read through its Python object. (Prefetching
+// TensorImpl, as Tensor._cdata gives it, then its address). The check of a module's parameters
+// and buffers on every replay: packed once, at the recording, so a call converts no Python ints.
+// Where a tensor still holds the TensorImpl packed with it, its address is read through the packed
+// pointer (packed_address), so that its loads do not wait on the Python object's; any other tensor
+// is read through its Python object. (Prefetching
 // the next tensors' lines, tried in the twenty-eighth session, was compiled away: GCC found the
 // helper free of side effects and dropped its calls; DESIGN.md.)
 

@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree.tree.code_scan import MISSING, content, user_class, user_module
+from graphtree.tree.readable import PLAIN_SET
 from graphtree.tree.settings import (
     FUNCTIONS,
-    PLAIN_SET,
     class_level_reads,
     held_settings,
     keyable,
@@ -40,7 +40,7 @@ from graphtree.tree.settings import (
 Read = tuple[Any, str, str]
 """A value read by name: ``(namespace, name, label)``, read as ``namespace.get(name, MISSING)``."""
 
-CONTAINERS = (list, dict, set, collections.deque)
+_CONTAINERS = (list, dict, set, collections.deque)
 """The containers a call may change in place: watched in warm-ups (``reach.Containers``), not keyed."""
 
 
@@ -88,7 +88,7 @@ def find_reads(owner: Any, sources: Iterable[tuple[Any, Any, Any, Any]]) -> Foun
     containers: list[tuple[str, Any]] = []
     seen: set[tuple[int, str]] = set()
     for env, names, cells, strings in sources:
-        spaces: list[tuple[Any, str]] = [(env, n) for n in sorted(names)] + [(Cell(c), n) for c, n in cells]
+        spaces: list[tuple[Any, str]] = [(env, n) for n in sorted(names)] + [(_Cell(c), n) for c, n in cells]
         for space, n in spaces:
             key = (id(env), n) if isinstance(space, dict) else (id(space.cell), n)
             if key in seen:
@@ -99,13 +99,13 @@ def find_reads(owner: Any, sources: Iterable[tuple[Any, Any, Any, Any]]) -> Foun
                 reads.append((space, n, n))  # (`x * SCALE`; an Enum, a numpy scalar, a tuple `SIZE = (2, 2)`)
             elif isinstance(v, torch.Tensor) and isinstance(space, dict):
                 reads.append((space, n, n))  # (`x @ W`: rebound, by identity; a closure's: Reach.follow)
-            elif isinstance(v, CONTAINERS):
+            elif isinstance(v, _CONTAINERS):
                 containers.append((n, v))
                 if isinstance(v, dict):  # `CONFIG["temperature"]`: the plain values of the keys the code names
                     reads.extend((v, k, f"{n}[{k!r}]") for k in sorted(strings) if type(v.get(k)) in PLAIN_SET)
             elif isinstance(v, types.ModuleType) and user_module(v):  # `mycfg.SCALE`: a config module
                 reads.extend(plain_reads(vars(v), f"{n}.", frozenset(names), frozenset(), set()))
-            elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, CONTAINERS):
+            elif isinstance(v, types.BuiltinMethodType) and isinstance(v.__self__, _CONTAINERS):
                 containers.append((n, v.__self__))  # (`log = LOSSES.append`: the list it grows)
             elif isinstance(v, torch.nn.Module) and v is not owner:  # a model the code calls: its mode too
                 anchors.append(len(reads))
@@ -138,7 +138,7 @@ def find_reads(owner: Any, sources: Iterable[tuple[Any, Any, Any, Any]]) -> Foun
     return FoundReads(reads, own, anchors, containers, models, structure)
 
 
-class Cell:
+class _Cell:
     """A closure cell read as a namespace of one name (``get`` as ``dict.get``)."""
 
     __slots__ = ("cell",)

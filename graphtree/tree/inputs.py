@@ -25,7 +25,6 @@ from graphtree.tree.object_state import HeldTensors, read_object
 from graphtree.tree.readable import PLAIN_TYPES, Unsupported, tensor_kind
 
 _PLAIN = PLAIN_TYPES
-_PLAIN_SET = frozenset(PLAIN_TYPES)  # (a set lookup: the hot loops' membership test)
 _Tensor = torch.Tensor
 _strided = torch.strided
 

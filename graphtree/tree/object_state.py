@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 import torch
 
 from graphtree import _native
-from graphtree.tree.readable import PLAIN_TYPES, Unsupported, tensor_kind
+from graphtree.tree.readable import PLAIN_SET, PLAIN_TYPES, Unsupported, tensor_kind
 from graphtree.tree.state_epoch import param_epoch_cell, watch_parameter_changes
 
-_PLAIN_SET = frozenset(PLAIN_TYPES)  # (a set lookup: the walk's membership test)
 _Tensor = torch.Tensor
 _epoch = param_epoch_cell()
 
@@ -154,7 +153,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     if isinstance(x, _Tensor):
         _read_tensor(x, out, held, top)
         return
-    if type(x) in _PLAIN_SET:
+    if type(x) in PLAIN_SET:
         out.append((type(x), x))
         return
     if id(x) in seen:  # a cycle (obj.parent.child is obj): noted once, not walked again
@@ -171,7 +170,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
     elif isinstance(x, dict):
         out.append((dict, len(x)))
         for k in x:
-            if type(k) not in _PLAIN_SET:
+            if type(k) not in PLAIN_SET:
                 raise _unreadable(top, f"a dict in it has a key of type {type(k).__name__}")
         children, labeled = x.items(), True
     elif isinstance(x, torch.nn.Module):
@@ -197,7 +196,7 @@ def _read_state(x: Any, out: list[Any], held: HeldTensors, depth: int, top: type
             out.append(label)
         else:
             v = child
-        if type(v) in _PLAIN_SET:
+        if type(v) in PLAIN_SET:
             out.append((type(v), v))
         elif type(v) is _Tensor:
             _read_tensor(v, out, held, top)

@@ -38,7 +38,8 @@ import torch
 from graphtree import _torch
 from graphtree.tree.code_scan import MISSING, callable_object, content, sources, user_methods
 from graphtree.tree.free_reads import find_reads
-from graphtree.tree.settings import PLAIN_SET, value_part
+from graphtree.tree.readable import PLAIN_SET
+from graphtree.tree.settings import value_part
 from graphtree.tree.state_epoch import param_epoch, statics_replaced, watch_parameter_changes
 
 

@@ -14,6 +14,8 @@ import torch
 
 PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 """Types of arguments keyed by value (a recording per value)."""
+PLAIN_SET = frozenset(PLAIN_TYPES)
+"""The same, for a membership test by exact type (``type(x) in PLAIN_SET``: the hot loops')."""
 
 _strided = torch.strided
 _Tensor = torch.Tensor

@@ -25,9 +25,7 @@ from typing import Any
 import torch
 
 from graphtree.tree.code_scan import class_reads, probed_names, user_class
-from graphtree.tree.readable import PLAIN_TYPES
-
-PLAIN_SET = frozenset(PLAIN_TYPES)
+from graphtree.tree.readable import PLAIN_SET
 
 
 def user_object(v: Any) -> bool:
