@@ -209,34 +209,35 @@ as ``aten._local_scalar_dense``, not Python APIs: never counted.)"""
 def _private_uses(root: Path) -> list[str]:
     """Each place outside ``_torch/`` that reads a private name of torch's: an attribute chain from
     ``torch`` with a name that starts with one underscore (``torch._C.f``, ``torch.cuda._sleep``), a
-    tensor's ``_cdata``, a private module imported (``from torch._C import ...``)."""
-    found = []
+    tensor's ``_cdata``, a private module imported (``from torch._C import ...``), by file and line."""
+    found: list[tuple[str, int, str]] = []
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).parts[0] == "_torch":
             continue
         tree = ast.parse(path.read_text())
         inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # (part of a longer chain)
         for node in ast.walk(tree):
-            name = ""
+            names: list[str] = []
             if isinstance(node, ast.Attribute) and node.attr == "_cdata":
-                name = "._cdata"
+                names = ["._cdata"]
             elif isinstance(node, ast.Attribute) and id(node) not in inner:
                 chain, v = [node.attr], node.value
                 while isinstance(v, ast.Attribute):
                     chain.append(v.attr)
                     v = v.value
                 if isinstance(v, ast.Name) and v.id == "torch":
-                    name = ".".join(["torch", *reversed(chain)])
+                    names = [".".join(["torch", *reversed(chain)])]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                name = node.module
+                names = [node.module]
             elif isinstance(node, ast.Import):
-                name = next((a.name for a in node.names if a.name.startswith("torch.")), "")
-            parts = name.split(".")
-            underscored = any(p[:1] == "_" and p[:2] != "__" for p in parts[1:])
-            private = name == "._cdata" or (parts[0] == "torch" and parts[1:2] != ["ops"] and underscored)
-            if private and name not in PUBLIC_UNDERSCORED:
-                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {name}")
-    return found
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                underscored = any(p[:1] == "_" and p[:2] != "__" for p in parts[1:])
+                private = name == "._cdata" or (parts[0] == "torch" and parts[1:2] != ["ops"] and underscored)
+                if private and name not in PUBLIC_UNDERSCORED:
+                    found.append((str(path.relative_to(root.parent)), node.lineno, name))
+    return [f"{path}:{line}: {name}" for path, line, name in sorted(found)]
 
 
 def test_only_the_torch_package_touches_torchs_private_apis():
@@ -249,11 +250,12 @@ def test_the_private_api_check_sees_each_kind_of_use(tmp_path):
     (tmp_path / "graphtree" / "user.py").write_text(
         "import torch\nfrom torch._C import _cuda_getDevice\n"
         "a = torch._C.is_grad_enabled\nb = x._cdata\nc = torch.cuda._sleep\nd = torch._dynamo.mark_dynamic\n"
-        "e = torch.is_grad_enabled\nf = torch.ops.aten._local_scalar_dense.default\n"
+        "e = torch.is_grad_enabled\nf = torch.ops.aten._local_scalar_dense.default\nimport torch.nn, torch._C\n"
     )
     assert _private_uses(tmp_path / "graphtree") == [
         "graphtree/user.py:2: torch._C",
         "graphtree/user.py:3: torch._C.is_grad_enabled",
         "graphtree/user.py:4: ._cdata",
         "graphtree/user.py:5: torch.cuda._sleep",
+        "graphtree/user.py:9: torch._C",
     ]
