@@ -187,10 +187,13 @@ sys.stdin.readline()
 
 
 def test_memory_lives_while_a_consumer_holds_it_and_is_freed_when_the_last_holder_lets_go():
+    # Free memory is the device's, not this process's: another process on the GPU (the other
+    # one-process suite, run beside this one) moves it too. So it is read twice only, around the
+    # last holder letting go, a second apart, not across the producer's start (seconds of import):
+    # that the release frees the 1 GiB shows both that it lived on after the producer was killed and
+    # that letting go frees it.
     gib = 1 << 30
     name = f"mem-{uuid.uuid4().hex[:8]}"
-    torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info()[0]
     proc = _start(HOLDER, name)
     shared = share.attach(name)
     again = share.attach(name)  # the same import, taken twice: freed only when both let go
@@ -199,23 +202,19 @@ def test_memory_lives_while_a_consumer_holds_it_and_is_freed_when_the_last_holde
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     time.sleep(1.0)
-    free_held = torch.cuda.mem_get_info()[0]
     assert float(big[-1]) == 3.0, "readable after the producer was killed"
     del big, shared
     gc.collect()
     torch.cuda.synchronize()
     assert float(again["big"][0]) == 3.0, "still held by the second attach"
+    free_held = torch.cuda.mem_get_info()[0]
     del again
     gc.collect()
     torch.cuda.synchronize()
     time.sleep(1.0)
     free_after = torch.cuda.mem_get_info()[0]
-    print(
-        f"free device memory: {free_before / gib:.2f} GiB before, {free_held / gib:.2f} held by this consumer "
-        f"alone after the producer's SIGKILL, {free_after / gib:.2f} after it let go"
-    )
-    assert free_before - free_held > 0.9 * gib, "the consumer keeps the 1 GiB alive"
-    assert free_after - free_held > 0.9 * gib, "letting go frees it"
+    print(f"free device memory: {free_held / gib:.2f} GiB held after the SIGKILL, {free_after / gib:.2f} after")
+    assert free_after - free_held > 0.9 * gib, "the consumer kept the 1 GiB alive until the last holder let go"
 
 
 def test_channel_bad_input_gets_clear_errors():
