@@ -6,13 +6,13 @@ A replay hit (``graphtree/_native/fast_replay.cpp``, ``fast_call``) builds the c
 pairs), packs it with the device and the thread's tree into a key, and looks that key up in the
 callable's dict of hits: some six allocations, a deep hash and, on a hit, a deep compare with the
 stored key. A call that repeats the last hit's signature could instead be read against that hit's
-parts in place, allocating nothing. This probe builds (``torch.utils.cpp_extension.load``, ~1 min)
+parts in place, allocating nothing. This probe builds (``torch.utils.cpp_extension.load_inline``, ~1 min)
 the helpers' own ``signature``, taken from ``keys.cpp`` with its CUDA-device check relaxed so that
 CPU tensors stand in, a ``key_lookup`` that does what ``fast_call`` does with it, and ``same``,
 the in-place compare, and prints ns per call of each above an empty call of the same arguments.
 It needs no GPU: the work measured is the host's. Run::
 
-    python benchmarks/probes/signature_in_place.py [--json out.json]
+    PYTHONPATH=. python benchmarks/probes/signature_in_place.py [--json out.json]
 
 Not measured: what keeping the last hit valid would cost (a pointer and a flag the hits' owner
 clears when it drops one), and floats keyed as device scalars (``floats_keyed``), which an
@@ -26,11 +26,12 @@ import functools
 import json
 import pathlib
 import platform
-import tempfile
 import timeit
 
 import torch
-from torch.utils.cpp_extension import load
+from torch.utils.cpp_extension import load_inline
+
+from graphtree.tree.readable import PLAIN_TYPES
 
 _KEYS = pathlib.Path(__file__).resolve().parents[2] / "graphtree" / "_native" / "keys.cpp"
 _CUDA_ONLY = "if (d < 0 || (device != -2 && d != device))"
@@ -116,8 +117,7 @@ def _source() -> str:
         _CUDA_ONLY,
         "d = 0;  // (the probe's CPU tensors stand in for one device's)\n      if (device != -2 && d != device)",
     )
-    head = [
-        "#include <torch/extension.h>",
+    head = [  # (load_inline puts torch/extension.h first)
         "#include <torch/csrc/DynamicTypes.h>",
         "#include <torch/csrc/autograd/python_variable.h>",
         "#include <c10/util/SmallVector.h>",
@@ -133,10 +133,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="repeats; the fastest is kept (default 5)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
-    build = pathlib.Path(tempfile.mkdtemp(prefix="signature_in_place-"))
-    (build / "probe.cpp").write_text(_source())
-    m = load("signature_in_place", [str(build / "probe.cpp")], build_directory=str(build), extra_cflags=["-O2"])
-    plain = (int, float, bool, type(None), str)
+    m = load_inline("signature_in_place", cpp_sources=_source(), extra_cflags=["-O2", "-DNDEBUG"])  # (as the helpers)
+    plain = PLAIN_TYPES  # (the tuple graphtree passes the helpers' signature)
     tree_id = id(object())
     cases = {
         "one tensor": (torch.zeros(4, 8),),
