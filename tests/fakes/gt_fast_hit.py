@@ -114,7 +114,9 @@ def plant_recording(
     captured, launching ``launch``: one input copied into a placeholder, one output from the pool.
     Returns its node."""
     parent = tree.walk.root if parent is None else parent
-    out = torch.empty_like(x)
+    # The recording's output in "the pool": its graph holds it, as a real graph's pool holds its
+    # memory, and it holds defined values (a replay reads them through its address).
+    out = torch.empty_like(x).copy_(torch.arange(x.numel()).reshape(x.shape))
     storage = out.untyped_storage()
     inputs = InputPlan(
         inplace_idx=[], inplace_ptrs=[0], copy_idx=[0], placeholders=[torch.empty_like(x)],
@@ -124,7 +126,7 @@ def plant_recording(
     plan = OutputPlan(None, [FromPool(0, meta_of(out))], groups, [], 0, -1)
     node = node_mod.Node(
         id="n", parent=parent, key=(gc.id, key), name=gc.name, depth=getattr(parent, "depth", -1) + 1,
-        graph=types.SimpleNamespace(replay=int), inputs=inputs, outputs=plan, refs=[weak_ref(storage)],
+        graph=types.SimpleNamespace(replay=int, pool=out), inputs=inputs, outputs=plan, refs=[weak_ref(storage)],
         checkpoint=None, alive_at_checkpoint=[], dead_before=[], statics=gc.static_tensors(), epoch=param_epoch(),
         capture_seconds=0.0, input_refs=[], externals=[],
     )  # fmt: skip
