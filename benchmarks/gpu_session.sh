@@ -3,7 +3,7 @@
 # named as arguments (at least one: `setup` runs the set-up alone; `suite own` the whole GPU suite),
 # each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [all_bg] [all_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [stop_bg] [pack]
+#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [all_bg] [all_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [rest47] [param_check] [stop_bg] [pack]
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -389,6 +389,21 @@ PY
       ;;
     call_walk)  # issue 47, item 4: the graphtree modules a replayed call stops in, and how often it returns to one it left
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/call_walk.py 2>&1 | tee "$OUT/call_walk.txt" | tail -8
+      ;;
+    rest47)  # what issue 47 still needs (docs/gpu-notes.md, "For the next device session"), by the card
+             # that came: on an H200 its per_call rows (before and after, $ROUNDS times) and the share file;
+             # on an H100 the share file and the OpInfo sweep. Each stage under its own limit, ~500 s in all
+      if grep -q H200 "$OUT/device.txt"; then
+        ROUNDS=${ROUNDS:-2} timeout -s INT 330 bash "$0" per_call
+        FILES=tests/gpu/test_share_channel_gpu.py timeout -s INT 150 bash "$0" files
+      else
+        FILES=tests/gpu/test_share_channel_gpu.py timeout -s INT 180 bash "$0" files
+        CONFORM_WORKERS=${CONFORM_WORKERS:-12} CONFORM_BUDGET=${CONFORM_BUDGET:-200} CONFORM_TIMEOUT=${CONFORM_TIMEOUT:-270} \
+          timeout -s INT 300 bash "$0" sweep
+      fi
+      ;;
+    param_check)  # issue 47's question of the address check: cache lines or not, and a prefetch pass (~2 min)
+      timeout 240 python3 benchmarks/probes/param_check_cache.py --variants --json "$OUT/param_check.json" 2>&1 | tee "$OUT/param_check.txt" | tail -20
       ;;
     per_call)  # before (.before/) and after, alternated $ROUNDS times (default 2): eager moved 4 us between
                # two processes of the same code on the H100 (nineteenth session), so one of each tells little
