@@ -76,8 +76,9 @@ per_call_in() {
     timeout 150 python3 ../benchmarks/per_call.py --json "$OUT/per_call_$2_$3.json" 2>&1 | sed -n 3,18p)
 }
 
-stages=$*
-for stage in $stages; do
+# One stage, as a function: a stage may run others (rest47) without the set-up above again.
+run_stage() {
+  local stage=$1
   case $stage in
     setup)  # the set-up above alone (wheels, device, native helpers built)
       ;;
@@ -392,14 +393,14 @@ PY
       ;;
     rest47)  # what issue 47 still needs (docs/gpu-notes.md, "For the next device session"), by the card
              # that came: on an H200 its per_call rows (before and after, $ROUNDS times) and the share file;
-             # on an H100 the share file and the OpInfo sweep. Each stage under its own limit, ~500 s in all
+             # on an H100 the share file and the OpInfo sweep. ~350 s in all, each under its stage's limits
       if grep -q H200 "$OUT/device.txt"; then
-        ROUNDS=${ROUNDS:-2} timeout -s INT 330 bash "$0" per_call
-        FILES=tests/gpu/test_share_channel_gpu.py timeout -s INT 150 bash "$0" files
+        run_stage per_call
+        FILES=tests/gpu/test_share_channel_gpu.py run_stage files
       else
-        FILES=tests/gpu/test_share_channel_gpu.py timeout -s INT 180 bash "$0" files
+        FILES=tests/gpu/test_share_channel_gpu.py run_stage files
         CONFORM_WORKERS=${CONFORM_WORKERS:-12} CONFORM_BUDGET=${CONFORM_BUDGET:-200} CONFORM_TIMEOUT=${CONFORM_TIMEOUT:-270} \
-          timeout -s INT 300 bash "$0" sweep
+          run_stage sweep
       fi
       ;;
     param_check)  # issue 47's question of the address check: cache lines or not, and a prefetch pass (~2 min)
@@ -416,4 +417,6 @@ PY
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/per_call.py --summary "$OUT"/per_call_*_*.json
       ;;
   esac
-done
+}
+
+for stage in "$@"; do run_stage "$stage"; done
