@@ -27,7 +27,7 @@ from gt_fast_hit import (
 )
 
 import graphtree
-from graphtree import _native
+from graphtree import _native, _torch
 from graphtree.tree import ambient, fast_hit, graphed_module, liveness, placement, reach
 from graphtree.tree import graphed as graphed_mod
 from graphtree.tree import manager as manager_mod
@@ -59,7 +59,8 @@ def stand_ins(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ambient, "_checked", fake)
     monkeypatch.setattr(graphed_mod, "_cuda_ok", True)
     monkeypatch.setattr(placement, "_current_stream", abs)
-    monkeypatch.setattr(liveness, "_storage_at", lambda ptr, dev, n: torch.UntypedStorage(n))
+    # (a storage on the recording's memory, as on a GPU: the CPU's, where plant_recording's graph holds it)
+    monkeypatch.setattr(liveness, "_storage_at", lambda ptr, dev, n: _torch.storage_at(ptr, torch.device("cpu"), n))
     monkeypatch.setattr(liveness, "_tensor_on", lambda m, s: torch.empty(0).set_(s, 0, m["size"], m["stride"]))
     before = set(manager_mod.managers())
     _fresh()
@@ -827,13 +828,14 @@ def test_a_graphed_modules_class_calls_its_entry_in_c_and_keeps_its_python_call(
     net = torch.nn.Linear(8, 8)
     gm = graphtree.graphed(net)
     with torch.no_grad():
-        _record(gm._graphtree_call, x)
+        _, node, _ = _record(gm._graphtree_call, x)
         # (blocks of NaN where freed memory was: a replay that read freed memory compared unequal)
         _nan_blocks = [torch.full((8, 8), float("nan")) for _ in range(64)]
         for _ in range(3):
             gm(x)
         out, seen = _python_calls(gm, x)
         out = out.clone()  # (the replay's output dropped before the next: none held)
+        assert torch.equal(out, node.graph.pool), "the replay's output is the recording's memory"
         assert torch.equal(out, graphed_module.GraphedModule.__call__(gm, x)), "the same replay"
         assert not [s for s in seen if s[0] in ("graphed_module.py", "graphed.py", "fast_hit.py")], seen
         assert type(graphed_module.GraphedModule.__dict__["__call__"]).__name__ == "function"
