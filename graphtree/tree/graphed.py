@@ -596,13 +596,16 @@ def graphed(
 
     Constraints: a graph reads tensors it was not given (globals, closures, attributes that are
     not parameters or buffers) at the address they had when it was recorded. graphtree finds
-    them while recording and records again when one is freed or moves, or when a closure cell is
-    rebound to a new tensor; but rebinding a global or an attribute to a *new* tensor while the
-    old one stays alive cannot be seen: the replay keeps reading the old one. Update such
-    tensors in place (``W.copy_(new)``), mark them with :func:`mark_static` and pass them as
-    arguments, or keep them in a module. Under autograd (grad mode on and an input or parameter
-    requiring grad) the call runs eagerly, unless the function turns grad off itself
-    (``@torch.no_grad()``, ``@torch.inference_mode()``).
+    them while recording and records again when one is freed or moves; such a tensor is keyed by
+    its identity, so rebinding it to a new tensor while the old one stays alive (``W = W * 2``)
+    makes the next call a new signature, recorded anew: update it in place (``W.copy_(new)``), or
+    pass it as an argument, to keep one recording. Under autograd (grad mode on and an input or
+    parameter requiring grad) a graphed module, or a function that reaches no module, records its
+    forward and its backward (:mod:`graphtree.tree.module_training`, which lists what runs
+    eagerly); a whole training step (forward, ``backward()``, optimizer step, returning
+    ``loss.detach()``) is recorded whole; another function runs eagerly, with the reason. A
+    function that turns grad off itself (``@torch.no_grad()``, ``@torch.inference_mode()``) is
+    recorded as any other call.
 
     A graphed callable or module can be copied (``copy.deepcopy``, pickle, ``torch.save``): the
     copy is graphed anew with the same options, over a copy of the module, and records its own.
