@@ -1,8 +1,9 @@
 """``graphtree bench``: graphtree against eager, hand-written CUDA graphs and torch.compile.
 
-One process, one GPU, under 8 minutes: eight scenarios (per-call overhead, decode, memory,
-capture time, branching, generate, share, breaks), each running every contender interleaved, with warm-up and medians
-over repeats, and checking every contender's output against eager's. Writes ``bench.json``
+One process, one GPU, under 8 minutes: nine scenarios (per-call overhead, decode, memory,
+capture time, branching, generate, share, breaks, train), each running every contender
+interleaved, with warm-up and medians over repeats, and checking every contender's output against
+eager's. Writes ``bench.json``
 (schema in ``benchmarks/README.md``), ``table.txt`` and ``bench.png`` into a results folder and
 prints the table. A contender that fails is reported with its error and the run goes on.
 
@@ -10,7 +11,7 @@ Options:
 
 - ``--out DIR`` -- results folder (default ``results/bench-<date>-<gpu>``; printed).
 - ``--quick`` -- small sizes and few repeats: a smoke run of about a minute or two.
-- ``--scenarios overhead,decode,memory,capture,branching,generate,share,breaks`` -- run only these.
+- ``--scenarios overhead,decode,memory,capture,branching,generate,share,breaks,train`` -- run only these.
   ``ddp`` and ``tp`` (a data-parallel training step, a tensor-parallel decode) run on every GPU,
   alone and under torchrun: ``torchrun --nproc-per-node 4 -m graphtree bench --scenarios ddp,tp``;
   rank 0 writes the results.
