@@ -3,7 +3,13 @@
 # named as arguments (at least one: `setup` runs the set-up alone; `suite own` the whole GPU suite),
 # each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [collectives] [parts] [training] [train_bench] [bench_train] [churn] [next] [new] [suite] [suite_breaks_on] [own] [files] [per_call] [decode_loop] [call_walk] [breakdown] [suites_bg] [suites_wait] [all_bg] [all_wait] [sweep] [fast_hit] [startup] [first] [readme] [probes] [measure] [generate] [matrix] [bench_breaks] [some] [rest47] [param_check] [stop_bg] [pack]
+#   bash benchmarks/gpu_session.sh STAGE...   (any of: setup, startup, readme, first,
+#     probes, measure, generate, matrix, next, collectives, training, train_bench, bench_train,
+#     churn, ddp, bench_ranks, tp_dtensor, floats, sampler, churn_overhead, churn_inside, copy_in,
+#     parts, bench_breaks, new15, new16, new17, new18, sdpa, hf_sources, torch_capture, some, new,
+#     headers, new_before, before45, suite, suite_breaks_on, suite_bg, all_bg, suites_bg,
+#     suites_wait, all_wait, suite_wait, stop_bg, pack, own, files, conform, random_replay,
+#     fast_hit, sweep, decode_loop, breakdown, call_walk, rest47, param_check, per_call)
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
