@@ -3,13 +3,8 @@
 # named as arguments (at least one: `setup` runs the set-up alone; `suite own` the whole GPU suite),
 # each under its own time limit, logs and JSON under $OUT.
 #
-#   bash benchmarks/gpu_session.sh STAGE...   (any of: setup, startup, readme, first,
-#     probes, measure, generate, matrix, next, collectives, training, train_bench, bench_train,
-#     churn, ddp, bench_ranks, tp_dtensor, floats, sampler, churn_overhead, churn_inside, copy_in,
-#     parts, bench_breaks, new15, new16, new17, new18, sdpa, hf_sources, torch_capture, some, new,
-#     headers, new_before, before45, suite, suite_breaks_on, suite_bg, all_bg, suites_bg,
-#     suites_wait, all_wait, suite_wait, stop_bg, pack, own, files, conform, random_replay,
-#     fast_hit, sweep, decode_loop, breakdown, call_walk, rest47, param_check, per_call)
+#   bash benchmarks/gpu_session.sh STAGE...   (the stages are run_stage's case labels below; a name
+#     that is none of them is refused before the set-up, with the list)
 #
 #   new       the GPU tests added by the current issue (issue 24: real paths, HF defaults, fault
 #             injection, the ambient fuzz, whose FUZZ line -s shows), one process
@@ -34,6 +29,14 @@ if [ $# -eq 0 ]; then  # (a bare call once ran the default whole suite and spent
   echo "usage: bash benchmarks/gpu_session.sh STAGE... (setup: the set-up alone; suite own: the whole GPU suite)" >&2
   exit 2
 fi
+# A misspelt stage matched no case and ran nothing, after the set-up's device time: refused here.
+known=" $(grep -oE '^    [a-z_0-9]+\)' "$0" | tr -d ' )' | tr '\n' ' ')"
+for stage in "$@"; do
+  case $known in
+    *" $stage "*) ;;
+    *) echo "gpu_session.sh: no stage '$stage'; the stages:$known" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
