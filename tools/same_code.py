@@ -53,17 +53,20 @@ def _same_code(path: str, old: bytes | None, new: bytes | None) -> bool:
 
 
 def differing(rev: str, root: str = "graphtree") -> tuple[list[str], list[str]]:
-    """(files whose code differs, files that differ in docstrings, comments or notes only)."""
-    now = set(_git("ls-files", root).decode().split())
-    then = set(_git("ls-tree", "-r", "--name-only", rev, root).decode().split())
+    """(files whose code differs, files that differ in docstrings, comments or notes only): the
+    tracked files under ``root`` that git finds changed between ``rev`` and the working tree."""
+    top = pathlib.Path(_git("rev-parse", "--show-toplevel").decode().strip())
+    changed = _git("-C", str(top), "diff", "--name-only", "--no-renames", rev, "--", root).decode().split()
     code, words = [], []
-    for path in sorted(now | then):
-        new = pathlib.Path(path).read_bytes() if path in now else None
-        old = _git("show", f"{rev}:{path}") if path in then else None
-        if new == old:
-            continue
+    for path in changed:
+        new = (top / path).read_bytes() if (top / path).exists() else None
+        old = _git("-C", str(top), "show", f"{rev}:{path}") if _in(rev, path, top) else None
         (words if _same_code(path, old, new) else code).append(path)
     return code, words
+
+
+def _in(rev: str, path: str, top: pathlib.Path) -> bool:
+    return bool(_git("-C", str(top), "ls-tree", "--name-only", rev, "--", path).strip())
 
 
 def main() -> int:
